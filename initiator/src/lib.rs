@@ -1,0 +1,2 @@
+//! Userspace iSCSI initiator on ramslog-common's codecs.
+#![deny(unsafe_code)]

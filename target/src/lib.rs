@@ -1,0 +1,10 @@
+//! ramslog-target: a pinned-RAM SCSI disk served over iSCSI.
+//!
+//! Layers, top to bottom (each only calls the ones below it):
+//! `tcp` (transport driver) → `engine` (sans-IO iSCSI) → `scsi` (one SBC
+//! device) → `store` (the LUN memory). `config`, `state` and `control` form the
+//! control plane and stay off the I/O path.
+#![deny(unsafe_code)]
+
+pub mod scsi;
+pub mod store;

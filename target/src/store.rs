@@ -1,0 +1,292 @@
+//! The LUN memory: one anonymous mapping, prefaulted and locked in RAM.
+//!
+//! Everything unsafe about the LUN memory lives here. The rest of the target
+//! sees range-checked copies in and out; RDMA (later) sees the base address and
+//! length for a single memory registration.
+#![allow(unsafe_code)]
+
+use std::fmt;
+use std::ptr::NonNull;
+
+use thiserror::Error;
+
+const HUGE_PAGE: usize = 2 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HugePages {
+    /// 2 MiB pages when enough are reserved, otherwise normal pages.
+    #[default]
+    Auto,
+    Require,
+    Off,
+}
+
+impl std::str::FromStr for HugePages {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(HugePages::Auto),
+            "require" => Ok(HugePages::Require),
+            "off" => Ok(HugePages::Off),
+            _ => Err(format!("'{s}' is not one of auto, require, off")),
+        }
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("LUN size must be a non-zero multiple of 4096 bytes, got {0}")]
+    BadSize(u64),
+    #[error(
+        "cannot lock {size} bytes of LUN memory in RAM: the locked-memory limit (RLIMIT_MEMLOCK) \
+         is {limit}. Raise it: run as root, or `ulimit -l unlimited` in the starting shell, or \
+         set LimitMEMLOCK=infinity in the systemd unit ({source})"
+    )]
+    Mlock {
+        size: u64,
+        limit: String,
+        source: std::io::Error,
+    },
+    #[error(
+        "--hugepages require: {need} free 2 MiB huge pages are needed but only {free} are free. \
+         Reserve them with `echo {need} > /proc/sys/vm/nr_hugepages` (or sysctl vm.nr_hugepages), \
+         or use --hugepages auto"
+    )]
+    HugePagesUnavailable { need: u64, free: u64 },
+    #[error("cannot map {size} bytes of LUN memory: {source}")]
+    Map { size: u64, source: std::io::Error },
+    #[error("access of {len} bytes at offset {offset} is past the end of the {size}-byte LUN")]
+    OutOfRange { offset: u64, len: usize, size: u64 },
+}
+
+/// Which page size backs the LUN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageKind {
+    Huge2M,
+    Normal,
+}
+
+impl fmt::Display for PageKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PageKind::Huge2M => "2 MiB huge pages",
+            PageKind::Normal => "normal pages",
+        })
+    }
+}
+
+pub struct Store {
+    base: NonNull<u8>,
+    len: usize,
+    pages: PageKind,
+}
+
+// SAFETY: the mapping is owned by the Store for its whole life; all access goes
+// through bounds-checked methods that copy bytes, and concurrent overlapping
+// writes to a disk are allowed to tear (SCSI gives no atomicity across commands).
+unsafe impl Send for Store {}
+// SAFETY: see Send; no method hands out references into the mapping.
+unsafe impl Sync for Store {}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store")
+            .field("len", &self.len)
+            .field("pages", &self.pages)
+            .finish()
+    }
+}
+
+fn free_huge_pages() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| {
+                    l.strip_prefix("HugePages_Free:")
+                        .map(|v| v.trim().parse().ok())
+                })
+                .flatten()
+        })
+        .unwrap_or(0)
+}
+
+fn memlock_limit() -> String {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we pass and nothing else.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) };
+    if rc != 0 {
+        return "unknown".into();
+    }
+    if rl.rlim_cur == libc::RLIM_INFINITY {
+        "unlimited".into()
+    } else {
+        format!("{} bytes", rl.rlim_cur)
+    }
+}
+
+impl Store {
+    /// Map `size` bytes, prefault them and lock them in RAM.
+    pub fn new(size: u64, huge: HugePages) -> Result<Store, StoreError> {
+        if size == 0 || size % 4096 != 0 || size > isize::MAX as u64 {
+            return Err(StoreError::BadSize(size));
+        }
+        let len = size as usize;
+        let want_huge = match huge {
+            HugePages::Off => false,
+            HugePages::Auto | HugePages::Require => {
+                let need = size.div_ceil(HUGE_PAGE as u64);
+                let free = free_huge_pages();
+                if free >= need && len % HUGE_PAGE == 0 {
+                    true
+                } else if huge == HugePages::Require {
+                    return Err(StoreError::HugePagesUnavailable { need, free });
+                } else {
+                    false
+                }
+            }
+        };
+        let (ptr, pages) = match Self::map(len, want_huge) {
+            Ok(p) => (
+                p,
+                if want_huge {
+                    PageKind::Huge2M
+                } else {
+                    PageKind::Normal
+                },
+            ),
+            Err(e) if want_huge && huge == HugePages::Auto => {
+                tracing::info!("huge page mapping failed ({e}); using normal pages");
+                (Self::map(len, false)?, PageKind::Normal)
+            }
+            Err(e) => return Err(e),
+        };
+        let store = Store {
+            base: ptr,
+            len,
+            pages,
+        };
+        // SAFETY: [base, base+len) is the mapping we just created.
+        if unsafe { libc::mlock(store.base.as_ptr().cast(), len) } != 0 {
+            let source = std::io::Error::last_os_error();
+            return Err(StoreError::Mlock {
+                size,
+                limit: memlock_limit(),
+                source,
+            });
+        }
+        Ok(store)
+    }
+
+    fn map(len: usize, huge: bool) -> Result<NonNull<u8>, StoreError> {
+        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE;
+        if huge {
+            flags |= libc::MAP_HUGETLB;
+        }
+        // SAFETY: anonymous mapping with no address hint; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(StoreError::Map {
+                size: len as u64,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        NonNull::new(p.cast()).ok_or(StoreError::Map {
+            size: len as u64,
+            source: std::io::Error::other("mmap returned NULL"),
+        })
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn page_kind(&self) -> PageKind {
+        self.pages
+    }
+
+    fn check(&self, offset: u64, len: usize) -> Result<usize, StoreError> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.len as u64 => Ok(offset as usize),
+            _ => Err(StoreError::OutOfRange {
+                offset,
+                len,
+                size: self.len as u64,
+            }),
+        }
+    }
+
+    /// Copy `out.len()` bytes from the LUN at `offset`.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), StoreError> {
+        let off = self.check(offset, out.len())?;
+        // SAFETY: range checked above; `out` is a distinct Rust buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.base.as_ptr().add(off), out.as_mut_ptr(), out.len())
+        };
+        Ok(())
+    }
+
+    /// Copy `data` into the LUN at `offset`.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), StoreError> {
+        let off = self.check(offset, data.len())?;
+        // SAFETY: range checked above; `data` is a distinct Rust buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.base.as_ptr().add(off), data.len())
+        };
+        Ok(())
+    }
+
+    /// Set `len` bytes at `offset` to zero.
+    pub fn zero(&self, offset: u64, len: usize) -> Result<(), StoreError> {
+        let off = self.check(offset, len)?;
+        // SAFETY: range checked above.
+        unsafe { std::ptr::write_bytes(self.base.as_ptr().add(off), 0, len) };
+        Ok(())
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the region this Store owns; nothing refers to it after drop.
+        unsafe {
+            libc::munlock(self.base.as_ptr().cast(), self.len);
+            libc::munmap(self.base.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_write_and_bounds() {
+        let s = Store::new(1 << 20, HugePages::Off).unwrap();
+        s.write(4096, b"hello").unwrap();
+        let mut b = [0u8; 5];
+        s.read(4096, &mut b).unwrap();
+        assert_eq!(&b, b"hello");
+        assert!(s.read((1 << 20) - 2, &mut b).is_err());
+        assert!(s.write(u64::MAX, b"x").is_err());
+        assert!(matches!(
+            Store::new(1000, HugePages::Off),
+            Err(StoreError::BadSize(1000))
+        ));
+    }
+}
