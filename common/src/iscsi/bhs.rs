@@ -219,39 +219,39 @@ impl Bhs {
     }
 
     be32_field!(itt, set_itt, 16);
-    /// Target transfer tag (Data-Out, NOP, R2T, Data-In, Text, Login: offset 20).
+    // Target transfer tag (Data-Out, NOP, R2T, Data-In, Text, Login: offset 20).
     be32_field!(ttt, set_ttt, 20);
-    /// SCSI Command: expected data transfer length (offset 20).
+    // SCSI Command: expected data transfer length (offset 20).
     be32_field!(expected_data_len, set_expected_data_len, 20);
-    /// CmdSN (requests) at offset 24.
+    // CmdSN (requests) at offset 24.
     be32_field!(cmdsn, set_cmdsn, 24);
-    /// StatSN (responses) at offset 24.
+    // StatSN (responses) at offset 24.
     be32_field!(statsn, set_statsn, 24);
-    /// ExpStatSN (requests) at offset 28.
+    // ExpStatSN (requests) at offset 28.
     be32_field!(exp_statsn, set_exp_statsn, 28);
-    /// ExpCmdSN (responses) at offset 28.
+    // ExpCmdSN (responses) at offset 28.
     be32_field!(exp_cmdsn, set_exp_cmdsn, 28);
-    /// MaxCmdSN (responses) at offset 32.
+    // MaxCmdSN (responses) at offset 32.
     be32_field!(max_cmdsn, set_max_cmdsn, 32);
-    /// DataSN / R2TSN at offset 36.
+    // DataSN / R2TSN at offset 36.
     be32_field!(datasn, set_datasn, 36);
-    /// Buffer offset (Data-In/Out, R2T) at offset 40.
+    // Buffer offset (Data-In/Out, R2T) at offset 40.
     be32_field!(buffer_offset, set_buffer_offset, 40);
-    /// Residual count (SCSI Response, Data-In) or desired length (R2T) at offset 44.
+    // Residual count (SCSI Response, Data-In) or desired length (R2T) at offset 44.
     be32_field!(residual, set_residual, 44);
 
-    /// SCSI Command: the first 16 CDB bytes (offset 32).
+    // SCSI Command: the first 16 CDB bytes (offset 32).
     pub fn cdb(&self) -> &[u8; 16] {
         self.0[32..48].try_into().unwrap_or(&[0; 16])
     }
 
-    /// Login: ISID (6 bytes at offset 8).
+    // Login: ISID (6 bytes at offset 8).
     pub fn isid(&self) -> [u8; 6] {
         let mut v = [0; 6];
         v.copy_from_slice(&self.0[8..14]);
         v
     }
-    /// Login: TSIH (offset 14).
+    // Login: TSIH (offset 14).
     pub fn tsih(&self) -> u16 {
         self.u16_at(14)
     }
@@ -259,7 +259,7 @@ impl Bhs {
         self.set_u16_at(14, v);
         self
     }
-    /// Login/Logout: CID (offset 20, 2 bytes).
+    // Login/Logout: CID (offset 20, 2 bytes).
     pub fn cid(&self) -> u16 {
         self.u16_at(20)
     }
