@@ -2,9 +2,15 @@
 //!
 //! Layers, top to bottom (each only calls the ones below it):
 //! `tcp` (transport driver) → `engine` (sans-IO iSCSI) → `scsi` (one SBC
-//! device) → `store` (the LUN memory). `config`, `state` and `control` form the
-//! control plane and stay off the I/O path.
+//! device) → `store` (the LUN memory). `config`, `portal`, `state` and
+//! `control` form the control plane and stay off the I/O path.
 #![deny(unsafe_code)]
 
+pub mod config;
+pub mod control;
+pub mod engine;
+pub mod portal;
 pub mod scsi;
+pub mod state;
 pub mod store;
+pub mod tcp;

@@ -131,7 +131,7 @@ fn memlock_limit() -> String {
 impl Store {
     /// Map `size` bytes, prefault them and lock them in RAM.
     pub fn new(size: u64, huge: HugePages) -> Result<Store, StoreError> {
-        if size == 0 || size % 4096 != 0 || size > isize::MAX as u64 {
+        if size == 0 || !size.is_multiple_of(4096) || size > isize::MAX as u64 {
             return Err(StoreError::BadSize(size));
         }
         let len = size as usize;
@@ -140,7 +140,7 @@ impl Store {
             HugePages::Auto | HugePages::Require => {
                 let need = size.div_ceil(HUGE_PAGE as u64);
                 let free = free_huge_pages();
-                if free >= need && len % HUGE_PAGE == 0 {
+                if free >= need && len.is_multiple_of(HUGE_PAGE) {
                     true
                 } else if huge == HugePages::Require {
                     return Err(StoreError::HugePagesUnavailable { need, free });

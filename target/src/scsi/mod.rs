@@ -1,1 +1,781 @@
-//! placeholder
+//! The one transport-neutral SBC-3/SPC-4 device: every LU of one target.
+//!
+//! Two phases per command. `prepare` decodes and validates the CDB and
+//! answers everything that can be answered before data moves (unit
+//! attention, NOT READY, reservation conflicts, bad fields, LBA range), and
+//! says how much data flows and where. `execute` runs after the Data-Out
+//! arrived. Plain READ/WRITE never allocate or lock here: when nothing is
+//! pending on a LU (no unit attention, reservation or readiness problem) an
+//! atomic flag lets `prepare` skip the state mutex, and the data itself is
+//! copied between the transport and the store by the engine.
+//!
+//! Atomicity: COMPARE AND WRITE holds a per-LU mutex that every write done
+//! *here* (WRITE SAME, WRITE AND VERIFY, COMPARE AND WRITE) also takes.
+//! Plain WRITEs are copied into the store by the engine without it, so a
+//! plain WRITE racing a COMPARE AND WRITE to the same blocks may interleave;
+//! SBC allows no such assumption for initiators anyway unless they use CAW
+//! for every access to those blocks.
+
+mod cdb;
+mod inquiry;
+mod mode;
+mod opcodes;
+mod pr;
+mod sense;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use ramslog_common::scsi_wire::{sense_key, FieldPointer, Sense};
+
+use crate::store::Store;
+use cdb::{opc, Geometry, Op};
+use pr::PrState;
+
+pub use inquiry::encode_lun;
+pub use sense::SenseReason;
+
+/// One I_T nexus (an iSCSI session).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NexusId(pub u32);
+
+/// A newly logged-in session, as the SCSI layer needs to know it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Nexus {
+    pub id: NexusId,
+    pub initiator_name: String,
+    pub isid: [u8; 6],
+}
+
+impl Nexus {
+    /// The iSCSI initiator port name (RFC 7143 / SPC-4 TransportID format 01b):
+    /// persistent reservations belong to this, not to the session.
+    pub fn initiator_port(&self) -> String {
+        let mut s = format!("{},i,0x", self.initiator_name);
+        for b in self.isid {
+            let _ = write!(s, "{b:02x}");
+        }
+        s
+    }
+}
+
+/// What makes a LU a particular device to hosts: the NAA designator in VPD
+/// 83h and the serial number in VPD 80h. A LU whose content was lost must
+/// come back under a new identity (see DESIGN.md, "The identity rule").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// NAA 3h (locally assigned) designator, 8 bytes, first nibble 3.
+    pub naa: [u8; 8],
+    /// UUID text.
+    pub serial: String,
+}
+
+impl Identity {
+    /// A fresh random identity.
+    pub fn generate() -> Identity {
+        let mut naa: [u8; 8] = rand::random();
+        naa[0] = 0x30 | (naa[0] & 0x0f);
+        let mut u: [u8; 16] = rand::random();
+        u[6] = (u[6] & 0x0f) | 0x40; // UUID version 4
+        u[8] = (u[8] & 0x3f) | 0x80; // RFC 4122 variant
+        let mut serial = String::with_capacity(36);
+        for (i, b) in u.iter().enumerate() {
+            if matches!(i, 4 | 6 | 8 | 10) {
+                serial.push('-');
+            }
+            let _ = write!(serial, "{b:02x}");
+        }
+        Identity { naa, serial }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readiness {
+    Ready,
+    /// Content lost: every medium access fails with NOT READY, MANUAL
+    /// INTERVENTION REQUIRED until `accept_empty`.
+    NeedsAcceptance,
+}
+
+#[derive(Debug, Clone)]
+pub struct LuConfig {
+    pub lun: u64,
+    /// 512 or 4096.
+    pub block_size: u32,
+    pub identity: Identity,
+    pub readiness: Readiness,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResetScope {
+    /// LOGICAL UNIT RESET of one LUN.
+    Lu(u64),
+    /// TARGET WARM RESET: every LU.
+    Target,
+}
+
+/// Where Data-Out goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutPlacement {
+    None,
+    /// Plain WRITE: the engine copies Data-Out byte `i` to store offset
+    /// `offset + i`.
+    Store {
+        offset: u64,
+    },
+    /// Everything else with Data-Out: the engine gathers it and passes it
+    /// to `execute`.
+    Buffer,
+}
+
+/// Where Data-In comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataIn {
+    None,
+    /// READ: `len` bytes of the store from `offset`.
+    Store {
+        offset: u64,
+        len: u32,
+    },
+    /// The first `len` bytes of the caller's `data_in` buffer (already cut
+    /// to the allocation length).
+    Buffer {
+        len: u32,
+    },
+}
+
+/// The result of phase 1. Copy and small: the engine keeps it in its task slot.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan {
+    pub lun: u64,
+    /// Data-Out bytes the CDB demands (blocks × block size, or the
+    /// parameter list length).
+    pub data_out_len: u32,
+    /// Most Data-In bytes the command returns (transfer length or
+    /// allocation length); the command may return fewer.
+    pub data_in_len: u32,
+    pub out_placement: OutPlacement,
+    op: Op,
+    exact_out: bool,
+}
+
+impl Plan {
+    /// Check the initiator's Expected Data Transfer Length for commands where
+    /// a mismatch must fail instead of being a residual: COMPARE AND WRITE
+    /// and WRITE SAME (whose data-out is not "as much as you like"). For
+    /// every other command a mismatch is an ordinary over/underflow.
+    /// libiscsi's CompareAndWrite tests depend on this: CAW of 256 blocks
+    /// wraps the one-byte NUMBER OF LOGICAL BLOCKS to 0 and must still fail.
+    pub fn check_expected_len(&self, edtl: u32) -> Result<(), SenseReason> {
+        if !self.exact_out || edtl == self.data_out_len {
+            return Ok(());
+        }
+        let byte = match self.op {
+            Op::CompareAndWrite { .. } => 13,
+            _ => 0,
+        };
+        Err(SenseReason::InvalidFieldInCdb(FieldPointer::cdb(byte)))
+    }
+
+    /// True for READ(6/10/12/16).
+    pub fn is_read(&self) -> bool {
+        matches!(self.op, Op::Read { .. })
+    }
+
+    /// True for plain WRITE(6/10/12/16).
+    pub fn is_write(&self) -> bool {
+        matches!(self.op, Op::Write { .. })
+    }
+}
+
+struct NexusEntry {
+    port: Arc<str>,
+    /// Pending unit attentions, oldest first.
+    uas: Vec<(u8, u8)>,
+}
+
+struct LuState {
+    identity: Identity,
+    readiness: Readiness,
+    nexuses: HashMap<NexusId, NexusEntry>,
+    /// SPC-2 RESERVE(6) holder.
+    spc2: Option<NexusId>,
+    pr: PrState,
+}
+
+const MAX_PENDING_UAS: usize = 16;
+
+impl LuState {
+    fn port(&self, nexus: NexusId) -> Arc<str> {
+        self.nexuses
+            .get(&nexus)
+            .map_or_else(|| Arc::from(""), |n| n.port.clone())
+    }
+
+    fn raise_on(entry: &mut NexusEntry, code: (u8, u8)) {
+        // A reset supersedes whatever was pending (SAM-5 6.3.2).
+        if code.0 == 0x29 {
+            entry.uas.clear();
+        }
+        if !entry.uas.contains(&code) && entry.uas.len() < MAX_PENDING_UAS {
+            entry.uas.push(code);
+        }
+    }
+
+    fn raise_all(&mut self, code: (u8, u8)) {
+        for n in self.nexuses.values_mut() {
+            Self::raise_on(n, code);
+        }
+    }
+
+    fn raise_port(&mut self, port: &str, except: NexusId, code: (u8, u8)) {
+        for (id, n) in self.nexuses.iter_mut() {
+            if *id != except && &*n.port == port {
+                Self::raise_on(n, code);
+            }
+        }
+    }
+
+    fn pop_ua(&mut self, nexus: NexusId) -> Option<(u8, u8)> {
+        let n = self.nexuses.get_mut(&nexus)?;
+        (!n.uas.is_empty()).then(|| n.uas.remove(0))
+    }
+
+    fn needs_attention(&self) -> bool {
+        self.readiness != Readiness::Ready
+            || self.spc2.is_some()
+            || self.pr.reserved()
+            || self.nexuses.values().any(|n| !n.uas.is_empty())
+    }
+}
+
+/// One logical unit; shared by all sessions.
+pub struct LogicalUnit {
+    lun: u64,
+    geo: Geometry,
+    store: Arc<Store>,
+    /// Something in `state` may affect a command: take the slow path.
+    attention: AtomicBool,
+    state: Mutex<LuState>,
+    /// Makes COMPARE AND WRITE atomic against the writes `execute` performs.
+    atomic: Mutex<()>,
+}
+
+impl std::fmt::Debug for LogicalUnit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogicalUnit")
+            .field("lun", &self.lun)
+            .field("block_size", &self.geo.block_size)
+            .field("blocks", &self.geo.blocks)
+            .finish()
+    }
+}
+
+impl LogicalUnit {
+    pub fn lun(&self) -> u64 {
+        self.lun
+    }
+    pub fn block_size(&self) -> u32 {
+        self.geo.block_size
+    }
+    /// Capacity in logical blocks.
+    pub fn blocks(&self) -> u64 {
+        self.geo.blocks
+    }
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LuState> {
+        // A panic elsewhere must not wedge the LU: the state stays consistent
+        // because every mutation completes before anything can panic.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn refresh(&self, st: &LuState) {
+        self.attention
+            .store(st.needs_attention(), Ordering::Release);
+    }
+
+    fn offset(&self, lba: u64) -> u64 {
+        lba * u64::from(self.geo.block_size)
+    }
+}
+
+/// Configuration errors `ScsiTarget::try_new` reports.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("LUN {lun}: block size {size} is not 512 or 4096")]
+    BlockSize { lun: u64, size: u32 },
+    #[error("LUN {0} is configured twice")]
+    DuplicateLun(u64),
+    #[error("LUN {0} is larger than 16383, which this target cannot address")]
+    LunTooLarge(u64),
+}
+
+/// The LUs of one iSCSI target.
+#[derive(Debug)]
+pub struct ScsiTarget {
+    lus: Vec<Arc<LogicalUnit>>,
+}
+
+impl ScsiTarget {
+    /// Panics on an invalid configuration; see `try_new`.
+    pub fn new(lus: Vec<(LuConfig, Arc<Store>)>) -> Self {
+        match Self::try_new(lus) {
+            Ok(t) => t,
+            Err(e) => panic!("invalid SCSI target configuration: {e}"),
+        }
+    }
+
+    pub fn try_new(lus: Vec<(LuConfig, Arc<Store>)>) -> Result<Self, ConfigError> {
+        let mut out: Vec<Arc<LogicalUnit>> = Vec::with_capacity(lus.len());
+        for (cfg, store) in lus {
+            if !matches!(cfg.block_size, 512 | 4096) {
+                return Err(ConfigError::BlockSize {
+                    lun: cfg.lun,
+                    size: cfg.block_size,
+                });
+            }
+            if cfg.lun >= 0x4000 {
+                return Err(ConfigError::LunTooLarge(cfg.lun));
+            }
+            if out.iter().any(|l| l.lun == cfg.lun) {
+                return Err(ConfigError::DuplicateLun(cfg.lun));
+            }
+            let st = LuState {
+                identity: cfg.identity,
+                readiness: cfg.readiness,
+                nexuses: HashMap::new(),
+                spc2: None,
+                pr: PrState::default(),
+            };
+            let lu = LogicalUnit {
+                lun: cfg.lun,
+                geo: Geometry {
+                    blocks: store.len() / u64::from(cfg.block_size),
+                    block_size: cfg.block_size,
+                },
+                store,
+                attention: AtomicBool::new(false),
+                state: Mutex::new(st),
+                atomic: Mutex::new(()),
+            };
+            lu.refresh(&lu.lock());
+            out.push(Arc::new(lu));
+        }
+        out.sort_by_key(|l| l.lun);
+        Ok(ScsiTarget { lus: out })
+    }
+
+    pub fn lu(&self, lun: u64) -> Option<&Arc<LogicalUnit>> {
+        self.lus.iter().find(|l| l.lun == lun)
+    }
+
+    pub fn luns(&self) -> impl Iterator<Item = &Arc<LogicalUnit>> {
+        self.lus.iter()
+    }
+
+    /// Logical block size of `lun`; 512 for a LUN with no LU, so callers
+    /// can divide by it unconditionally.
+    pub fn block_size(&self, lun: u64) -> u32 {
+        self.lu(lun).map_or(512, |l| l.geo.block_size)
+    }
+
+    /// A session logged in. Each LU owes it a POWER ON, RESET, OR BUS DEVICE
+    /// RESET OCCURRED unit attention, which initiators (libiscsi, Linux,
+    /// illumos) clear with their first TEST UNIT READY.
+    pub fn attach(&self, nexus: &Nexus) {
+        let port: Arc<str> = Arc::from(nexus.initiator_port());
+        for lu in &self.lus {
+            let mut st = lu.lock();
+            st.nexuses.insert(
+                nexus.id,
+                NexusEntry {
+                    port: port.clone(),
+                    uas: vec![sense::ua::POWER_ON_RESET],
+                },
+            );
+            lu.refresh(&st);
+        }
+    }
+
+    /// I_T nexus loss (logout, connection drop, session reinstatement): drop
+    /// its RESERVE(6) and pending unit attentions. Persistent reservation
+    /// registrations stay: they belong to the initiator port.
+    pub fn detach(&self, nexus: NexusId) {
+        for lu in &self.lus {
+            let mut st = lu.lock();
+            st.nexuses.remove(&nexus);
+            if st.spc2 == Some(nexus) {
+                st.spc2 = None;
+            }
+            lu.refresh(&st);
+        }
+    }
+
+    /// LOGICAL UNIT RESET / TARGET WARM RESET: drop RESERVE(6) reservations
+    /// and raise BUS DEVICE RESET FUNCTION OCCURRED (29h/03h) on every I_T
+    /// nexus, the issuing one included (SAM-5 6.3; libiscsi's
+    /// MultipathIO.Reset checks that every path sees it). Persistent
+    /// reservations are unaffected. Aborting tasks is the engine's job.
+    pub fn reset(&self, scope: ResetScope, _by: NexusId) {
+        for lu in &self.lus {
+            if let ResetScope::Lu(lun) = scope {
+                if lu.lun != lun {
+                    continue;
+                }
+            }
+            let mut st = lu.lock();
+            st.spc2 = None;
+            st.raise_all(sense::ua::BUS_DEVICE_RESET);
+            lu.refresh(&st);
+        }
+    }
+
+    /// The admin accepted that `lun` lost its content: give it `new`
+    /// identity, make it ready, and tell every session that inquiry data and
+    /// the LUN inventory changed.
+    pub fn accept_empty(&self, lun: u64, new: Identity) -> bool {
+        let Some(lu) = self.lu(lun) else { return false };
+        let mut st = lu.lock();
+        st.identity = new;
+        st.readiness = Readiness::Ready;
+        st.raise_all(sense::ua::INQUIRY_DATA_CHANGED);
+        st.raise_all(sense::ua::REPORTED_LUNS_CHANGED);
+        lu.refresh(&st);
+        true
+    }
+
+    pub fn identity(&self, lun: u64) -> Option<(Identity, Readiness)> {
+        let lu = self.lu(lun)?;
+        let st = lu.lock();
+        Some((st.identity.clone(), st.readiness))
+    }
+
+    /// Phase 1: decode and validate; see the module docs.
+    pub fn prepare(&self, nexus: NexusId, lun: u64, cdb: &[u8]) -> Result<Plan, SenseReason> {
+        let Some(lu) = self.lu(lun) else {
+            return prepare_absent(lun, cdb);
+        };
+        if !lu.attention.load(Ordering::Acquire) {
+            return Ok(plan(lun, cdb::decode(cdb, lu.geo)?));
+        }
+        let mut st = lu.lock();
+        let opcode = cdb.first().copied().unwrap_or(0xff);
+        if !cdb::ua_exempt(opcode) {
+            if let Some((asc, ascq)) = st.pop_ua(nexus) {
+                lu.refresh(&st);
+                return Err(SenseReason::UnitAttention { asc, ascq });
+            }
+        }
+        let d = cdb::decode(cdb, lu.geo)?;
+        if st.readiness == Readiness::NeedsAcceptance && d.op.needs_medium() {
+            return Err(SenseReason::NotReadyManualIntervention);
+        }
+        if matches!(st.spc2, Some(h) if h != nexus) && !d.op.spc2_allowed() {
+            return Err(SenseReason::ReservationConflict);
+        }
+        if st.pr.conflicts(&st.port(nexus), d.op.access()) {
+            return Err(SenseReason::ReservationConflict);
+        }
+        Ok(plan(lun, d))
+    }
+
+    /// Phase 2; see the module docs. `data_out` holds the Data-Out for
+    /// `OutPlacement::Buffer` plans (possibly fewer bytes than
+    /// `data_out_len` if the initiator sent less; block commands then act
+    /// on the whole blocks that arrived).
+    pub fn execute(
+        &self,
+        nexus: NexusId,
+        plan: &Plan,
+        data_out: &[u8],
+        data_in: &mut Vec<u8>,
+    ) -> Result<DataIn, SenseReason> {
+        data_in.clear();
+        let lu = self.lu(plan.lun);
+        match (plan.op, lu) {
+            (Op::Read { lba, blocks }, Some(lu)) => Ok(if blocks == 0 {
+                DataIn::None
+            } else {
+                DataIn::Store {
+                    offset: lu.offset(lba),
+                    len: plan.data_in_len,
+                }
+            }),
+            (Op::Write { .. }, Some(_)) => Ok(DataIn::None),
+            (Op::Inquiry { evpd, page, alloc }, lu) => {
+                match (evpd, lu) {
+                    (false, lu) => inquiry::standard(data_in, lu.is_some()),
+                    (true, Some(lu)) => {
+                        let id = lu.lock().identity.clone();
+                        inquiry::vpd(data_in, page, &id, lu.geo)
+                    }
+                    (true, None) => inquiry::absent_vpd(data_in, page),
+                }
+                Ok(finish(data_in, alloc))
+            }
+            (Op::ReportLuns { select, alloc }, _) => {
+                inquiry::report_luns(data_in, select, self.lus.iter().map(|l| l.lun));
+                Ok(finish(data_in, alloc))
+            }
+            (Op::RequestSense { desc, alloc }, lu) => {
+                let s = match lu {
+                    None => SenseReason::LuNotSupported.sense(),
+                    Some(lu) => {
+                        let mut st = lu.lock();
+                        let ua = st.pop_ua(nexus);
+                        lu.refresh(&st);
+                        match ua {
+                            Some((asc, ascq)) => SenseReason::UnitAttention { asc, ascq }.sense(),
+                            None if st.readiness == Readiness::NeedsAcceptance => {
+                                SenseReason::NotReadyManualIntervention.sense()
+                            }
+                            None => None,
+                        }
+                    }
+                };
+                let s = s.unwrap_or(Sense::new(sense_key::NO_SENSE, 0, 0));
+                if desc {
+                    data_in.extend_from_slice(&[0x72, s.key, s.asc, s.ascq, 0, 0, 0, 0]);
+                } else {
+                    data_in.extend_from_slice(&s.encode_fixed());
+                }
+                Ok(finish(data_in, alloc))
+            }
+            (_, None) => Err(SenseReason::LuNotSupported),
+            (op, Some(lu)) => self.execute_lu(nexus, lu, op, data_out, data_in),
+        }
+    }
+
+    fn execute_lu(
+        &self,
+        nexus: NexusId,
+        lu: &LogicalUnit,
+        op: Op,
+        data_out: &[u8],
+        data_in: &mut Vec<u8>,
+    ) -> Result<DataIn, SenseReason> {
+        let geo = lu.geo;
+        let bs = geo.block_size as usize;
+        let store_err = |_| SenseReason::InternalTargetFailure;
+        match op {
+            Op::TestUnitReady | Op::StartStop { .. } | Op::NoData => Ok(DataIn::None),
+            Op::ReadCapacity10 => {
+                let last = u32::try_from(geo.blocks - 1).unwrap_or(u32::MAX);
+                data_in.extend_from_slice(&last.to_be_bytes());
+                data_in.extend_from_slice(&geo.block_size.to_be_bytes());
+                Ok(finish(data_in, 8))
+            }
+            Op::ReadCapacity16 { alloc } => {
+                data_in.extend_from_slice(&(geo.blocks - 1).to_be_bytes());
+                data_in.extend_from_slice(&geo.block_size.to_be_bytes());
+                // No protection, one logical block per physical block,
+                // LBPME=0 (fully provisioned), LBPRZ=0.
+                data_in.resize(32, 0);
+                Ok(finish(data_in, alloc))
+            }
+            Op::WriteVerify { lba, blocks } => {
+                let n = whole_blocks(data_out, blocks, bs);
+                let _g = lu.atomic.lock().unwrap_or_else(|e| e.into_inner());
+                lu.store
+                    .write(lu.offset(lba), &data_out[..n])
+                    .map_err(store_err)?;
+                // The verify half is the write itself: RAM reads back what
+                // was just copied in.
+                Ok(DataIn::None)
+            }
+            Op::Verify {
+                lba,
+                blocks,
+                bytchk,
+            } => {
+                let n = match bytchk {
+                    1 => whole_blocks(data_out, blocks, bs),
+                    3 if data_out.len() >= bs => bs,
+                    _ => return Ok(DataIn::None),
+                };
+                let mut buf = vec![0u8; bs];
+                for i in 0..blocks as usize {
+                    let expect = if bytchk == 3 {
+                        &data_out[..bs]
+                    } else if (i + 1) * bs <= n {
+                        &data_out[i * bs..(i + 1) * bs]
+                    } else {
+                        break;
+                    };
+                    lu.store
+                        .read(lu.offset(lba) + (i * bs) as u64, &mut buf)
+                        .map_err(store_err)?;
+                    if let Some(j) = first_diff(&buf, expect) {
+                        let base = if bytchk == 3 { 0 } else { i * bs };
+                        return Err(SenseReason::Miscompare {
+                            offset: (base + j) as u32,
+                        });
+                    }
+                }
+                Ok(DataIn::None)
+            }
+            Op::WriteSame { lba, blocks, ndob } => {
+                let _g = lu.atomic.lock().unwrap_or_else(|e| e.into_inner());
+                let start = lu.offset(lba);
+                let total = blocks * bs as u64;
+                let pattern = if ndob {
+                    None
+                } else {
+                    Some(
+                        data_out
+                            .get(..bs)
+                            .ok_or(SenseReason::InvalidFieldInCdb(FieldPointer::cdb(0)))?,
+                    )
+                };
+                match pattern {
+                    Some(p) if p.iter().any(|&b| b != 0) => {
+                        // Fill a 64 KiB run of the pattern once, then copy runs.
+                        let run: Vec<u8> =
+                            p.iter().copied().cycle().take(bs.max(64 << 10)).collect();
+                        let mut done = 0u64;
+                        while done < total {
+                            let n = (total - done).min(run.len() as u64) as usize;
+                            lu.store.write(start + done, &run[..n]).map_err(store_err)?;
+                            done += n as u64;
+                        }
+                    }
+                    _ => {
+                        let len = usize::try_from(total)
+                            .map_err(|_| SenseReason::InternalTargetFailure)?;
+                        lu.store.zero(start, len).map_err(store_err)?;
+                    }
+                }
+                Ok(DataIn::None)
+            }
+            Op::CompareAndWrite { lba, blocks } => {
+                let n = blocks as usize * bs;
+                if n == 0 {
+                    return Ok(DataIn::None);
+                }
+                let (Some(verify), Some(write)) = (data_out.get(..n), data_out.get(n..2 * n))
+                else {
+                    return Err(SenseReason::InvalidFieldInCdb(FieldPointer::cdb(13)));
+                };
+                let _g = lu.atomic.lock().unwrap_or_else(|e| e.into_inner());
+                let mut cur = vec![0u8; n];
+                lu.store.read(lu.offset(lba), &mut cur).map_err(store_err)?;
+                if let Some(j) = first_diff(&cur, verify) {
+                    return Err(SenseReason::Miscompare { offset: j as u32 });
+                }
+                lu.store.write(lu.offset(lba), write).map_err(store_err)?;
+                Ok(DataIn::None)
+            }
+            Op::ModeSense(req) => {
+                mode::sense(data_in, &req, geo);
+                Ok(finish(data_in, req.alloc))
+            }
+            Op::ModeSelect { ten, len } => {
+                mode::select(data_out, len, ten, geo)?;
+                Ok(DataIn::None)
+            }
+            Op::PrIn { sa, alloc } => {
+                let st = lu.lock();
+                match sa {
+                    0 => st.pr.read_keys(data_in),
+                    1 => st.pr.read_reservation(data_in),
+                    2 => PrState::report_capabilities(data_in),
+                    _ => st.pr.read_full_status(data_in),
+                }
+                Ok(finish(data_in, alloc))
+            }
+            Op::PrOut { sa, scope, ty } => {
+                let mut st = lu.lock();
+                let port = st.port(nexus);
+                let uas = st.pr.out(&port, sa, scope, ty, data_out)?;
+                for (p, code) in uas {
+                    st.raise_port(&p, nexus, code);
+                }
+                lu.refresh(&st);
+                Ok(DataIn::None)
+            }
+            Op::Reserve6 | Op::Release6 => {
+                let mut st = lu.lock();
+                // RESERVE/RELEASE(6) yield to persistent reservations (SPC-4 5.13.3).
+                if st.pr.active() {
+                    return Err(SenseReason::ReservationConflict);
+                }
+                match (op, st.spc2) {
+                    (Op::Reserve6, Some(h)) if h != nexus => {
+                        return Err(SenseReason::ReservationConflict)
+                    }
+                    (Op::Reserve6, _) => st.spc2 = Some(nexus),
+                    // Releasing someone else's reservation is a no-op, GOOD.
+                    (_, Some(h)) if h == nexus => st.spc2 = None,
+                    _ => {}
+                }
+                lu.refresh(&st);
+                Ok(DataIn::None)
+            }
+            Op::ReportOpcodes { alloc, .. } => {
+                opcodes::report(data_in, &op);
+                Ok(finish(data_in, alloc))
+            }
+            // Handled in `execute` before the LU dispatch.
+            Op::Read { .. }
+            | Op::Write { .. }
+            | Op::Inquiry { .. }
+            | Op::ReportLuns { .. }
+            | Op::RequestSense { .. } => Ok(DataIn::None),
+        }
+    }
+}
+
+fn plan(lun: u64, d: cdb::Decoded) -> Plan {
+    let out_placement = match d.out_to_store {
+        Some(offset) => OutPlacement::Store { offset },
+        None if d.data_out_len > 0 => OutPlacement::Buffer,
+        None => OutPlacement::None,
+    };
+    Plan {
+        lun,
+        data_out_len: d.data_out_len,
+        data_in_len: d.data_in_len,
+        out_placement,
+        op: d.op,
+        exact_out: d.exact_out,
+    }
+}
+
+/// A LUN with no LU behind it: INQUIRY (peripheral qualifier 011b), REPORT
+/// LUNS and REQUEST SENSE work; anything else is LOGICAL UNIT NOT SUPPORTED.
+fn prepare_absent(lun: u64, cdb: &[u8]) -> Result<Plan, SenseReason> {
+    match cdb.first() {
+        Some(&(opc::INQUIRY | opc::REPORT_LUNS | opc::REQUEST_SENSE)) => {
+            let geo = Geometry {
+                blocks: 0,
+                block_size: 512,
+            };
+            Ok(plan(lun, cdb::decode(cdb, geo)?))
+        }
+        _ => Err(SenseReason::LuNotSupported),
+    }
+}
+
+fn finish(data_in: &mut Vec<u8>, alloc: u32) -> DataIn {
+    data_in.truncate(alloc as usize);
+    DataIn::Buffer {
+        len: data_in.len() as u32,
+    }
+}
+
+/// Bytes of `data` forming whole blocks, at most `blocks` of them.
+fn whole_blocks(data: &[u8], blocks: u32, bs: usize) -> usize {
+    let want = blocks as usize * bs;
+    want.min(data.len() / bs * bs)
+}
+
+fn first_diff(a: &[u8], b: &[u8]) -> Option<usize> {
+    a.iter().zip(b).position(|(x, y)| x != y)
+}

@@ -1,0 +1,504 @@
+//! Configuration: command-line flags and an optional TOML file, validated into
+//! one `Config`. Flags override the file's global settings; targets come from
+//! the file, or from `--target-name`/`--size` when the file has none.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use serde::Deserialize;
+use thiserror::Error;
+
+use crate::portal::{ChapSecret, Limits};
+use crate::store::HugePages;
+
+pub const DEFAULT_IQN_PREFIX: &str = "iqn.2026-11.org.ramslog";
+pub const DEFAULT_CONFIG: &str = "/etc/ramslog/ramslog.toml";
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/ramslog";
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn invalid(msg: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid(msg.into())
+}
+
+/// Parse a size such as `4G`, `256M`, `512K` or a byte count (binary units).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        None => (s, 1u64),
+        Some((i, _)) => {
+            let unit = s[i..].trim_end_matches(['B', 'b', 'i']);
+            let m = match unit.to_ascii_uppercase().as_str() {
+                "" => 1,
+                "K" => 1 << 10,
+                "M" => 1 << 20,
+                "G" => 1 << 30,
+                "T" => 1 << 40,
+                _ => {
+                    return Err(format!(
+                        "'{s}' is not a size: use a number with K, M, G or T, e.g. 4G"
+                    ))
+                }
+            };
+            (&s[..i], m)
+        }
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size: use e.g. 4G or 268435456"))?;
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("'{s}' is too large"))
+}
+
+/// Flags of the daemon (`ramslog-target [OPTIONS]`).
+#[derive(Debug, Args, Default, Clone)]
+pub struct RunArgs {
+    /// TOML file describing targets and LUNs (default: /etc/ramslog/ramslog.toml if it exists).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// LUN size for the command-line target, e.g. 4G or 256M.
+    #[arg(long, value_parser = parse_size)]
+    pub size: Option<u64>,
+    /// Logical block size of the command-line target's LUN.
+    #[arg(long, value_parser = ["512", "4096"])]
+    pub block_size: Option<String>,
+    /// IQN of the command-line target (default: iqn.2026-11.org.ramslog:<hostname>).
+    #[arg(long)]
+    pub target_name: Option<String>,
+    /// Back LUN memory with 2 MiB huge pages: auto, require, off.
+    #[arg(long)]
+    pub hugepages: Option<HugePages>,
+    /// Portal address (repeatable). Default 127.0.0.1:3260.
+    #[arg(long = "listen", value_name = "ADDR:PORT")]
+    pub listen: Vec<SocketAddr>,
+    /// Initiator IQN allowed to log in to the command-line target (repeatable).
+    #[arg(long = "allow", value_name = "IQN")]
+    pub allow: Vec<String>,
+    /// Let any initiator log in even on non-loopback addresses (unsafe for a SLOG).
+    #[arg(long)]
+    pub allow_any: bool,
+    /// CHAP user name the initiator must present (one-way CHAP).
+    #[arg(long, requires = "chap_secret_file")]
+    pub chap_user: Option<String>,
+    /// File holding the CHAP secret (kept off the command line and out of `ps`).
+    #[arg(long, requires = "chap_user")]
+    pub chap_secret_file: Option<PathBuf>,
+    /// CHAP user name the target answers with (mutual CHAP).
+    #[arg(long, requires = "mutual_chap_secret_file")]
+    pub mutual_chap_user: Option<String>,
+    /// File holding the mutual CHAP secret.
+    #[arg(long, requires = "mutual_chap_user")]
+    pub mutual_chap_secret_file: Option<PathBuf>,
+    /// Directory that remembers LUN identities across restarts.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// Run without a state directory: every start is a first start (unsafe as a ZFS log).
+    #[arg(long, conflicts_with = "state_dir")]
+    pub ephemeral: bool,
+    /// Control socket for `status` and `accept-empty` (default: <state-dir>/control.sock).
+    #[arg(long)]
+    pub control_socket: Option<PathBuf>,
+    /// Commands an initiator may have outstanding per session.
+    #[arg(long)]
+    pub cmd_window: Option<u32>,
+    /// Seconds of idleness before the target pings the initiator (NOP-In).
+    #[arg(long)]
+    pub nop_interval: Option<u64>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    #[serde(default)]
+    listen: Vec<SocketAddr>,
+    state_dir: Option<PathBuf>,
+    control_socket: Option<PathBuf>,
+    hugepages: Option<String>,
+    #[serde(default)]
+    allow_any: bool,
+    cmd_window: Option<u32>,
+    nop_interval: Option<u64>,
+    discovery_chap: Option<FileChap>,
+    #[serde(default)]
+    target: Vec<FileTarget>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileTarget {
+    name: String,
+    alias: Option<String>,
+    #[serde(default)]
+    allow: Vec<String>,
+    chap: Option<FileChap>,
+    mutual_chap: Option<FileChap>,
+    #[serde(default)]
+    lun: Vec<FileLun>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileChap {
+    user: String,
+    secret: Option<String>,
+    secret_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileLun {
+    #[serde(default)]
+    lun: u64,
+    size: String,
+    #[serde(default = "default_block")]
+    block_size: u32,
+}
+
+fn default_block() -> u32 {
+    512
+}
+
+#[derive(Debug, Clone)]
+pub struct LunConfig {
+    pub lun: u64,
+    pub size: u64,
+    pub block_size: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct TargetConfig {
+    pub name: String,
+    pub alias: Option<String>,
+    /// Empty with `open_access`: anyone may log in.
+    pub allow: Vec<String>,
+    pub open_access: bool,
+    pub chap: Option<ChapSecret>,
+    pub mutual_chap: Option<ChapSecret>,
+    pub luns: Vec<LunConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: Vec<SocketAddr>,
+    pub state_dir: Option<PathBuf>,
+    pub control_socket: Option<PathBuf>,
+    pub hugepages: HugePages,
+    pub allow_any: bool,
+    pub limits: Limits,
+    pub discovery_chap: Option<ChapSecret>,
+    pub targets: Vec<TargetConfig>,
+}
+
+fn read_secret(path: &PathBuf) -> Result<String, ConfigError> {
+    let s = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.clone(),
+        source,
+    })?;
+    let s = s.trim_end_matches(['\n', '\r']).to_string();
+    if s.is_empty() {
+        return Err(invalid(format!(
+            "CHAP secret file {} is empty",
+            path.display()
+        )));
+    }
+    Ok(s)
+}
+
+fn chap(c: Option<FileChap>) -> Result<Option<ChapSecret>, ConfigError> {
+    let Some(c) = c else { return Ok(None) };
+    let secret = match (c.secret, c.secret_file) {
+        (Some(s), None) => s,
+        (None, Some(f)) => read_secret(&f)?,
+        _ => {
+            return Err(invalid(format!(
+                "CHAP for user {}: give exactly one of secret or secret_file",
+                c.user
+            )))
+        }
+    };
+    if secret.len() < 12 {
+        tracing::warn!(user = %c.user, "CHAP secret is shorter than 12 bytes; RFC 7143 asks for at least 12");
+    }
+    Ok(Some(ChapSecret {
+        user: c.user,
+        secret,
+    }))
+}
+
+fn default_target_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_ascii_lowercase())
+        .unwrap_or_default();
+    let host: String = host
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.'))
+        .collect();
+    format!(
+        "{DEFAULT_IQN_PREFIX}:{}",
+        if host.is_empty() { "ramslog" } else { &host }
+    )
+}
+
+fn valid_iqn(name: &str) -> bool {
+    (name.starts_with("iqn.") || name.starts_with("eui.") || name.starts_with("naa."))
+        && name.len() <= 223
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':'))
+}
+
+impl Config {
+    pub fn load(args: &RunArgs) -> Result<Config, ConfigError> {
+        let file_path = args.config.clone().or_else(|| {
+            std::path::Path::new(DEFAULT_CONFIG)
+                .exists()
+                .then(|| DEFAULT_CONFIG.into())
+        });
+        let file: FileConfig = match &file_path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.clone(),
+                    source,
+                })?;
+                toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                    path: p.clone(),
+                    source,
+                })?
+            }
+            None => FileConfig::default(),
+        };
+
+        let listen = if !args.listen.is_empty() {
+            args.listen.clone()
+        } else if !file.listen.is_empty() {
+            file.listen
+        } else {
+            vec![SocketAddr::from(([127, 0, 0, 1], 3260))]
+        };
+        let hugepages = match (&args.hugepages, &file.hugepages) {
+            (Some(h), _) => *h,
+            (None, Some(s)) => s.parse().map_err(|e| invalid(format!("hugepages: {e}")))?,
+            (None, None) => HugePages::Auto,
+        };
+        let state_dir = if args.ephemeral {
+            None
+        } else {
+            Some(
+                args.state_dir
+                    .clone()
+                    .or(file.state_dir)
+                    .unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
+            )
+        };
+        let control_socket = args
+            .control_socket
+            .clone()
+            .or(file.control_socket)
+            .or_else(|| state_dir.as_ref().map(|d| d.join("control.sock")));
+        let mut limits = Limits::default();
+        if let Some(w) = args.cmd_window.or(file.cmd_window) {
+            if !(1..=4096).contains(&w) {
+                return Err(invalid("cmd_window must be between 1 and 4096"));
+            }
+            limits.cmd_window = w;
+        }
+        if let Some(n) = args.nop_interval.or(file.nop_interval) {
+            if n == 0 {
+                return Err(invalid("nop_interval must be at least 1 second"));
+            }
+            limits.nop_interval = Duration::from_secs(n);
+        }
+
+        let cli_target_flags =
+            args.size.is_some() || args.target_name.is_some() || args.block_size.is_some();
+        let mut targets = Vec::new();
+        if !file.target.is_empty() {
+            if cli_target_flags {
+                return Err(invalid(
+                    "the config file defines targets; --size, --target-name and --block-size only apply without them",
+                ));
+            }
+            for t in file.target {
+                let luns = t
+                    .lun
+                    .into_iter()
+                    .map(|l| {
+                        let size = parse_size(&l.size).map_err(invalid)?;
+                        Ok(LunConfig {
+                            lun: l.lun,
+                            size,
+                            block_size: l.block_size,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, ConfigError>>()?;
+                targets.push(TargetConfig {
+                    name: t.name,
+                    alias: t.alias,
+                    open_access: false,
+                    allow: t.allow,
+                    chap: chap(t.chap)?,
+                    mutual_chap: chap(t.mutual_chap)?,
+                    luns,
+                });
+            }
+        } else {
+            let size = args.size.ok_or_else(|| {
+                invalid("no LUN configured: give --size (e.g. --size 4G) or a config file with [[target]] entries")
+            })?;
+            let block_size = args
+                .block_size
+                .as_deref()
+                .unwrap_or("512")
+                .parse()
+                .unwrap_or(512);
+            let chap = match (&args.chap_user, &args.chap_secret_file) {
+                (Some(u), Some(f)) => Some(ChapSecret {
+                    user: u.clone(),
+                    secret: read_secret(f)?,
+                }),
+                _ => None,
+            };
+            let mutual_chap = match (&args.mutual_chap_user, &args.mutual_chap_secret_file) {
+                (Some(u), Some(f)) => Some(ChapSecret {
+                    user: u.clone(),
+                    secret: read_secret(f)?,
+                }),
+                _ => None,
+            };
+            targets.push(TargetConfig {
+                name: args.target_name.clone().unwrap_or_else(default_target_name),
+                alias: None,
+                allow: args.allow.clone(),
+                open_access: false,
+                chap,
+                mutual_chap,
+                luns: vec![LunConfig {
+                    lun: 0,
+                    size,
+                    block_size,
+                }],
+            });
+        }
+        let mut cfg = Config {
+            listen,
+            state_dir,
+            control_socket,
+            hugepages,
+            allow_any: args.allow_any || file.allow_any,
+            limits,
+            discovery_chap: chap(file.discovery_chap)?,
+            targets,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&mut self) -> Result<(), ConfigError> {
+        let all_loopback = self.listen.iter().all(|a| a.ip().is_loopback());
+        let mut names = std::collections::HashSet::new();
+        for t in &mut self.targets {
+            if !valid_iqn(&t.name) {
+                return Err(invalid(format!(
+                    "target name '{}' is not a valid iSCSI name (e.g. {DEFAULT_IQN_PREFIX}:slog1)",
+                    t.name
+                )));
+            }
+            if !names.insert(t.name.to_ascii_lowercase()) {
+                return Err(invalid(format!("target {} is defined twice", t.name)));
+            }
+            if t.luns.is_empty() {
+                return Err(invalid(format!("target {} has no LUN", t.name)));
+            }
+            let mut luns = std::collections::HashSet::new();
+            for l in &t.luns {
+                if !luns.insert(l.lun) || l.lun > 16383 {
+                    return Err(invalid(format!(
+                        "target {}: LUN {} is duplicated or above 16383",
+                        t.name, l.lun
+                    )));
+                }
+                if l.block_size != 512 && l.block_size != 4096 {
+                    return Err(invalid(format!(
+                        "target {} LUN {}: block size must be 512 or 4096",
+                        t.name, l.lun
+                    )));
+                }
+                if l.size == 0 || l.size % 4096 != 0 {
+                    return Err(invalid(format!(
+                        "target {} LUN {}: size must be a non-zero multiple of 4 KiB",
+                        t.name, l.lun
+                    )));
+                }
+            }
+            if t.allow.is_empty() {
+                if all_loopback || self.allow_any {
+                    t.open_access = true;
+                } else if t.chap.is_none() {
+                    return Err(invalid(format!(
+                        "target {} listens on a non-loopback address with no initiator ACL and no CHAP: \
+                         a second host writing to a SLOG destroys the pool. Add --allow IQN (or allow = [..] \
+                         in the config), configure CHAP, or pass --allow-any to accept any initiator",
+                        t.name
+                    )));
+                } else {
+                    t.open_access = true;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4G"), Ok(4 << 30));
+        assert_eq!(parse_size("256MiB"), Ok(256 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("4X").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn non_loopback_needs_acl() {
+        let args = RunArgs {
+            size: Some(1 << 20),
+            listen: vec!["0.0.0.0:3260".parse().unwrap()],
+            ephemeral: true,
+            ..Default::default()
+        };
+        let e = Config::load(&args).unwrap_err().to_string();
+        assert!(e.contains("--allow"), "{e}");
+        let ok = Config::load(&RunArgs {
+            allow_any: true,
+            ..args.clone()
+        })
+        .unwrap();
+        assert!(ok.targets[0].open_access);
+        let acl = Config::load(&RunArgs {
+            allow: vec!["iqn.x".into()],
+            ..args
+        })
+        .unwrap();
+        assert!(!acl.targets[0].open_access);
+    }
+}

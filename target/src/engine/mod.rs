@@ -1,0 +1,402 @@
+//! The sans-IO iSCSI engine: one `Connection` per transport connection.
+//!
+//! Inputs: [`Connection::handle_pdu`] (a whole PDU: BHS, AHS, data segment,
+//! digests already checked by the driver), [`Connection::handle_data_digest_error`],
+//! [`Connection::handle_timeout`]. Outputs: [`Connection::poll_action`] (PDUs to
+//! send, or close) and [`Connection::poll_timeout`]. The driver polls in that
+//! order after every input: drain `poll_action` until `None`, then re-arm its
+//! timer from `poll_timeout`. The engine never touches sockets or clocks: the
+//! current time is always passed in.
+//!
+//! Sessions have exactly one connection (MaxConnections=1, ErrorRecoveryLevel=0),
+//! so the session state lives inside the connection.
+
+mod login;
+mod params;
+mod session;
+#[cfg(test)]
+mod tests;
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ramslog_common::iscsi::{Bhs, Opcode, RejectReason, BHS_LEN, RESERVED_TAG};
+
+pub use login::{chap_md5, SessionKind};
+pub use params::Params;
+
+use crate::portal::{Portal, SessionControl};
+use login::{Login, Next};
+use session::Session;
+
+/// Where a connection runs, for logs, `status` and SendTargets.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnInfo {
+    pub local: SocketAddr,
+    pub peer: SocketAddr,
+}
+
+/// The data segment of an outgoing PDU.
+#[derive(Debug, PartialEq, Eq)]
+pub enum OutData {
+    None,
+    Owned(Vec<u8>),
+    /// Bytes of a LUN's memory: the driver copies (TCP) or RDMA-writes (iSER) them.
+    Store {
+        lun: u64,
+        offset: u64,
+        len: u32,
+    },
+}
+
+impl OutData {
+    pub fn len(&self) -> usize {
+        match self {
+            OutData::None => 0,
+            OutData::Owned(v) => v.len(),
+            OutData::Store { len, .. } => *len as usize,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct OutPdu {
+    /// The data segment length field is already set.
+    pub bhs: Bhs,
+    pub data: OutData,
+    pub header_digest: bool,
+    pub data_digest: bool,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Action {
+    Send(OutPdu),
+    /// Close the connection once everything before this action is sent.
+    Close,
+}
+
+/// Timers, one slot each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Timer {
+    /// The login must reach full feature phase by then.
+    Login = 0,
+    /// Idle: send a NOP-In ping when this fires.
+    NopInterval = 1,
+    /// A ping is outstanding: drop the connection when this fires.
+    NopResponse = 2,
+}
+
+#[derive(Default)]
+struct TimerTable([Option<Instant>; 3]);
+
+impl TimerTable {
+    fn set(&mut self, t: Timer, at: Instant) {
+        self.0[t as usize] = Some(at);
+    }
+    fn clear(&mut self, t: Timer) {
+        self.0[t as usize] = None;
+    }
+    fn expired(&self, t: Timer, now: Instant) -> bool {
+        self.0[t as usize].is_some_and(|at| at <= now)
+    }
+    fn next(&self) -> Option<Instant> {
+        self.0.iter().flatten().min().copied()
+    }
+}
+
+enum Phase {
+    Login(Box<Login>),
+    FullFeature(Box<Session>),
+    /// Sticky: nothing more is processed; queued PDUs can still be drained.
+    Closed,
+}
+
+pub struct Connection {
+    portal: Arc<Portal>,
+    info: ConnInfo,
+    control: Arc<dyn SessionControl>,
+    phase: Phase,
+    actions: VecDeque<Action>,
+    timers: TimerTable,
+    statsn: u32,
+    /// CmdSN of the login request: the session's first CmdSN.
+    login_cmdsn: Option<u32>,
+    rx_header_digest: bool,
+    rx_data_digest: bool,
+}
+
+impl Connection {
+    pub fn new(
+        portal: Arc<Portal>,
+        info: ConnInfo,
+        control: Arc<dyn SessionControl>,
+        now: Instant,
+    ) -> Connection {
+        let mrdsl = portal.limits.max_recv_data_segment_len;
+        let mut timers = TimerTable::default();
+        timers.set(Timer::Login, now + portal.limits.login_timeout);
+        Connection {
+            portal,
+            info,
+            control,
+            phase: Phase::Login(Box::new(Login::new(mrdsl))),
+            actions: VecDeque::with_capacity(64),
+            timers,
+            statsn: 0,
+            login_cmdsn: None,
+            rx_header_digest: false,
+            rx_data_digest: false,
+        }
+    }
+
+    /// Whether incoming PDUs carry header and data digests.
+    pub fn rx_digests(&self) -> (bool, bool) {
+        (self.rx_header_digest, self.rx_data_digest)
+    }
+
+    /// Largest data segment the driver should accept before handing a PDU over.
+    /// Larger ones are a protocol error the engine reports itself.
+    pub fn max_rx_data_segment(&self) -> u32 {
+        match &self.phase {
+            // Login and text PDUs carry at most 8 KiB until negotiated otherwise.
+            Phase::Login(_) => 8192,
+            Phase::FullFeature(s) => s.params.target_mrdsl,
+            Phase::Closed => 0,
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        matches!(self.phase, Phase::Closed)
+    }
+
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.timers.next()
+    }
+
+    /// Copy LUN bytes named by [`OutData::Store`] into `out`.
+    pub fn read_store(&self, lun: u64, offset: u64, out: &mut [u8]) -> bool {
+        match &self.phase {
+            Phase::FullFeature(s) => s.read_store(lun, offset, out),
+            _ => false,
+        }
+    }
+
+    /// A PDU whose data digest did not match (the header was good).
+    pub fn handle_data_digest_error(&mut self, now: Instant, bhs: &Bhs) {
+        tracing::warn!(peer = %self.info.peer, "data digest error on {:?}", bhs.opcode());
+        self.touch(now);
+        if let Phase::FullFeature(s) = &mut self.phase {
+            s.data_digest_error(
+                bhs,
+                &mut Out {
+                    q: &mut self.actions,
+                    statsn: &mut self.statsn,
+                },
+            );
+        } else {
+            self.fail_close();
+        }
+    }
+
+    /// A PDU announced a data segment longer than we accept: protocol error.
+    pub fn handle_oversized(&mut self, now: Instant, bhs: &Bhs) {
+        self.touch(now);
+        tracing::warn!(peer = %self.info.peer, len = bhs.data_segment_len(), "data segment longer than MaxRecvDataSegmentLength");
+        if let Phase::FullFeature(s) = &mut self.phase {
+            let mut out = Out {
+                q: &mut self.actions,
+                statsn: &mut self.statsn,
+            };
+            s.reject(&mut out, bhs, RejectReason::ProtocolError);
+        }
+        self.fail_close();
+    }
+
+    pub fn handle_pdu(&mut self, now: Instant, bhs: &Bhs, ahs: &[u8], data: &[u8]) {
+        self.touch(now);
+        match &mut self.phase {
+            Phase::Closed => {}
+            Phase::Login(_) => self.login_pdu(now, bhs, data),
+            Phase::FullFeature(s) => {
+                let mut out = Out {
+                    q: &mut self.actions,
+                    statsn: &mut self.statsn,
+                };
+                match s.handle_pdu(now, bhs, ahs, data, &mut out) {
+                    session::Flow::Continue => {}
+                    session::Flow::PingAnswered => self.timers.clear(Timer::NopResponse),
+                    session::Flow::Close => self.fail_close(),
+                }
+            }
+        }
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.timers.expired(Timer::Login, now) {
+            tracing::info!(peer = %self.info.peer, "login timed out");
+            self.timers.clear(Timer::Login);
+            self.fail_close();
+        }
+        if self.timers.expired(Timer::NopResponse, now) {
+            tracing::warn!(peer = %self.info.peer, "initiator did not answer the NOP-In ping; closing the connection");
+            self.timers.clear(Timer::NopResponse);
+            self.fail_close();
+        }
+        if self.timers.expired(Timer::NopInterval, now) {
+            if let Phase::FullFeature(s) = &mut self.phase {
+                let mut out = Out {
+                    q: &mut self.actions,
+                    statsn: &mut self.statsn,
+                };
+                s.send_ping(&mut out);
+                self.timers
+                    .set(Timer::NopResponse, now + self.portal.limits.nop_timeout);
+            }
+            self.timers
+                .set(Timer::NopInterval, now + self.portal.limits.nop_interval);
+        }
+    }
+
+    /// The transport is gone: release the session's resources. Idempotent.
+    pub fn shutdown(&mut self) {
+        if let Phase::FullFeature(s) = std::mem::replace(&mut self.phase, Phase::Closed) {
+            s.end();
+        }
+        self.timers = TimerTable::default();
+    }
+
+    fn touch(&mut self, now: Instant) {
+        if matches!(self.phase, Phase::FullFeature(_)) {
+            self.timers
+                .set(Timer::NopInterval, now + self.portal.limits.nop_interval);
+        }
+    }
+
+    fn fail_close(&mut self) {
+        if let Phase::FullFeature(s) = std::mem::replace(&mut self.phase, Phase::Closed) {
+            s.end();
+        }
+        self.timers = TimerTable::default();
+        self.actions.push_back(Action::Close);
+    }
+
+    fn login_pdu(&mut self, now: Instant, bhs: &Bhs, data: &[u8]) {
+        let Phase::Login(login) = &mut self.phase else {
+            return;
+        };
+        if bhs.opcode() != Some(Opcode::LoginRequest) {
+            // RFC 7143 6.1: only Login Requests are allowed before full feature phase.
+            tracing::info!(peer = %self.info.peer, "non-login PDU {:#04x} during login; closing", bhs.raw_opcode());
+            self.fail_close();
+            return;
+        }
+        let cmdsn = *self.login_cmdsn.get_or_insert(bhs.cmdsn());
+        if self.statsn == 0 {
+            self.statsn = bhs.exp_statsn();
+        }
+        let reply = login.handle(&self.portal, bhs, data);
+        let mut rsp = Bhs::new(Opcode::LoginResponse);
+        rsp.set_flags(reply.flags);
+        rsp.0[8..14].copy_from_slice(&bhs.isid());
+        rsp.set_itt(bhs.itt());
+        rsp.set_statsn(self.statsn);
+        self.statsn = self.statsn.wrapping_add(1);
+        rsp.set_exp_cmdsn(cmdsn);
+        rsp.set_max_cmdsn(cmdsn.wrapping_add(self.portal.limits.cmd_window.saturating_sub(1)));
+        rsp.set_u16_at(36, reply.status);
+        rsp.set_data_segment_len(reply.text.len() as u32);
+
+        match reply.next {
+            Next::Continue => self.push_login_response(rsp, reply.text),
+            Next::Fail => {
+                tracing::info!(
+                    peer = %self.info.peer,
+                    initiator = login.initiator_name.as_deref().unwrap_or("?"),
+                    "login failed with status {:#06x}",
+                    reply.status
+                );
+                self.push_login_response(rsp, reply.text);
+                self.fail_close();
+            }
+            Next::FullFeature => {
+                let Phase::Login(login) = std::mem::replace(&mut self.phase, Phase::Closed) else {
+                    return;
+                };
+                let session =
+                    Session::start(&self.portal, *login, self.info, self.control.clone(), cmdsn);
+                rsp.set_tsih(session.tsih);
+                self.push_login_response(rsp, reply.text);
+                self.rx_header_digest = session.params.header_digest;
+                self.rx_data_digest = session.params.data_digest;
+                self.phase = Phase::FullFeature(Box::new(session));
+                self.timers.clear(Timer::Login);
+                self.timers
+                    .set(Timer::NopInterval, now + self.portal.limits.nop_interval);
+            }
+        }
+    }
+
+    fn push_login_response(&mut self, rsp: Bhs, text: Vec<u8>) {
+        let data = if text.is_empty() {
+            OutData::None
+        } else {
+            OutData::Owned(text)
+        };
+        self.actions.push_back(Action::Send(OutPdu {
+            bhs: rsp,
+            data,
+            header_digest: false,
+            data_digest: false,
+        }));
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The output side handed to the session: the action queue and StatSN.
+pub(crate) struct Out<'a> {
+    q: &'a mut VecDeque<Action>,
+    statsn: &'a mut u32,
+}
+
+impl Out<'_> {
+    /// Next StatSN without advancing it (R2T, Data-In without status, pings).
+    fn peek_statsn(&self) -> u32 {
+        *self.statsn
+    }
+    /// StatSN for a PDU that carries status, advancing it.
+    fn take_statsn(&mut self) -> u32 {
+        let s = *self.statsn;
+        *self.statsn = s.wrapping_add(1);
+        s
+    }
+    fn push(&mut self, pdu: OutPdu) {
+        self.q.push_back(Action::Send(pdu));
+    }
+    fn close(&mut self) {
+        self.q.push_back(Action::Close);
+    }
+}
+
+pub(crate) const fn is_reserved(tag: u32) -> bool {
+    tag == RESERVED_TAG
+}
+
+/// The rejected header is returned as the Reject's data segment.
+fn rejected_header(bhs: &Bhs) -> Vec<u8> {
+    bhs.0[..BHS_LEN].to_vec()
+}

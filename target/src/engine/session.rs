@@ -1,0 +1,1024 @@
+//! Full feature phase: SCSI commands and their data, NOP, task management,
+//! text (SendTargets), logout.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ramslog_common::iscsi::{
+    parse_ahs, scsi_cmd, scsi_rsp, text, tmf, Bhs, Opcode, RejectReason, AHS_EXTENDED_CDB,
+    RESERVED_TAG,
+};
+use ramslog_common::scsi_wire::{sense_key, status, Sense};
+use ramslog_common::serial;
+
+use super::login::{Login, SessionKind};
+use super::params::Params;
+use super::{is_reserved, rejected_header, ConnInfo, Out, OutData, OutPdu};
+use crate::portal::{Portal, SessionControl, SessionKey};
+use crate::scsi::{DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget};
+
+pub(super) enum Flow {
+    Continue,
+    PingAnswered,
+    Close,
+}
+
+/// One outstanding R2T.
+#[derive(Debug, Clone, Copy)]
+struct R2t {
+    ttt: u32,
+    offset: u32,
+    len: u32,
+    received: u32,
+    next_datasn: u32,
+}
+
+/// A write-direction command waiting for its data.
+struct Task {
+    itt: u32,
+    lun: u64,
+    plan: Plan,
+    /// Bytes of data-out the command consumes: min(EDTL, CDB transfer length).
+    moved: u32,
+    /// Bytes the initiator may send: its ExpectedDataTransferLength.
+    edtl: u32,
+    /// Data received within [0, moved).
+    received: u32,
+    /// Unsolicited data ends here (immediate data + unsolicited Data-Out).
+    unsol_end: u32,
+    unsol_next_offset: u32,
+    unsol_next_datasn: u32,
+    unsol_done: bool,
+    /// Next offset not yet covered by unsolicited data or an R2T.
+    solicit_next: u32,
+    r2tsn: u32,
+    r2ts: Vec<R2t>,
+    /// Data for a LUN write that spans several PDUs is gathered here and only
+    /// copied to the LUN once all of it arrived: a connection lost mid-write
+    /// changes no block.
+    staged: bool,
+    buf: Vec<u8>,
+}
+
+pub(super) struct Session {
+    portal: Arc<Portal>,
+    pub tsih: u16,
+    pub params: Params,
+    kind: SessionKind,
+    key: SessionKey,
+    nexus: NexusId,
+    scsi: Option<Arc<ScsiTarget>>,
+    target_name: Option<String>,
+    initiator_name: String,
+    cid: u16,
+    info: ConnInfo,
+    cmd_window: u32,
+    exp_cmdsn: u32,
+    tasks: Vec<Task>,
+    spare_bufs: Vec<Vec<u8>>,
+    data_in: Vec<u8>,
+    next_ttt: u32,
+    ping_ttt: Option<u32>,
+    text_rx: Vec<u8>,
+    text_tx: Option<(u32, Vec<u8>)>,
+    ended: bool,
+}
+
+fn lun_from_wire(raw: u64) -> Option<u64> {
+    let b = raw.to_be_bytes();
+    if b[2..].iter().any(|x| *x != 0) {
+        return None;
+    }
+    match b[0] >> 6 {
+        // Peripheral device addressing, bus 0.
+        0 if b[0] & 0x3f == 0 => Some(b[1] as u64),
+        // Flat space addressing.
+        1 => Some((((b[0] & 0x3f) as u64) << 8) | b[1] as u64),
+        _ => None,
+    }
+}
+
+impl Session {
+    pub fn start(
+        portal: &Arc<Portal>,
+        login: Login,
+        info: ConnInfo,
+        control: Arc<dyn SessionControl>,
+        cmdsn: u32,
+    ) -> Session {
+        let initiator_name = login.initiator_name.clone().unwrap_or_default();
+        let target = login.target.and_then(|t| portal.targets.get(t));
+        let target_name = target.map(|t| t.name.clone());
+        let key = SessionKey {
+            initiator: initiator_name.clone(),
+            isid: login.isid(),
+            target: target_name.clone().unwrap_or_default(),
+        };
+        let (tsih, nexus) = portal.open_session(key.clone(), info.peer, control);
+        let scsi = match login.kind {
+            SessionKind::Normal => target.map(|t| t.scsi.clone()),
+            SessionKind::Discovery => None,
+        };
+        if let Some(scsi) = &scsi {
+            scsi.attach(&Nexus {
+                id: nexus,
+                initiator_name: initiator_name.clone(),
+                isid: login.isid(),
+            });
+        }
+        tracing::info!(
+            peer = %info.peer,
+            initiator = %initiator_name,
+            target = target_name.as_deref().unwrap_or("(discovery)"),
+            tsih,
+            "session started"
+        );
+        let window = portal.limits.cmd_window.max(1);
+        Session {
+            portal: portal.clone(),
+            tsih,
+            params: login.params.clone(),
+            kind: login.kind,
+            key,
+            nexus,
+            scsi,
+            target_name,
+            initiator_name,
+            cid: login.cid(),
+            info,
+            cmd_window: window,
+            exp_cmdsn: cmdsn,
+            tasks: Vec::with_capacity(window as usize + 8),
+            spare_bufs: Vec::new(),
+            data_in: Vec::with_capacity(4096),
+            next_ttt: 1,
+            ping_ttt: None,
+            text_rx: Vec::new(),
+            text_tx: None,
+            ended: false,
+        }
+    }
+
+    /// Release the session: the I_T nexus is lost.
+    pub fn end(mut self: Box<Self>) {
+        self.ended = true;
+        if let Some(scsi) = &self.scsi {
+            scsi.detach(self.nexus);
+        }
+        self.portal.close_session(&self.key, self.tsih);
+        tracing::info!(peer = %self.info.peer, initiator = %self.initiator_name, tsih = self.tsih, "session ended");
+    }
+
+    fn max_cmdsn(&self) -> u32 {
+        self.exp_cmdsn.wrapping_add(self.cmd_window - 1)
+    }
+
+    fn stamp(&self, bhs: &mut Bhs) {
+        bhs.set_exp_cmdsn(self.exp_cmdsn);
+        bhs.set_max_cmdsn(self.max_cmdsn());
+    }
+
+    fn pdu(&self, bhs: Bhs, data: OutData) -> OutPdu {
+        let mut bhs = bhs;
+        bhs.set_data_segment_len(data.len() as u32);
+        OutPdu {
+            bhs,
+            data,
+            header_digest: self.params.header_digest,
+            data_digest: self.params.data_digest,
+        }
+    }
+
+    pub fn read_store(&self, lun: u64, offset: u64, out: &mut [u8]) -> bool {
+        self.scsi
+            .as_ref()
+            .and_then(|s| s.lu(lun))
+            .is_some_and(|lu| lu.store().read(offset, out).is_ok())
+    }
+
+    pub fn reject(&mut self, out: &mut Out, bhs: &Bhs, reason: RejectReason) {
+        let mut r = Bhs::new(Opcode::Reject);
+        r.set_final(true);
+        r.0[2] = reason as u8;
+        r.set_itt(RESERVED_TAG);
+        r.set_statsn(out.take_statsn());
+        self.stamp(&mut r);
+        let pdu = self.pdu(r, OutData::Owned(rejected_header(bhs)));
+        out.push(pdu);
+    }
+
+    pub fn data_digest_error(&mut self, bhs: &Bhs, out: &mut Out) {
+        // ERL 0: the data is discarded and the initiator recovers the task.
+        self.reject(out, bhs, RejectReason::DataDigestError);
+    }
+
+    pub fn send_ping(&mut self, out: &mut Out) {
+        let ttt = self.new_ttt();
+        self.ping_ttt = Some(ttt);
+        let mut b = Bhs::new(Opcode::NopIn);
+        b.set_final(true)
+            .set_itt(RESERVED_TAG)
+            .set_ttt(ttt)
+            .set_statsn(out.peek_statsn());
+        self.stamp(&mut b);
+        let pdu = self.pdu(b, OutData::None);
+        out.push(pdu);
+    }
+
+    fn new_ttt(&mut self) -> u32 {
+        let t = self.next_ttt;
+        self.next_ttt = self.next_ttt.wrapping_add(1);
+        if is_reserved(self.next_ttt) {
+            self.next_ttt = 1;
+        }
+        t
+    }
+
+    pub fn handle_pdu(
+        &mut self,
+        _now: Instant,
+        bhs: &Bhs,
+        ahs: &[u8],
+        data: &[u8],
+        out: &mut Out,
+    ) -> Flow {
+        let Some(op) = bhs.opcode().filter(|o| o.is_initiator_opcode()) else {
+            self.reject(out, bhs, RejectReason::CommandNotSupported);
+            return Flow::Continue;
+        };
+        if op == Opcode::DataOut {
+            self.data_out(bhs, data, out);
+            return Flow::Continue;
+        }
+        if matches!(op, Opcode::LoginRequest | Opcode::SnackRequest) {
+            // No login in full feature phase; no SNACK at ErrorRecoveryLevel 0.
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return Flow::Continue;
+        }
+        if op == Opcode::NopOut && is_reserved(bhs.itt()) {
+            // An answer to our ping (or an unsolicited ping acknowledgement): no reply.
+            if self.ping_ttt.is_some() && self.ping_ttt == Some(bhs.ttt()) {
+                self.ping_ttt = None;
+                return Flow::PingAnswered;
+            }
+            return Flow::Continue;
+        }
+        if self.kind == SessionKind::Discovery
+            && matches!(op, Opcode::ScsiCommand | Opcode::TaskMgmtRequest)
+        {
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return Flow::Continue;
+        }
+        // CmdSN ordering (RFC 7143 4.2.2.1): immediate PDUs go at once; others
+        // must be ExpCmdSN exactly. One connection delivers in order, so a gap
+        // or an out-of-window CmdSN is an initiator error: drop it silently.
+        if !bhs.immediate() {
+            let sn = bhs.cmdsn();
+            if sn != self.exp_cmdsn {
+                tracing::debug!(
+                    sn,
+                    exp = self.exp_cmdsn,
+                    "dropping command outside the CmdSN window"
+                );
+                return Flow::Continue;
+            }
+            self.exp_cmdsn = self.exp_cmdsn.wrapping_add(1);
+        } else if !serial::in_window(bhs.cmdsn(), self.exp_cmdsn, self.max_cmdsn())
+            && op == Opcode::ScsiCommand
+        {
+            tracing::debug!("immediate command with CmdSN outside the window; dropped");
+            return Flow::Continue;
+        }
+        match op {
+            Opcode::ScsiCommand => self.scsi_command(bhs, ahs, data, out),
+            Opcode::NopOut => self.nop_out(bhs, data, out),
+            Opcode::TaskMgmtRequest => self.task_mgmt(bhs, out),
+            Opcode::TextRequest => self.text_request(bhs, data, out),
+            Opcode::LogoutRequest => return self.logout(bhs, out),
+            _ => self.reject(out, bhs, RejectReason::CommandNotSupported),
+        }
+        Flow::Continue
+    }
+
+    fn nop_out(&mut self, bhs: &Bhs, data: &[u8], out: &mut Out) {
+        let mut b = Bhs::new(Opcode::NopIn);
+        b.set_final(true)
+            .set_lun(bhs.lun())
+            .set_itt(bhs.itt())
+            .set_ttt(RESERVED_TAG);
+        b.set_statsn(out.take_statsn());
+        self.stamp(&mut b);
+        let echo = &data[..data.len().min(self.params.initiator_mrdsl as usize)];
+        let d = if echo.is_empty() {
+            OutData::None
+        } else {
+            OutData::Owned(echo.to_vec())
+        };
+        let pdu = self.pdu(b, d);
+        out.push(pdu);
+    }
+
+    // ---- SCSI commands -------------------------------------------------
+
+    fn scsi_command(&mut self, bhs: &Bhs, ahs: &[u8], data: &[u8], out: &mut Out) {
+        let itt = bhs.itt();
+        if self.tasks.iter().any(|t| t.itt == itt) {
+            self.reject(out, bhs, RejectReason::InvalidPduField);
+            return;
+        }
+        let Some(scsi) = self.scsi.clone() else {
+            return;
+        };
+        let mut cdb_buf = [0u8; 16 + 260];
+        let mut cdb_len = 16;
+        cdb_buf[..16].copy_from_slice(bhs.cdb());
+        for entry in parse_ahs(ahs) {
+            match entry {
+                Ok(a) if a.ahs_type == AHS_EXTENDED_CDB => {
+                    let Some(dst) = cdb_buf.get_mut(16..16 + a.data.len()) else {
+                        self.reject(out, bhs, RejectReason::InvalidPduField);
+                        return;
+                    };
+                    dst.copy_from_slice(a.data);
+                    cdb_len = 16 + a.data.len();
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    self.reject(out, bhs, RejectReason::InvalidPduField);
+                    return;
+                }
+            }
+        }
+        let cdb = &cdb_buf[..cdb_len];
+        let flags = bhs.flags();
+        let edtl = bhs.expected_data_len();
+        let Some(lun) = lun_from_wire(bhs.lun()) else {
+            let s = Sense::new(sense_key::ILLEGAL_REQUEST, 0x25, 0);
+            self.respond(out, itt, status::CHECK_CONDITION, Some(s), Residual::None);
+            return;
+        };
+        if (data.len() as u32) > edtl
+            || (!data.is_empty() && flags & scsi_cmd::WRITE == 0 && edtl == 0)
+        {
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return;
+        }
+        if !data.is_empty() && !self.params.immediate_data {
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return;
+        }
+        let plan = match scsi.prepare(self.nexus, lun, cdb) {
+            Ok(p) => p,
+            Err(reason) => {
+                self.respond(out, itt, reason.status(), reason.sense(), Residual::None);
+                return;
+            }
+        };
+        let edtl_out = if flags & scsi_cmd::WRITE != 0 {
+            edtl
+        } else {
+            0
+        };
+        if let Err(reason) = plan.check_expected_len(edtl_out) {
+            let residual = Residual::between(edtl_out, plan.data_out_len);
+            self.respond(out, itt, reason.status(), reason.sense(), residual);
+            return;
+        }
+        if plan.data_out_len == 0 {
+            let edtl_in = if flags & scsi_cmd::READ != 0 { edtl } else { 0 };
+            self.execute(
+                out,
+                &scsi,
+                itt,
+                lun,
+                &plan,
+                &[],
+                edtl_in,
+                Residual::between(edtl, 0),
+            );
+            return;
+        }
+        let need = plan.data_out_len;
+        let moved = need.min(edtl_out);
+        let residual = Residual::between(edtl_out, need);
+        if moved > 0
+            && matches!(plan.out_placement, OutPlacement::Store { .. })
+            && moved % scsi.block_size(lun) != 0
+        {
+            // The data would end inside a block: refuse rather than write part of one.
+            let s = Sense::new(sense_key::ILLEGAL_REQUEST, 0x0e, 0x03);
+            self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
+            return;
+        }
+        let unsol_end = if flags & 0x80 != 0 || self.params.initial_r2t {
+            data.len() as u32
+        } else {
+            self.params
+                .first_burst_len
+                .min(edtl_out)
+                .max(data.len() as u32)
+        };
+        let mut task = Task {
+            itt,
+            lun,
+            plan,
+            moved,
+            edtl: edtl_out,
+            received: 0,
+            unsol_end,
+            unsol_next_offset: data.len() as u32,
+            unsol_next_datasn: 0,
+            unsol_done: unsol_end == data.len() as u32,
+            solicit_next: unsol_end,
+            r2tsn: 0,
+            r2ts: Vec::new(),
+            staged: false,
+            buf: self.spare_bufs.pop().unwrap_or_default(),
+        };
+        task.staged = matches!(task.plan.out_placement, OutPlacement::Store { .. })
+            && (data.len() as u32) < moved;
+        if matches!(task.plan.out_placement, OutPlacement::Buffer) || task.staged {
+            task.buf.clear();
+            task.buf.resize(moved as usize, 0);
+        }
+        if !data.is_empty() && !self.place(&mut task, 0, data) {
+            self.finish_task(task);
+            let s = Sense::new(sense_key::HARDWARE_ERROR, 0x44, 0);
+            self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
+            return;
+        }
+        if task.received >= task.moved {
+            self.complete_write(out, &scsi, task, residual);
+            return;
+        }
+        self.solicit(out, &mut task);
+        self.tasks.push(task);
+    }
+
+    /// Copy data-out bytes at `offset` into the LUN or the task buffer,
+    /// ignoring what lies past the bytes the command consumes.
+    fn place(&self, task: &mut Task, offset: u32, data: &[u8]) -> bool {
+        let end = (offset as u64 + data.len() as u64).min(task.moved as u64);
+        if (offset as u64) >= end {
+            return true;
+        }
+        let useful = &data[..(end - offset as u64) as usize];
+        let ok = match task.plan.out_placement {
+            OutPlacement::Store { offset: base } if !task.staged => self
+                .scsi
+                .as_ref()
+                .and_then(|s| s.lu(task.lun))
+                .is_some_and(|lu| lu.store().write(base + offset as u64, useful).is_ok()),
+            OutPlacement::Store { .. } | OutPlacement::Buffer => {
+                match task.buf.get_mut(offset as usize..end as usize) {
+                    Some(dst) => {
+                        dst.copy_from_slice(useful);
+                        true
+                    }
+                    None => false,
+                }
+            }
+            OutPlacement::None => true,
+        };
+        task.received += useful.len() as u32;
+        ok
+    }
+
+    /// Send R2Ts for the next ranges, up to MaxOutstandingR2T.
+    fn solicit(&mut self, out: &mut Out, task: &mut Task) {
+        while task.solicit_next < task.moved
+            && (task.r2ts.len() as u32) < self.params.max_outstanding_r2t
+        {
+            let len = (task.moved - task.solicit_next).min(self.params.max_burst_len);
+            let ttt = self.new_ttt();
+            let r2t = R2t {
+                ttt,
+                offset: task.solicit_next,
+                len,
+                received: 0,
+                next_datasn: 0,
+            };
+            let mut b = Bhs::new(Opcode::ReadyToTransfer);
+            b.set_final(true)
+                .set_lun(self.lun_wire(task.lun))
+                .set_itt(task.itt)
+                .set_ttt(ttt)
+                .set_statsn(out.peek_statsn())
+                .set_datasn(task.r2tsn)
+                .set_buffer_offset(r2t.offset)
+                .set_residual(len);
+            self.stamp(&mut b);
+            task.r2tsn = task.r2tsn.wrapping_add(1);
+            task.solicit_next += len;
+            task.r2ts.push(r2t);
+            let pdu = self.pdu(b, OutData::None);
+            out.push(pdu);
+        }
+    }
+
+    fn lun_wire(&self, lun: u64) -> u64 {
+        if lun < 256 {
+            lun << 48
+        } else {
+            (0x4000 | (lun & 0x3fff)) << 48
+        }
+    }
+
+    fn data_out(&mut self, bhs: &Bhs, data: &[u8], out: &mut Out) {
+        let Some(idx) = self.tasks.iter().position(|t| t.itt == bhs.itt()) else {
+            // Data for a command that already ended (failed early, aborted) is
+            // still in flight from the initiator: drop it without a fuss.
+            return;
+        };
+        let Some(scsi) = self.scsi.clone() else {
+            return;
+        };
+        let mut task = self.tasks.swap_remove(idx);
+        let offset = bhs.buffer_offset();
+        let len = data.len() as u32;
+        let datasn = bhs.datasn();
+        let ttt = bhs.ttt();
+        let residual = Residual::between(task.edtl, task.plan.data_out_len);
+        let in_order = if is_reserved(ttt) {
+            let ok = !task.unsol_done
+                && datasn == task.unsol_next_datasn
+                && offset == task.unsol_next_offset
+                && offset as u64 + len as u64 <= task.unsol_end as u64;
+            if ok {
+                task.unsol_next_datasn = datasn.wrapping_add(1);
+                task.unsol_next_offset = offset + len;
+                if bhs.final_bit() {
+                    task.unsol_done = true;
+                    if task.unsol_next_offset < task.unsol_end {
+                        // The initiator stopped short: solicit the rest.
+                        task.solicit_next = task.solicit_next.min(task.unsol_next_offset);
+                        task.unsol_end = task.unsol_next_offset;
+                    }
+                }
+            }
+            ok
+        } else {
+            match task.r2ts.iter().position(|r| r.ttt == ttt) {
+                Some(ri) => {
+                    let r = &mut task.r2ts[ri];
+                    let ok = datasn == r.next_datasn
+                        && offset == r.offset + r.received
+                        && r.received as u64 + len as u64 <= r.len as u64;
+                    if ok {
+                        r.next_datasn = datasn.wrapping_add(1);
+                        r.received += len;
+                        if bhs.final_bit() {
+                            if r.received < r.len {
+                                // Burst ended early: ask again for what is missing.
+                                task.solicit_next = task.solicit_next.min(r.offset + r.received);
+                            }
+                            task.r2ts.swap_remove(ri);
+                        }
+                    }
+                    ok
+                }
+                None => false,
+            }
+        };
+        if !in_order {
+            tracing::warn!(
+                itt = task.itt,
+                datasn,
+                offset,
+                "Data-Out out of sequence; failing the command"
+            );
+            let itt = task.itt;
+            self.finish_task(task);
+            // ABORTED COMMAND, DATA PHASE ERROR: the initiator may retry.
+            let s = Sense::new(sense_key::ABORTED_COMMAND, 0x4b, 0x00);
+            self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
+            return;
+        }
+        if !self.place(&mut task, offset, data) {
+            let itt = task.itt;
+            self.finish_task(task);
+            let s = Sense::new(sense_key::HARDWARE_ERROR, 0x44, 0);
+            self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
+            return;
+        }
+        if task.received >= task.moved {
+            self.complete_write(out, &scsi, task, residual);
+            return;
+        }
+        self.solicit(out, &mut task);
+        self.tasks.push(task);
+    }
+
+    fn complete_write(
+        &mut self,
+        out: &mut Out,
+        scsi: &Arc<ScsiTarget>,
+        task: Task,
+        residual: Residual,
+    ) {
+        let moved = task.moved as usize;
+        let (itt, plan) = (task.itt, task.plan);
+        if let (OutPlacement::Store { offset }, true) = (plan.out_placement, task.staged) {
+            let copied = scsi.lu(task.lun).is_some_and(|lu| {
+                task.buf
+                    .get(..moved)
+                    .is_some_and(|d| lu.store().write(offset, d).is_ok())
+            });
+            if !copied {
+                self.finish_task(task);
+                let s = Sense::new(sense_key::HARDWARE_ERROR, 0x44, 0);
+                self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
+                return;
+            }
+        }
+        let data: &[u8] = match plan.out_placement {
+            OutPlacement::Buffer => task.buf.get(..moved).unwrap_or(&[]),
+            _ => &[],
+        };
+        let result = scsi.execute(self.nexus, &plan, data, &mut self.data_in);
+        self.finish_task(task);
+        match result {
+            Ok(_) => self.respond(out, itt, status::GOOD, None, residual),
+            Err(reason) => self.respond(out, itt, reason.status(), reason.sense(), residual),
+        }
+    }
+
+    fn finish_task(&mut self, mut task: Task) {
+        task.buf.clear();
+        if task.buf.capacity() > 0 && self.spare_bufs.len() < 8 {
+            self.spare_bufs.push(std::mem::take(&mut task.buf));
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn execute(
+        &mut self,
+        out: &mut Out,
+        scsi: &Arc<ScsiTarget>,
+        itt: u32,
+        lun: u64,
+        plan: &Plan,
+        data_out: &[u8],
+        edtl_in: u32,
+        residual: Residual,
+    ) {
+        let mut data_in = std::mem::take(&mut self.data_in);
+        let result = scsi.execute(self.nexus, plan, data_out, &mut data_in);
+        match result {
+            Ok(DataIn::None) => self.respond(out, itt, status::GOOD, None, residual),
+            Ok(DataIn::Store { offset, len }) => {
+                self.send_data_in(out, itt, lun, DataSource::Store(offset), len, edtl_in)
+            }
+            Ok(DataIn::Buffer { len }) => {
+                let len = len.min(data_in.len() as u32);
+                self.send_data_in(out, itt, lun, DataSource::Buffer(&data_in), len, edtl_in);
+            }
+            Err(reason) => self.respond(out, itt, reason.status(), reason.sense(), residual),
+        }
+        self.data_in = data_in;
+    }
+
+    /// Data-In PDUs for a read, the last one carrying GOOD status.
+    fn send_data_in(
+        &mut self,
+        out: &mut Out,
+        itt: u32,
+        lun: u64,
+        src: DataSource,
+        produced: u32,
+        edtl: u32,
+    ) {
+        let xfer = produced.min(edtl);
+        let residual = Residual::between(edtl, produced);
+        if xfer == 0 {
+            self.respond(out, itt, status::GOOD, None, residual);
+            return;
+        }
+        let seg = self.params.initiator_mrdsl.max(512);
+        let burst = self.params.max_burst_len.max(seg);
+        let mut off = 0u32;
+        let mut datasn = 0u32;
+        while off < xfer {
+            let burst_end = ((off / burst) + 1).saturating_mul(burst).min(xfer);
+            let len = (xfer - off).min(seg).min(burst_end - off);
+            let last = off + len == xfer;
+            let mut b = Bhs::new(Opcode::DataIn);
+            let mut flags = 0u8;
+            if last || off + len == burst_end {
+                flags |= 0x80;
+            }
+            b.set_lun(self.lun_wire(lun))
+                .set_itt(itt)
+                .set_ttt(RESERVED_TAG);
+            b.set_datasn(datasn).set_buffer_offset(off);
+            if last {
+                flags |= scsi_rsp::STATUS | residual.flags();
+                b.0[3] = status::GOOD;
+                b.set_statsn(out.take_statsn());
+                b.set_residual(residual.count());
+            }
+            b.set_flags(flags);
+            self.stamp(&mut b);
+            let data = match src {
+                DataSource::Store(base) => OutData::Store {
+                    lun,
+                    offset: base + off as u64,
+                    len,
+                },
+                DataSource::Buffer(v) => {
+                    OutData::Owned(v[off as usize..(off + len) as usize].to_vec())
+                }
+            };
+            let pdu = self.pdu(b, data);
+            out.push(pdu);
+            off += len;
+            datasn += 1;
+        }
+    }
+
+    fn respond(
+        &mut self,
+        out: &mut Out,
+        itt: u32,
+        st: u8,
+        sense: Option<Sense>,
+        residual: Residual,
+    ) {
+        let mut b = Bhs::new(Opcode::ScsiResponse);
+        b.set_flags(0x80 | residual.flags());
+        b.0[3] = st;
+        b.set_itt(itt);
+        b.set_statsn(out.take_statsn());
+        b.set_residual(residual.count());
+        self.stamp(&mut b);
+        let data = match sense {
+            Some(s) => {
+                let enc = s.encode_fixed();
+                let mut v = Vec::with_capacity(2 + enc.len());
+                v.extend_from_slice(&(enc.len() as u16).to_be_bytes());
+                v.extend_from_slice(&enc);
+                OutData::Owned(v)
+            }
+            None => OutData::None,
+        };
+        let pdu = self.pdu(b, data);
+        out.push(pdu);
+    }
+
+    // ---- task management -------------------------------------------------
+
+    fn task_mgmt(&mut self, bhs: &Bhs, out: &mut Out) {
+        let function = bhs.flags() & 0x7f;
+        let lun = lun_from_wire(bhs.lun());
+        let lun_known = lun.is_some_and(|l| self.scsi.as_ref().is_some_and(|s| s.lu(l).is_some()));
+        let response = match function {
+            tmf::ABORT_TASK => {
+                let rtt = bhs.ttt();
+                match self.tasks.iter().position(|t| t.itt == rtt) {
+                    Some(i) => {
+                        let t = self.tasks.swap_remove(i);
+                        self.finish_task(t);
+                        tmf::RSP_COMPLETE
+                    }
+                    None => tmf::RSP_NO_TASK,
+                }
+            }
+            tmf::ABORT_TASK_SET | tmf::CLEAR_TASK_SET | tmf::LOGICAL_UNIT_RESET => {
+                if !lun_known {
+                    tmf::RSP_NO_LUN
+                } else {
+                    let l = lun.unwrap_or(0);
+                    self.abort_tasks(|t| t.lun == l);
+                    if function == tmf::LOGICAL_UNIT_RESET {
+                        if let Some(s) = &self.scsi {
+                            s.reset(crate::scsi::ResetScope::Lu(l), self.nexus);
+                        }
+                        tracing::info!(initiator = %self.initiator_name, lun = l, "logical unit reset");
+                    }
+                    tmf::RSP_COMPLETE
+                }
+            }
+            tmf::TARGET_WARM_RESET => {
+                self.abort_tasks(|_| true);
+                if let Some(s) = &self.scsi {
+                    s.reset(crate::scsi::ResetScope::Target, self.nexus);
+                }
+                tracing::info!(initiator = %self.initiator_name, "target warm reset");
+                tmf::RSP_COMPLETE
+            }
+            tmf::TASK_REASSIGN => tmf::RSP_NO_REASSIGN,
+            _ => tmf::RSP_NOT_SUPPORTED,
+        };
+        let mut b = Bhs::new(Opcode::TaskMgmtResponse);
+        b.set_final(true).set_itt(bhs.itt());
+        b.0[2] = response;
+        b.set_statsn(out.take_statsn());
+        self.stamp(&mut b);
+        let pdu = self.pdu(b, OutData::None);
+        out.push(pdu);
+    }
+
+    fn abort_tasks(&mut self, pred: impl Fn(&Task) -> bool) {
+        let mut i = 0;
+        while i < self.tasks.len() {
+            if pred(&self.tasks[i]) {
+                let t = self.tasks.swap_remove(i);
+                self.finish_task(t);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    // ---- text and logout -------------------------------------------------
+
+    fn text_request(&mut self, bhs: &Bhs, data: &[u8], out: &mut Out) {
+        let ttt = bhs.ttt();
+        if !is_reserved(ttt) {
+            // Continuation of a long response.
+            match self.text_tx.take() {
+                Some((tag, rest)) if tag == ttt => self.send_text(out, bhs.itt(), rest),
+                _ => self.reject(out, bhs, RejectReason::InvalidPduField),
+            }
+            return;
+        }
+        self.text_tx = None;
+        self.text_rx.extend_from_slice(data);
+        if self.text_rx.len() > 64 * 1024 {
+            self.text_rx.clear();
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return;
+        }
+        if bhs.flags() & 0x40 != 0 {
+            // C bit: more text follows; acknowledge with an empty response.
+            self.send_text_pdu(out, bhs.itt(), Vec::new(), false, RESERVED_TAG);
+            return;
+        }
+        let rx = std::mem::take(&mut self.text_rx);
+        let pairs = match text::decode(&rx) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::info!("malformed text request: {e}");
+                self.reject(out, bhs, RejectReason::ProtocolError);
+                return;
+            }
+        };
+        let mut resp = Vec::new();
+        for p in pairs {
+            if p.key == "SendTargets" {
+                self.send_targets(p.value, &mut resp);
+            } else {
+                text::encode_pair(&mut resp, p.key, "NotUnderstood");
+            }
+        }
+        self.send_text(out, bhs.itt(), resp);
+    }
+
+    fn send_targets(&self, which: &str, resp: &mut Vec<u8>) {
+        let portal = &self.portal;
+        for t in &portal.targets {
+            let wanted = match (self.kind, which) {
+                (SessionKind::Discovery, "All") => true,
+                (_, "") => self
+                    .target_name
+                    .as_deref()
+                    .is_some_and(|n| n.eq_ignore_ascii_case(&t.name)),
+                (_, name) => {
+                    name.eq_ignore_ascii_case(&t.name)
+                        && (self.kind == SessionKind::Discovery
+                            || self
+                                .target_name
+                                .as_deref()
+                                .is_some_and(|n| n.eq_ignore_ascii_case(name)))
+                }
+            };
+            if !wanted || !t.acl.allows(&self.initiator_name) {
+                continue;
+            }
+            text::encode_pair(resp, "TargetName", &t.name);
+            for addr in portal_addresses(&portal.listen, self.info.local) {
+                text::encode_pair(
+                    resp,
+                    "TargetAddress",
+                    &format!("{},{}", fmt_addr(addr), portal.tpgt),
+                );
+            }
+        }
+    }
+
+    fn send_text(&mut self, out: &mut Out, itt: u32, mut resp: Vec<u8>) {
+        let limit = self.params.initiator_mrdsl as usize;
+        if resp.len() > limit {
+            let rest = resp.split_off(limit);
+            let tag = self.new_ttt();
+            self.text_tx = Some((tag, rest));
+            self.send_text_pdu(out, itt, resp, false, tag);
+        } else {
+            self.send_text_pdu(out, itt, resp, true, RESERVED_TAG);
+        }
+    }
+
+    fn send_text_pdu(&mut self, out: &mut Out, itt: u32, data: Vec<u8>, last: bool, ttt: u32) {
+        let mut b = Bhs::new(Opcode::TextResponse);
+        b.set_flags(if last { 0x80 } else { 0x40 });
+        b.set_itt(itt).set_ttt(ttt).set_statsn(out.take_statsn());
+        self.stamp(&mut b);
+        let d = if data.is_empty() {
+            OutData::None
+        } else {
+            OutData::Owned(data)
+        };
+        let pdu = self.pdu(b, d);
+        out.push(pdu);
+    }
+
+    fn logout(&mut self, bhs: &Bhs, out: &mut Out) -> Flow {
+        let reason = bhs.flags() & 0x7f;
+        let response = match reason {
+            0 => 0,
+            1 if bhs.cid() == self.cid => 0,
+            1 => 1,
+            // Connection recovery needs ErrorRecoveryLevel 2.
+            _ => 2,
+        };
+        let mut b = Bhs::new(Opcode::LogoutResponse);
+        b.set_final(true).set_itt(bhs.itt());
+        b.0[2] = response;
+        b.set_statsn(out.take_statsn());
+        self.stamp(&mut b);
+        let pdu = self.pdu(b, OutData::None);
+        out.push(pdu);
+        if response == 0 {
+            self.abort_tasks(|_| true);
+            tracing::info!(initiator = %self.initiator_name, "logout");
+            out.close();
+            return Flow::Close;
+        }
+        Flow::Continue
+    }
+}
+
+enum DataSource<'a> {
+    Store(u64),
+    Buffer(&'a [u8]),
+}
+
+/// SCSI residual as reported in SCSI Response / final Data-In.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Residual {
+    None,
+    Under(u32),
+    Over(u32),
+}
+
+impl Residual {
+    /// Compare the initiator's expected length with what the command moves.
+    fn between(expected: u32, actual: u32) -> Residual {
+        match expected.cmp(&actual) {
+            std::cmp::Ordering::Equal => Residual::None,
+            std::cmp::Ordering::Greater => Residual::Under(expected - actual),
+            std::cmp::Ordering::Less => Residual::Over(actual - expected),
+        }
+    }
+    fn flags(self) -> u8 {
+        match self {
+            Residual::None => 0,
+            Residual::Under(_) => scsi_rsp::UNDERFLOW,
+            Residual::Over(_) => scsi_rsp::OVERFLOW,
+        }
+    }
+    fn count(self) -> u32 {
+        match self {
+            Residual::None => 0,
+            Residual::Under(n) | Residual::Over(n) => n,
+        }
+    }
+}
+
+/// Addresses to advertise: listen addresses, with a wildcard replaced by the
+/// address this connection arrived on.
+fn portal_addresses(listen: &[SocketAddr], local: SocketAddr) -> Vec<SocketAddr> {
+    let mut v: Vec<SocketAddr> = listen
+        .iter()
+        .map(|a| {
+            if a.ip().is_unspecified() {
+                SocketAddr::new(local.ip(), a.port())
+            } else {
+                *a
+            }
+        })
+        .collect();
+    if v.is_empty() {
+        v.push(local);
+    }
+    v.dedup();
+    v
+}
+
+fn fmt_addr(a: SocketAddr) -> String {
+    match a {
+        SocketAddr::V4(v4) => v4.to_string(),
+        SocketAddr::V6(v6) => format!("[{}]:{}", v6.ip(), v6.port()),
+    }
+}

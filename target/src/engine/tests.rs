@@ -1,0 +1,696 @@
+//! Engine tests: an initiator model drives a `Connection` directly — no
+//! sockets, no clock but the one passed in.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ramslog_common::iscsi::{login, login_status, text, tmf, Bhs, Opcode, RESERVED_TAG};
+use ramslog_common::scsi_wire::{sense_key, status, Sense};
+
+use super::*;
+use crate::portal::{Acl, ChapSecret, Limits, Portal, SessionControl, TargetDef};
+use crate::scsi::{Identity, LuConfig, Readiness, ScsiTarget};
+use crate::store::{HugePages, Store};
+
+const IQN: &str = "iqn.2026-11.org.ramslog:test";
+const INI: &str = "iqn.1994-05.com.example:ini";
+
+#[derive(Default)]
+struct Flag(AtomicBool);
+impl SessionControl for Flag {
+    fn terminate(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+struct Rsp {
+    bhs: Bhs,
+    data: Vec<u8>,
+}
+
+struct Harness {
+    conn: Connection,
+    now: Instant,
+    cmdsn: u32,
+    itt: u32,
+    closed: bool,
+}
+
+fn portal_with(
+    limits: Limits,
+    chap: Option<ChapSecret>,
+    mutual: Option<ChapSecret>,
+    acl: Acl,
+) -> Arc<Portal> {
+    let store = Arc::new(Store::new(1 << 20, HugePages::Off).unwrap());
+    let lu = LuConfig {
+        lun: 0,
+        block_size: 512,
+        identity: Identity::generate(),
+        readiness: Readiness::Ready,
+    };
+    let target = TargetDef {
+        name: IQN.into(),
+        alias: None,
+        scsi: Arc::new(ScsiTarget::new(vec![(lu, store)])),
+        acl,
+        chap,
+        mutual_chap: mutual,
+    };
+    Arc::new(Portal::new(
+        vec![target],
+        limits,
+        vec!["127.0.0.1:3260".parse().unwrap()],
+    ))
+}
+
+impl Harness {
+    fn new(portal: Arc<Portal>) -> Harness {
+        let now = Instant::now();
+        let info = ConnInfo {
+            local: "127.0.0.1:3260".parse().unwrap(),
+            peer: "127.0.0.1:5555".parse().unwrap(),
+        };
+        Harness {
+            conn: Connection::new(portal, info, Arc::new(Flag::default()), now),
+            now,
+            cmdsn: 100,
+            itt: 1,
+            closed: false,
+        }
+    }
+
+    fn send(&mut self, bhs: &Bhs, data: &[u8]) -> Vec<Rsp> {
+        let mut b = *bhs;
+        b.set_data_segment_len(data.len() as u32);
+        self.conn.handle_pdu(self.now, &b, &[], data);
+        self.drain()
+    }
+
+    fn drain(&mut self) -> Vec<Rsp> {
+        let mut v = Vec::new();
+        while let Some(a) = self.conn.poll_action() {
+            match a {
+                Action::Close => self.closed = true,
+                Action::Send(p) => {
+                    let data = match p.data {
+                        OutData::None => Vec::new(),
+                        OutData::Owned(d) => d,
+                        OutData::Store { lun, offset, len } => {
+                            let mut d = vec![0; len as usize];
+                            assert!(self.conn.read_store(lun, offset, &mut d));
+                            d
+                        }
+                    };
+                    assert_eq!(p.bhs.data_segment_len() as usize, data.len());
+                    v.push(Rsp { bhs: p.bhs, data });
+                }
+            }
+        }
+        v
+    }
+
+    fn login_pdu(&mut self, flags: u8, keys: &[(&str, &str)]) -> Vec<Rsp> {
+        let mut b = Bhs::new(Opcode::LoginRequest);
+        b.set_immediate(true)
+            .set_flags(flags)
+            .set_itt(0x1000)
+            .set_cmdsn(self.cmdsn);
+        b.0[8..14].copy_from_slice(&[0x40, 0, 0, 1, 0, 0]);
+        let mut t = Vec::new();
+        for (k, v) in keys {
+            text::encode_pair(&mut t, k, v);
+        }
+        self.send(&b, &t)
+    }
+
+    fn login(&mut self, extra: &[(&str, &str)]) -> Rsp {
+        let mut keys = vec![
+            ("InitiatorName", INI),
+            ("TargetName", IQN),
+            ("SessionType", "Normal"),
+        ];
+        keys.extend_from_slice(extra);
+        let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
+        let mut r = self.login_pdu(flags, &keys);
+        assert_eq!(r.len(), 1);
+        let r = r.remove(0);
+        if r.bhs.u16_at(36) == 0 {
+            self.clear_unit_attention();
+        }
+        r
+    }
+
+    /// What initiators do after login: TEST UNIT READY until the power-on
+    /// unit attention has been reported.
+    fn clear_unit_attention(&mut self) {
+        let (_, r) = self.command(&[0; 6], 0x81, 0, &[]);
+        let s = sense_of(&r[0]);
+        assert_eq!(
+            (s.key, s.asc),
+            (sense_key::UNIT_ATTENTION, 0x29),
+            "power-on UA first"
+        );
+        let (_, r) = self.command(&[0; 6], 0x81, 0, &[]);
+        assert_eq!(r[0].bhs.0[3], status::GOOD);
+    }
+
+    fn next_itt(&mut self) -> u32 {
+        self.itt += 1;
+        self.itt
+    }
+
+    fn command(&mut self, cdb: &[u8], flags: u8, edtl: u32, data: &[u8]) -> (u32, Vec<Rsp>) {
+        let itt = self.next_itt();
+        let mut b = Bhs::new(Opcode::ScsiCommand);
+        b.set_flags(flags)
+            .set_itt(itt)
+            .set_expected_data_len(edtl)
+            .set_cmdsn(self.cmdsn);
+        self.cmdsn += 1;
+        b.0[32..32 + cdb.len()].copy_from_slice(cdb);
+        (itt, self.send(&b, data))
+    }
+}
+
+fn keys_of(data: &[u8]) -> Vec<(String, String)> {
+    text::decode(data)
+        .unwrap()
+        .into_iter()
+        .map(|p| (p.key.to_string(), p.value.to_string()))
+        .collect()
+}
+
+fn key<'a>(keys: &'a [(String, String)], k: &str) -> Option<&'a str> {
+    keys.iter().find(|(kk, _)| kk == k).map(|(_, v)| v.as_str())
+}
+
+fn logged_in() -> Harness {
+    let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+    let r = h.login(&[
+        ("InitialR2T", "No"),
+        ("ImmediateData", "Yes"),
+        ("MaxRecvDataSegmentLength", "8192"),
+    ]);
+    assert_eq!(r.bhs.u16_at(36), login_status::SUCCESS);
+    h
+}
+
+fn write10(lba: u32, blocks: u16) -> [u8; 10] {
+    let l = lba.to_be_bytes();
+    let n = blocks.to_be_bytes();
+    [0x2a, 0, l[0], l[1], l[2], l[3], 0, n[0], n[1], 0]
+}
+
+fn read10(lba: u32, blocks: u16) -> [u8; 10] {
+    let mut c = write10(lba, blocks);
+    c[0] = 0x28;
+    c
+}
+
+fn sense_of(r: &Rsp) -> Sense {
+    Sense::decode(&r.data[2..]).unwrap()
+}
+
+#[test]
+fn login_in_one_round_trip_answers_every_key() {
+    let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+    let r = h.login(&[
+        ("HeaderDigest", "None,CRC32C"),
+        ("DataDigest", "None"),
+        ("InitialR2T", "No"),
+        ("ImmediateData", "Yes"),
+        ("MaxBurstLength", "262144"),
+        ("FirstBurstLength", "262144"),
+        ("MaxOutstandingR2T", "1"),
+        ("ErrorRecoveryLevel", "0"),
+        ("MaxConnections", "1"),
+        ("X-com.example.Foo", "1"),
+    ]);
+    assert_eq!(r.bhs.u16_at(36), 0);
+    assert!(r.bhs.final_bit(), "T bit set");
+    assert_eq!(r.bhs.flags() & 3, login::STAGE_FULL_FEATURE);
+    assert_ne!(r.bhs.tsih(), 0);
+    assert_eq!(
+        r.bhs.exp_cmdsn(),
+        100,
+        "login is immediate: ExpCmdSN = its CmdSN"
+    );
+    let k = keys_of(&r.data);
+    assert_eq!(key(&k, "HeaderDigest"), Some("None"));
+    assert_eq!(key(&k, "InitialR2T"), Some("No"));
+    assert_eq!(key(&k, "ImmediateData"), Some("Yes"));
+    assert_eq!(key(&k, "MaxBurstLength"), Some("262144"));
+    assert_eq!(key(&k, "X-com.example.Foo"), Some("NotUnderstood"));
+    assert_eq!(key(&k, "TargetPortalGroupTag"), Some("1"));
+    assert!(key(&k, "MaxRecvDataSegmentLength").is_some());
+    assert!(!h.closed);
+}
+
+#[test]
+fn login_errors_have_the_right_status() {
+    let fails = |keys: &[(&str, &str)]| {
+        let mut h = Harness::new(portal_with(
+            Limits::default(),
+            None,
+            None,
+            Acl::Only(vec!["iqn.other".into()]),
+        ));
+        let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
+        let r = h.login_pdu(flags, keys);
+        assert!(h.closed);
+        r[0].bhs.u16_at(36)
+    };
+    assert_eq!(
+        fails(&[("InitiatorName", "iqn.other"), ("TargetName", "iqn.nope")]),
+        login_status::NOT_FOUND
+    );
+    assert_eq!(
+        fails(&[("InitiatorName", INI), ("TargetName", IQN)]),
+        login_status::FORBIDDEN
+    );
+    assert_eq!(
+        fails(&[("TargetName", IQN)]),
+        login_status::MISSING_PARAMETER
+    );
+    assert_eq!(
+        fails(&[("InitiatorName", "iqn.other")]),
+        login_status::MISSING_PARAMETER
+    );
+    assert_eq!(
+        fails(&[
+            ("InitiatorName", "iqn.other"),
+            ("TargetName", IQN),
+            ("TargetName", IQN)
+        ]),
+        login_status::INITIATOR_ERROR
+    );
+    let long = "x".repeat(300);
+    assert_eq!(
+        fails(&[
+            ("InitiatorName", "iqn.other"),
+            ("TargetName", IQN),
+            ("X-long", &long)
+        ]),
+        login_status::INITIATOR_ERROR
+    );
+    // Text without '='.
+    let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+    let mut b = Bhs::new(Opcode::LoginRequest);
+    b.set_immediate(true).set_flags(0x87);
+    let r = h.send(&b, b"InitiatorName\0");
+    assert_eq!(r[0].bhs.u16_at(36), login_status::INITIATOR_ERROR);
+    assert!(h.closed);
+}
+
+#[test]
+fn non_login_pdu_during_login_closes() {
+    let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+    let (_, r) = h.command(&[0; 6], 0x80, 0, &[]);
+    assert!(r.is_empty());
+    assert!(h.closed);
+}
+
+fn chap_login(secret: &str, mutual: bool) -> (Harness, u16) {
+    let chap = ChapSecret {
+        user: "alice".into(),
+        secret: "0123456789abcdef".into(),
+    };
+    let m = ChapSecret {
+        user: "target".into(),
+        secret: "fedcba9876543210".into(),
+    };
+    let mut h = Harness::new(portal_with(
+        Limits::default(),
+        Some(chap),
+        Some(m),
+        Acl::Any,
+    ));
+    let sec_to_op = login::TRANSIT | login::STAGE_OPERATIONAL;
+    let r = h.login_pdu(
+        0,
+        &[
+            ("InitiatorName", INI),
+            ("TargetName", IQN),
+            ("AuthMethod", "CHAP,None"),
+        ],
+    );
+    assert_eq!(key(&keys_of(&r[0].data), "AuthMethod"), Some("CHAP"));
+    let r = h.login_pdu(0, &[("CHAP_A", "7,5")]);
+    let k = keys_of(&r[0].data);
+    assert_eq!(key(&k, "CHAP_A"), Some("5"));
+    let id: u8 = key(&k, "CHAP_I").unwrap().parse().unwrap();
+    let challenge = params::parse_binary(key(&k, "CHAP_C").unwrap()).unwrap();
+    let resp = params::to_hex(&chap_md5(id, secret.as_bytes(), &challenge));
+    let mut keys = vec![("CHAP_N", "alice".to_string()), ("CHAP_R", resp)];
+    if mutual {
+        keys.push(("CHAP_I", "9".into()));
+        keys.push(("CHAP_C", "0x0102030405060708".into()));
+    }
+    let keys: Vec<(&str, &str)> = keys.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let r = h.login_pdu(sec_to_op, &keys);
+    let status = r[0].bhs.u16_at(36);
+    if status == 0 && mutual {
+        let k = keys_of(&r[0].data);
+        assert_eq!(key(&k, "CHAP_N"), Some("target"));
+        let expect = params::to_hex(&chap_md5(9, b"fedcba9876543210", &[1, 2, 3, 4, 5, 6, 7, 8]));
+        assert_eq!(key(&k, "CHAP_R"), Some(expect.as_str()));
+    }
+    (h, status)
+}
+
+#[test]
+fn chap_one_way_mutual_and_wrong_secret() {
+    let (mut h, st) = chap_login("0123456789abcdef", false);
+    assert_eq!(st, 0);
+    let r = h.login_pdu(login::TRANSIT | (1 << 2) | 3, &[]);
+    assert_eq!(r[0].bhs.u16_at(36), 0);
+    assert_ne!(r[0].bhs.tsih(), 0);
+    let (_, st) = chap_login("0123456789abcdef", true);
+    assert_eq!(st, 0);
+    let (h, st) = chap_login("wrong-secret-xx", false);
+    assert_eq!(st, login_status::AUTH_FAILED);
+    assert!(h.closed);
+}
+
+#[test]
+fn chap_cannot_be_skipped() {
+    let chap = ChapSecret {
+        user: "alice".into(),
+        secret: "0123456789abcdef".into(),
+    };
+    let mut h = Harness::new(portal_with(Limits::default(), Some(chap), None, Acl::Any));
+    let r = h.login(&[]);
+    assert_eq!(r.bhs.u16_at(36), login_status::AUTH_FAILED);
+    assert!(h.closed);
+}
+
+#[test]
+fn write_then_read_back_with_immediate_unsolicited_and_r2t() {
+    let mut h = logged_in();
+    // 16 KiB: 8 KiB immediate (MaxRecvDataSegmentLength of the initiator is
+    // irrelevant here: the target's is 256 KiB), the rest unsolicited.
+    let data: Vec<u8> = (0..16384u32).map(|i| (i * 7 + 3) as u8).collect();
+    let mut b = Bhs::new(Opcode::ScsiCommand);
+    let itt = h.next_itt();
+    // F clear: unsolicited Data-Out follows the immediate data.
+    b.set_flags(0x21)
+        .set_itt(itt)
+        .set_expected_data_len(16384)
+        .set_cmdsn(h.cmdsn);
+    h.cmdsn += 1;
+    b.0[32..42].copy_from_slice(&write10(8, 32));
+    let r = h.send(&b, &data[..8192]);
+    assert!(r.is_empty(), "waiting for unsolicited data");
+    let mut d = Bhs::new(Opcode::DataOut);
+    d.set_final(true)
+        .set_itt(itt)
+        .set_ttt(RESERVED_TAG)
+        .set_buffer_offset(8192)
+        .set_datasn(0);
+    let r = h.send(&d, &data[8192..]);
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
+    assert_eq!(r[0].bhs.0[3], status::GOOD);
+
+    let (_, r) = h.command(&read10(8, 32), scsi_cmd_flags(false, true), 16384, &[]);
+    let mut got = Vec::new();
+    for p in &r {
+        assert_eq!(p.bhs.opcode(), Some(Opcode::DataIn));
+        assert_eq!(p.bhs.buffer_offset() as usize, got.len());
+        got.extend_from_slice(&p.data);
+    }
+    assert_eq!(got, data);
+    let last = r.last().unwrap();
+    assert_eq!(last.bhs.flags() & 0x81, 0x81, "F and S on the last Data-In");
+    assert!(
+        r.iter().all(|p| p.data.len() <= 8192),
+        "respects the initiator's MRDSL"
+    );
+}
+
+fn scsi_cmd_flags(write: bool, read: bool) -> u8 {
+    0x80 | if write { 0x20 } else { 0 } | if read { 0x40 } else { 0 } | 1
+}
+
+#[test]
+fn r2t_path_solicits_every_byte() {
+    let mut h = Harness::new(portal_with(
+        Limits {
+            max_burst_len: 4096,
+            max_outstanding_r2t: 2,
+            ..Limits::default()
+        },
+        None,
+        None,
+        Acl::Any,
+    ));
+    h.login(&[
+        ("InitialR2T", "Yes"),
+        ("ImmediateData", "No"),
+        ("MaxBurstLength", "65536"),
+        ("MaxOutstandingR2T", "4"),
+    ]);
+    let data = vec![0xabu8; 16384];
+    let (itt, r) = h.command(&write10(0, 32), scsi_cmd_flags(true, false), 16384, &[]);
+    assert_eq!(r.len(), 2, "MaxOutstandingR2T=2 R2Ts");
+    let mut pending: Vec<Rsp> = r;
+    let mut responses = Vec::new();
+    while let Some(r2t) = pending.pop() {
+        assert_eq!(r2t.bhs.opcode(), Some(Opcode::ReadyToTransfer));
+        let (off, len) = (r2t.bhs.buffer_offset(), r2t.bhs.residual());
+        assert_eq!(len, 4096);
+        let mut d = Bhs::new(Opcode::DataOut);
+        d.set_final(true)
+            .set_itt(itt)
+            .set_ttt(r2t.bhs.ttt())
+            .set_buffer_offset(off)
+            .set_datasn(0);
+        for p in h.send(&d, &data[off as usize..(off + len) as usize]) {
+            if p.bhs.opcode() == Some(Opcode::ReadyToTransfer) {
+                pending.push(p);
+            } else {
+                responses.push(p);
+            }
+        }
+    }
+    assert_eq!(responses.len(), 1);
+    assert_eq!(responses[0].bhs.0[3], status::GOOD);
+}
+
+#[test]
+fn cmdsn_outside_window_is_ignored_and_session_continues() {
+    let mut h = logged_in();
+    let tur = [0u8; 6];
+    let good = h.cmdsn;
+    h.cmdsn = good.wrapping_add(10_000);
+    let (_, r) = h.command(&tur, 0x81, 0, &[]);
+    assert!(r.is_empty(), "too high: dropped");
+    h.cmdsn = good.wrapping_sub(1);
+    let (_, r) = h.command(&tur, 0x81, 0, &[]);
+    assert!(r.is_empty(), "too low: dropped");
+    h.cmdsn = good;
+    let (_, r) = h.command(&tur, 0x81, 0, &[]);
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].bhs.exp_cmdsn(), good.wrapping_add(1));
+    assert!(!h.closed);
+}
+
+#[test]
+fn bad_datasn_fails_the_command() {
+    let mut h = logged_in();
+    let (itt, r) = h.command(&write10(100, 2), 0x21, 1024, &[]);
+    assert!(r.is_empty());
+    let mut d = Bhs::new(Opcode::DataOut);
+    d.set_itt(itt)
+        .set_ttt(RESERVED_TAG)
+        .set_buffer_offset(0)
+        .set_datasn(27);
+    let r = h.send(&d, &[0u8; 512]);
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].bhs.0[3], status::CHECK_CONDITION);
+    assert_eq!(sense_of(&r[0]).key, sense_key::ABORTED_COMMAND);
+    // The rest of that command's data is dropped quietly.
+    d.set_final(true).set_datasn(28).set_buffer_offset(512);
+    assert!(h.send(&d, &[0u8; 512]).is_empty());
+    assert!(!h.closed);
+}
+
+#[test]
+fn write_residuals_follow_libiscsi_rules() {
+    let mut h = logged_in();
+    // EDTL 0 for a one-block write: GOOD, overflow 512, nothing solicited.
+    let (_, r) = h.command(&write10(0, 1), 0xa1, 0, &[]);
+    assert_eq!(
+        (r[0].bhs.0[3], r[0].bhs.flags() & 0x06, r[0].bhs.residual()),
+        (0, 0x04, 512)
+    );
+    // EDTL larger than the CDB: underflow, only the CDB's block written.
+    let (_, r) = h.command(&write10(0, 1), 0xa1, 1024, &[b'b'; 1024]);
+    assert_eq!(
+        (r[0].bhs.0[3], r[0].bhs.flags() & 0x06, r[0].bhs.residual()),
+        (0, 0x02, 512)
+    );
+    // EDTL inside a block: refused, overflow reported.
+    let (_, r) = h.command(&write10(0, 1), 0xa1, 200, &[b'c'; 200]);
+    assert_eq!(
+        (r[0].bhs.0[3], r[0].bhs.flags() & 0x06, r[0].bhs.residual()),
+        (2, 0x04, 312)
+    );
+    let s = sense_of(&r[0]);
+    assert_eq!(
+        (s.key, s.asc, s.ascq),
+        (sense_key::ILLEGAL_REQUEST, 0x0e, 0x03)
+    );
+}
+
+#[test]
+fn read_residuals() {
+    let mut h = logged_in();
+    let (_, r) = h.command(&read10(0, 1), 0xc1, 10000, &[]);
+    let last = r.last().unwrap();
+    assert_eq!(r.iter().map(|p| p.data.len()).sum::<usize>(), 512);
+    assert_eq!((last.bhs.flags() & 0x06, last.bhs.residual()), (0x02, 9488));
+    let (_, r) = h.command(&read10(0, 1), 0xc1, 200, &[]);
+    assert_eq!(r.iter().map(|p| p.data.len()).sum::<usize>(), 200);
+    assert_eq!(
+        (
+            r.last().unwrap().bhs.flags() & 0x06,
+            r.last().unwrap().bhs.residual()
+        ),
+        (0x04, 312)
+    );
+    let (_, r) = h.command(&read10(0, 1), 0xc1, 0, &[]);
+    assert_eq!(
+        (
+            r[0].bhs.opcode(),
+            r[0].bhs.flags() & 0x06,
+            r[0].bhs.residual()
+        ),
+        (Some(Opcode::ScsiResponse), 0x04, 512)
+    );
+}
+
+#[test]
+fn lba_past_the_end_is_check_condition() {
+    let mut h = logged_in();
+    let (_, r) = h.command(&read10(2048, 1), 0xc1, 512, &[]);
+    assert_eq!(r[0].bhs.0[3], status::CHECK_CONDITION);
+    let s = sense_of(&r[0]);
+    assert_eq!((s.key, s.asc), (sense_key::ILLEGAL_REQUEST, 0x21));
+}
+
+#[test]
+fn nop_echo_ping_and_ping_timeout() {
+    let mut h = logged_in();
+    let mut n = Bhs::new(Opcode::NopOut);
+    n.set_immediate(true)
+        .set_final(true)
+        .set_itt(77)
+        .set_ttt(RESERVED_TAG)
+        .set_cmdsn(h.cmdsn);
+    let r = h.send(&n, b"ping-data");
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::NopIn));
+    assert_eq!(r[0].bhs.itt(), 77);
+    assert_eq!(r[0].data, b"ping-data");
+    // Idle: the target pings; answered, nothing happens; unanswered, it closes.
+    h.now += Duration::from_secs(16);
+    h.conn.handle_timeout(h.now);
+    let r = h.drain();
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::NopIn));
+    assert_eq!(r[0].bhs.itt(), RESERVED_TAG);
+    let ttt = r[0].bhs.ttt();
+    let mut a = Bhs::new(Opcode::NopOut);
+    a.set_immediate(true)
+        .set_final(true)
+        .set_itt(RESERVED_TAG)
+        .set_ttt(ttt)
+        .set_cmdsn(h.cmdsn);
+    assert!(h.send(&a, &[]).is_empty());
+    h.now += Duration::from_secs(16);
+    h.conn.handle_timeout(h.now);
+    assert_eq!(h.drain().len(), 1);
+    h.now += Duration::from_secs(31);
+    h.conn.handle_timeout(h.now);
+    h.drain();
+    assert!(h.closed);
+}
+
+#[test]
+fn abort_task_on_a_waiting_write() {
+    let mut h = logged_in();
+    let (itt, r) = h.command(&write10(0, 8), 0x21, 4096, &[]);
+    assert!(r.is_empty());
+    let mut t = Bhs::new(Opcode::TaskMgmtRequest);
+    t.set_immediate(true)
+        .set_flags(0x80 | tmf::ABORT_TASK)
+        .set_itt(500)
+        .set_ttt(itt)
+        .set_cmdsn(h.cmdsn);
+    let r = h.send(&t, &[]);
+    assert_eq!((r.len(), r[0].bhs.0[2]), (1, tmf::RSP_COMPLETE));
+    // Its data now goes nowhere, and no response ever comes for it.
+    let mut d = Bhs::new(Opcode::DataOut);
+    d.set_final(true).set_itt(itt).set_ttt(RESERVED_TAG);
+    assert!(h.send(&d, &[0u8; 4096]).is_empty());
+    // A finished task: "does not exist".
+    t.set_itt(501).set_ttt(12345);
+    assert_eq!(h.send(&t, &[])[0].bhs.0[2], tmf::RSP_NO_TASK);
+    t.set_itt(502).set_flags(0x80 | tmf::TARGET_COLD_RESET);
+    assert_eq!(h.send(&t, &[])[0].bhs.0[2], tmf::RSP_NOT_SUPPORTED);
+}
+
+#[test]
+fn discovery_lists_targets_and_refuses_scsi() {
+    let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+    let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
+    let r = h.login_pdu(
+        flags,
+        &[
+            ("InitiatorName", INI),
+            ("SessionType", "Discovery"),
+            ("MaxBurstLength", "512"),
+        ],
+    );
+    assert_eq!(r[0].bhs.u16_at(36), 0);
+    assert_eq!(
+        key(&keys_of(&r[0].data), "MaxBurstLength"),
+        Some("Irrelevant")
+    );
+    let mut t = Bhs::new(Opcode::TextRequest);
+    t.set_final(true)
+        .set_itt(9)
+        .set_ttt(RESERVED_TAG)
+        .set_cmdsn(h.cmdsn);
+    h.cmdsn += 1;
+    let mut body = Vec::new();
+    text::encode_pair(&mut body, "SendTargets", "All");
+    let r = h.send(&t, &body);
+    let k = keys_of(&r[0].data);
+    assert_eq!(key(&k, "TargetName"), Some(IQN));
+    assert_eq!(key(&k, "TargetAddress"), Some("127.0.0.1:3260,1"));
+    let (_, r) = h.command(&[0; 6], 0x81, 0, &[]);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::Reject));
+}
+
+#[test]
+fn unknown_opcode_is_rejected_and_logout_closes() {
+    let mut h = logged_in();
+    let mut b = Bhs::default();
+    b.0[0] = 0x1c;
+    b.set_itt(3);
+    let r = h.send(&b, &[]);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::Reject));
+    assert_eq!(r[0].bhs.0[2], RejectReason::CommandNotSupported as u8);
+    assert_eq!(&r[0].data[..48], &b.0[..]);
+    let mut l = Bhs::new(Opcode::LogoutRequest);
+    l.set_immediate(true)
+        .set_flags(0x80)
+        .set_itt(4)
+        .set_cmdsn(h.cmdsn);
+    let r = h.send(&l, &[]);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::LogoutResponse));
+    assert_eq!(r[0].bhs.0[2], 0);
+    assert!(h.closed);
+}

@@ -1,0 +1,761 @@
+//! CDB decoding: the table of supported commands (which also drives REPORT
+//! SUPPORTED OPERATION CODES and the reserved-bit check), and the decode of
+//! each CDB into a small `Op` the execute phase runs.
+
+use ramslog_common::scsi_wire::{be16, be32, be64};
+
+use super::sense::{bad_cdb, bad_cdb_bit, SenseReason};
+
+/// Largest READ/WRITE/VERIFY transfer, in bytes (advertised in the Block
+/// Limits VPD page as blocks). Bounds the work one command can demand.
+pub(crate) const MAX_TRANSFER_BYTES: u32 = 16 << 20;
+/// Largest WRITE SAME, in bytes of medium touched; bounds command latency.
+pub(crate) const MAX_WRITE_SAME_BYTES: u64 = 1 << 30;
+/// COMPARE AND WRITE's NUMBER OF LOGICAL BLOCKS is one byte; we can do all of it.
+pub(crate) const MAX_CAW_BLOCKS: u8 = 255;
+
+pub(crate) mod opc {
+    pub const TEST_UNIT_READY: u8 = 0x00;
+    pub const REQUEST_SENSE: u8 = 0x03;
+    pub const READ6: u8 = 0x08;
+    pub const WRITE6: u8 = 0x0a;
+    pub const INQUIRY: u8 = 0x12;
+    pub const MODE_SELECT6: u8 = 0x15;
+    pub const RESERVE6: u8 = 0x16;
+    pub const RELEASE6: u8 = 0x17;
+    pub const MODE_SENSE6: u8 = 0x1a;
+    pub const START_STOP_UNIT: u8 = 0x1b;
+    pub const READ_CAPACITY10: u8 = 0x25;
+    pub const READ10: u8 = 0x28;
+    pub const WRITE10: u8 = 0x2a;
+    pub const WRITE_VERIFY10: u8 = 0x2e;
+    pub const VERIFY10: u8 = 0x2f;
+    pub const PRE_FETCH10: u8 = 0x34;
+    pub const SYNC_CACHE10: u8 = 0x35;
+    pub const WRITE_SAME10: u8 = 0x41;
+    pub const MODE_SELECT10: u8 = 0x55;
+    pub const MODE_SENSE10: u8 = 0x5a;
+    pub const PR_IN: u8 = 0x5e;
+    pub const PR_OUT: u8 = 0x5f;
+    pub const READ16: u8 = 0x88;
+    pub const COMPARE_AND_WRITE: u8 = 0x89;
+    pub const WRITE16: u8 = 0x8a;
+    pub const WRITE_VERIFY16: u8 = 0x8e;
+    pub const VERIFY16: u8 = 0x8f;
+    pub const PRE_FETCH16: u8 = 0x90;
+    pub const SYNC_CACHE16: u8 = 0x91;
+    pub const WRITE_SAME16: u8 = 0x93;
+    pub const SERVICE_ACTION_IN16: u8 = 0x9e;
+    pub const REPORT_LUNS: u8 = 0xa0;
+    pub const MAINTENANCE_IN: u8 = 0xa3;
+    pub const READ12: u8 = 0xa8;
+    pub const WRITE12: u8 = 0xaa;
+    pub const WRITE_VERIFY12: u8 = 0xae;
+    pub const VERIFY12: u8 = 0xaf;
+
+    pub const SA_READ_CAPACITY16: u8 = 0x10;
+    pub const SA_REPORT_SUPPORTED_OPCODES: u8 = 0x0c;
+}
+
+/// One supported command: its CDB usage data (SPC-4 6.35.3: byte 0 is the
+/// opcode, every other byte has a bit set for each bit we look at). A bit
+/// outside the mask is reserved or unsupported (RDPROTECT, ANCHOR, NACA…)
+/// and gets INVALID FIELD IN CDB pointing at it.
+pub(crate) struct CmdInfo {
+    pub usage: &'static [u8],
+    /// Service action, for opcodes that have them.
+    pub sa: Option<u8>,
+}
+
+const fn c(usage: &'static [u8]) -> CmdInfo {
+    CmdInfo { usage, sa: None }
+}
+const fn s(sa: u8, usage: &'static [u8]) -> CmdInfo {
+    CmdInfo {
+        usage,
+        sa: Some(sa),
+    }
+}
+
+// DPO 0x10, FUA 0x08, FUA_NV 0x02 (SBC-3; libiscsi's Write*.Flags sends it).
+const RW10: &[u8] = &[0, 0x1a, 0xff, 0xff, 0xff, 0xff, 0x1f, 0xff, 0xff, 0];
+const RW12: &[u8] = &[
+    0, 0x1a, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x1f, 0,
+];
+const RW16: &[u8] = &[
+    0, 0x1a, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x1f, 0,
+];
+
+macro_rules! with_op {
+    ($op:expr, $b1:expr, $tmpl:expr) => {{
+        const T: &[u8] = $tmpl;
+        const N: usize = T.len();
+        const A: [u8; N] = {
+            let mut a = [0u8; N];
+            let mut i = 0;
+            while i < N {
+                a[i] = T[i];
+                i += 1;
+            }
+            a[0] = $op;
+            a[1] = $b1;
+            a
+        };
+        &A
+    }};
+}
+
+/// Every command we implement, in opcode order (the order REPORT SUPPORTED
+/// OPERATION CODES lists them).
+pub(crate) static COMMANDS: &[CmdInfo] = &[
+    c(&[opc::TEST_UNIT_READY, 0, 0, 0, 0, 0]),
+    c(&[opc::REQUEST_SENSE, 0x01, 0, 0, 0xff, 0]),
+    c(&[opc::READ6, 0x1f, 0xff, 0xff, 0xff, 0]),
+    c(&[opc::WRITE6, 0x1f, 0xff, 0xff, 0xff, 0]),
+    c(&[opc::INQUIRY, 0x01, 0xff, 0xff, 0xff, 0]),
+    c(&[opc::MODE_SELECT6, 0x11, 0, 0, 0xff, 0]),
+    c(&[opc::RESERVE6, 0, 0, 0, 0, 0]),
+    c(&[opc::RELEASE6, 0, 0, 0, 0, 0]),
+    c(&[opc::MODE_SENSE6, 0x08, 0xff, 0xff, 0xff, 0]),
+    c(&[opc::START_STOP_UNIT, 0x01, 0, 0x0f, 0xf7, 0]),
+    c(&[
+        opc::READ_CAPACITY10,
+        0,
+        0xff,
+        0xff,
+        0xff,
+        0xff,
+        0,
+        0,
+        0x01,
+        0,
+    ]),
+    c(with_op!(opc::READ10, 0x1a, RW10)),
+    c(with_op!(opc::WRITE10, 0x1a, RW10)),
+    c(with_op!(opc::WRITE_VERIFY10, 0x12, RW10)),
+    c(with_op!(opc::VERIFY10, 0x16, RW10)),
+    c(with_op!(opc::PRE_FETCH10, 0x02, RW10)),
+    c(with_op!(opc::SYNC_CACHE10, 0x06, RW10)),
+    c(with_op!(opc::WRITE_SAME10, 0x00, RW10)),
+    c(&[opc::MODE_SELECT10, 0x11, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
+    c(&[opc::MODE_SENSE10, 0x18, 0xff, 0xff, 0, 0, 0, 0xff, 0xff, 0]),
+    s(0, &[opc::PR_IN, 0x1f, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
+    s(1, &[opc::PR_IN, 0x1f, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
+    s(2, &[opc::PR_IN, 0x1f, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
+    s(3, &[opc::PR_IN, 0x1f, 0, 0, 0, 0, 0, 0xff, 0xff, 0]),
+    s(
+        0,
+        &[opc::PR_OUT, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    s(
+        1,
+        &[opc::PR_OUT, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    s(
+        2,
+        &[opc::PR_OUT, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    s(
+        3,
+        &[opc::PR_OUT, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    s(
+        4,
+        &[opc::PR_OUT, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    s(
+        5,
+        &[opc::PR_OUT, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    s(
+        6,
+        &[opc::PR_OUT, 0x1f, 0xff, 0, 0, 0xff, 0xff, 0xff, 0xff, 0],
+    ),
+    c(with_op!(opc::READ16, 0x1a, RW16)),
+    c(&[
+        opc::COMPARE_AND_WRITE,
+        0x1a,
+        0xff,
+        0xff,
+        0xff,
+        0xff,
+        0xff,
+        0xff,
+        0xff,
+        0xff,
+        0,
+        0,
+        0,
+        0xff,
+        0x1f,
+        0,
+    ]),
+    c(with_op!(opc::WRITE16, 0x1a, RW16)),
+    c(with_op!(opc::WRITE_VERIFY16, 0x12, RW16)),
+    c(with_op!(opc::VERIFY16, 0x16, RW16)),
+    c(with_op!(opc::PRE_FETCH16, 0x02, RW16)),
+    c(with_op!(opc::SYNC_CACHE16, 0x06, RW16)),
+    c(with_op!(opc::WRITE_SAME16, 0x01, RW16)),
+    s(
+        opc::SA_READ_CAPACITY16,
+        &[
+            opc::SERVICE_ACTION_IN16,
+            0x1f,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0xff,
+            0xff,
+            0xff,
+            0xff,
+            0,
+            0,
+        ],
+    ),
+    c(&[
+        opc::REPORT_LUNS,
+        0,
+        0xff,
+        0,
+        0,
+        0,
+        0xff,
+        0xff,
+        0xff,
+        0xff,
+        0,
+        0,
+    ]),
+    s(
+        opc::SA_REPORT_SUPPORTED_OPCODES,
+        &[
+            opc::MAINTENANCE_IN,
+            0x1f,
+            0x87,
+            0xff,
+            0xff,
+            0xff,
+            0xff,
+            0xff,
+            0xff,
+            0xff,
+            0,
+            0,
+        ],
+    ),
+    c(with_op!(opc::READ12, 0x1a, RW12)),
+    c(with_op!(opc::WRITE12, 0x1a, RW12)),
+    c(with_op!(opc::WRITE_VERIFY12, 0x12, RW12)),
+    c(with_op!(opc::VERIFY12, 0x16, RW12)),
+];
+
+/// Opcodes whose second byte carries a service action.
+pub(crate) fn has_service_actions(opcode: u8) -> bool {
+    matches!(
+        opcode,
+        opc::PR_IN | opc::PR_OUT | opc::SERVICE_ACTION_IN16 | opc::MAINTENANCE_IN
+    )
+}
+
+pub(crate) fn opcode_known(opcode: u8) -> bool {
+    COMMANDS.iter().any(|c| c.usage[0] == opcode)
+}
+
+pub(crate) fn lookup(opcode: u8, sa: Option<u8>) -> Option<&'static CmdInfo> {
+    COMMANDS.iter().find(|c| c.usage[0] == opcode && c.sa == sa)
+}
+
+/// The geometry decode needs; fixed for the life of a LU.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Geometry {
+    pub blocks: u64,
+    pub block_size: u32,
+}
+
+/// A decoded command. Small and Copy: it rides in the `Plan`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    TestUnitReady,
+    RequestSense {
+        desc: bool,
+        alloc: u32,
+    },
+    Inquiry {
+        evpd: bool,
+        page: u8,
+        alloc: u32,
+    },
+    ReportLuns {
+        select: u8,
+        alloc: u32,
+    },
+    StartStop {
+        start: bool,
+    },
+    ReadCapacity10,
+    ReadCapacity16 {
+        alloc: u32,
+    },
+    Read {
+        lba: u64,
+        blocks: u32,
+    },
+    Write {
+        lba: u64,
+        blocks: u32,
+    },
+    WriteVerify {
+        lba: u64,
+        blocks: u32,
+    },
+    Verify {
+        lba: u64,
+        blocks: u32,
+        bytchk: u8,
+    },
+    /// PRE-FETCH and SYNCHRONIZE CACHE: range-checked, then nothing to do
+    /// (every acknowledged write already is in the LUN memory).
+    NoData,
+    WriteSame {
+        lba: u64,
+        blocks: u64,
+        ndob: bool,
+    },
+    CompareAndWrite {
+        lba: u64,
+        blocks: u32,
+    },
+    ModeSense(ModeSenseReq),
+    ModeSelect {
+        ten: bool,
+        len: u32,
+    },
+    PrIn {
+        sa: u8,
+        alloc: u32,
+    },
+    PrOut {
+        sa: u8,
+        scope: u8,
+        ty: u8,
+    },
+    Reserve6,
+    Release6,
+    ReportOpcodes {
+        rctd: bool,
+        options: u8,
+        opcode: u8,
+        sa: u16,
+        alloc: u32,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ModeSenseReq {
+    pub ten: bool,
+    pub dbd: bool,
+    pub llbaa: bool,
+    pub pc: u8,
+    pub page: u8,
+    pub alloc: u32,
+}
+
+/// How a command interacts with reservations (SPC-4 table 47 / SBC-3 table 13).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Access {
+    /// Allowed whatever reservation exists.
+    Free,
+    /// Conflicts with exclusive-access reservations held by others.
+    Read,
+    /// Conflicts with every reservation type held by others.
+    Write,
+    /// PERSISTENT RESERVE OUT: judged by its own rules.
+    PrOut,
+    /// RESERVE(6)/RELEASE(6): judged by their own rules.
+    Spc2,
+}
+
+impl Op {
+    pub fn access(&self) -> Access {
+        match self {
+            Op::TestUnitReady
+            | Op::RequestSense { .. }
+            | Op::Inquiry { .. }
+            | Op::ReportLuns { .. }
+            | Op::ReadCapacity10
+            | Op::ReadCapacity16 { .. }
+            | Op::PrIn { .. }
+            | Op::ReportOpcodes { .. }
+            | Op::StartStop { start: true } => Access::Free,
+            Op::Read { .. } | Op::Verify { .. } | Op::ModeSense(_) => Access::Read,
+            Op::StartStop { start: false }
+            | Op::Write { .. }
+            | Op::WriteVerify { .. }
+            | Op::NoData
+            | Op::WriteSame { .. }
+            | Op::CompareAndWrite { .. }
+            | Op::ModeSelect { .. } => Access::Write,
+            Op::PrOut { .. } => Access::PrOut,
+            Op::Reserve6 | Op::Release6 => Access::Spc2,
+        }
+    }
+
+    /// Commands a RESERVE(6) held by another I_T nexus lets through.
+    pub fn spc2_allowed(&self) -> bool {
+        matches!(
+            self,
+            Op::Inquiry { .. }
+                | Op::ReportLuns { .. }
+                | Op::RequestSense { .. }
+                | Op::Release6
+                | Op::ReportOpcodes { .. }
+        )
+    }
+
+    /// Commands that touch (or report on) the medium and so fail while the
+    /// LU waits for the admin to accept lost content.
+    pub fn needs_medium(&self) -> bool {
+        matches!(
+            self,
+            Op::TestUnitReady
+                | Op::StartStop { start: true }
+                | Op::ReadCapacity10
+                | Op::ReadCapacity16 { .. }
+                | Op::Read { .. }
+                | Op::Write { .. }
+                | Op::WriteVerify { .. }
+                | Op::Verify { .. }
+                | Op::NoData
+                | Op::WriteSame { .. }
+                | Op::CompareAndWrite { .. }
+        )
+    }
+}
+
+/// Commands that neither report nor clear a pending unit attention (SAM-5
+/// 5.14: INQUIRY, REPORT LUNS; REQUEST SENSE returns it as data instead).
+pub(crate) fn ua_exempt(opcode: u8) -> bool {
+    matches!(opcode, opc::INQUIRY | opc::REPORT_LUNS | opc::REQUEST_SENSE)
+}
+
+/// What decode produces; `Plan` is built from it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Decoded {
+    pub op: Op,
+    pub data_out_len: u32,
+    pub data_in_len: u32,
+    /// Data-out goes straight to the store at this byte offset.
+    pub out_to_store: Option<u64>,
+    /// The initiator's expected transfer length must equal `data_out_len`.
+    pub exact_out: bool,
+}
+
+impl Decoded {
+    fn none(op: Op) -> Self {
+        Decoded {
+            op,
+            data_out_len: 0,
+            data_in_len: 0,
+            out_to_store: None,
+            exact_out: false,
+        }
+    }
+    fn data_in(op: Op, len: u32) -> Self {
+        Decoded {
+            data_in_len: len,
+            ..Decoded::none(op)
+        }
+    }
+    fn data_out(op: Op, len: u32) -> Self {
+        Decoded {
+            data_out_len: len,
+            ..Decoded::none(op)
+        }
+    }
+}
+
+/// Check the opcode, service action, CDB length and reserved bits.
+pub(crate) fn check_cdb(cdb: &[u8]) -> Result<&'static CmdInfo, SenseReason> {
+    let opcode = *cdb.first().ok_or(SenseReason::InvalidOpcode)?;
+    let info = if has_service_actions(opcode) {
+        let sa = cdb.get(1).map_or(0, |b| b & 0x1f);
+        lookup(opcode, Some(sa)).ok_or(bad_cdb_bit(1, 4))?
+    } else {
+        lookup(opcode, None).ok_or(SenseReason::InvalidOpcode)?
+    };
+    let body = cdb.get(..info.usage.len()).ok_or(bad_cdb(0))?;
+    for (i, (&b, &mask)) in body.iter().zip(info.usage).enumerate().skip(1) {
+        let extra = b & !mask;
+        if extra != 0 {
+            // Point at the highest offending bit.
+            let bit = 7 - extra.leading_zeros() as u8;
+            return Err(bad_cdb_bit(i as u16, bit));
+        }
+    }
+    Ok(info)
+}
+
+fn check_range(geo: Geometry, lba: u64, blocks: u64) -> Result<(), SenseReason> {
+    match lba.checked_add(blocks) {
+        Some(end) if lba < geo.blocks && end <= geo.blocks => Ok(()),
+        _ => Err(SenseReason::LbaOutOfRange),
+    }
+}
+
+/// Blocks → bytes for a data transfer, enforcing MAXIMUM TRANSFER LENGTH.
+fn xfer_bytes(geo: Geometry, blocks: u32, len_byte: u16) -> Result<u32, SenseReason> {
+    let bytes = u64::from(blocks) * u64::from(geo.block_size);
+    if bytes > u64::from(MAX_TRANSFER_BYTES) {
+        return Err(bad_cdb(len_byte));
+    }
+    Ok(bytes as u32)
+}
+
+/// Decode a CDB already accepted by `check_cdb`.
+pub(crate) fn decode(cdb: &[u8], geo: Geometry) -> Result<Decoded, SenseReason> {
+    check_cdb(cdb)?;
+    let b = |i: usize| cdb.get(i).copied().unwrap_or(0);
+    let bs = geo.block_size;
+    let d = match b(0) {
+        opc::TEST_UNIT_READY => Decoded::none(Op::TestUnitReady),
+        opc::REQUEST_SENSE => {
+            let alloc = u32::from(b(4));
+            Decoded::data_in(
+                Op::RequestSense {
+                    desc: b(1) & 1 != 0,
+                    alloc,
+                },
+                alloc,
+            )
+        }
+        opc::INQUIRY => {
+            let evpd = b(1) & 1 != 0;
+            let page = b(2);
+            if !evpd && page != 0 {
+                return Err(bad_cdb(2));
+            }
+            if evpd && !super::inquiry::VPD_PAGES.contains(&page) {
+                return Err(bad_cdb(2));
+            }
+            let alloc = u32::from(be16(cdb, 3));
+            Decoded::data_in(Op::Inquiry { evpd, page, alloc }, alloc)
+        }
+        opc::REPORT_LUNS => {
+            let select = b(2);
+            if select > 2 {
+                return Err(bad_cdb(2));
+            }
+            let alloc = be32(cdb, 6);
+            Decoded::data_in(Op::ReportLuns { select, alloc }, alloc)
+        }
+        opc::START_STOP_UNIT => Decoded::none(Op::StartStop {
+            start: b(4) & 1 != 0,
+        }),
+        opc::READ_CAPACITY10 => {
+            if b(8) & 1 == 0 && be32(cdb, 2) != 0 {
+                return Err(bad_cdb(2));
+            }
+            Decoded::data_in(Op::ReadCapacity10, 8)
+        }
+        opc::SERVICE_ACTION_IN16 => {
+            let alloc = be32(cdb, 10);
+            Decoded::data_in(Op::ReadCapacity16 { alloc }, alloc)
+        }
+        opc::READ6 | opc::WRITE6 => {
+            let lba = u64::from(u32::from(b(1) & 0x1f) << 16 | u32::from(be16(cdb, 2)));
+            // SBC: a TRANSFER LENGTH of 0 in the 6-byte CDBs means 256 blocks.
+            let blocks = if b(4) == 0 { 256 } else { u32::from(b(4)) };
+            rw(b(0) == opc::WRITE6, geo, lba, blocks, 4)?
+        }
+        opc::READ10 | opc::WRITE10 => rw(
+            b(0) == opc::WRITE10,
+            geo,
+            u64::from(be32(cdb, 2)),
+            u32::from(be16(cdb, 7)),
+            7,
+        )?,
+        opc::READ12 | opc::WRITE12 => rw(
+            b(0) == opc::WRITE12,
+            geo,
+            u64::from(be32(cdb, 2)),
+            be32(cdb, 6),
+            6,
+        )?,
+        opc::READ16 | opc::WRITE16 => {
+            rw(b(0) == opc::WRITE16, geo, be64(cdb, 2), be32(cdb, 10), 10)?
+        }
+        opc::WRITE_VERIFY10 | opc::WRITE_VERIFY12 | opc::WRITE_VERIFY16 => {
+            let (lba, blocks, len_byte) = lba_len(cdb);
+            check_range(geo, lba, u64::from(blocks))?;
+            let bytes = xfer_bytes(geo, blocks, len_byte)?;
+            Decoded::data_out(Op::WriteVerify { lba, blocks }, bytes)
+        }
+        opc::VERIFY10 | opc::VERIFY12 | opc::VERIFY16 => {
+            let (lba, blocks, len_byte) = lba_len(cdb);
+            let bytchk = (b(1) >> 1) & 3;
+            if bytchk == 2 {
+                return Err(bad_cdb_bit(1, 2));
+            }
+            check_range(geo, lba, u64::from(blocks))?;
+            let out = match (bytchk, blocks) {
+                (0, _) | (_, 0) => 0,
+                (1, _) => xfer_bytes(geo, blocks, len_byte)?,
+                _ => bs,
+            };
+            Decoded::data_out(
+                Op::Verify {
+                    lba,
+                    blocks,
+                    bytchk,
+                },
+                out,
+            )
+        }
+        opc::PRE_FETCH10 | opc::PRE_FETCH16 | opc::SYNC_CACHE10 | opc::SYNC_CACHE16 => {
+            let (lba, blocks, _) = lba_len(cdb);
+            // NUMBER OF LOGICAL BLOCKS 0 means "to the end of the medium".
+            check_range(geo, lba, u64::from(blocks))?;
+            Decoded::none(Op::NoData)
+        }
+        opc::WRITE_SAME10 | opc::WRITE_SAME16 => {
+            let (lba, n, len_byte) = lba_len(cdb);
+            let ndob = b(0) == opc::WRITE_SAME16 && b(1) & 1 != 0;
+            check_range(geo, lba, u64::from(n))?;
+            let blocks = if n == 0 {
+                geo.blocks - lba
+            } else {
+                u64::from(n)
+            };
+            if blocks * u64::from(bs) > MAX_WRITE_SAME_BYTES {
+                return Err(bad_cdb(len_byte));
+            }
+            Decoded {
+                exact_out: !ndob,
+                ..Decoded::data_out(
+                    Op::WriteSame { lba, blocks, ndob },
+                    if ndob { 0 } else { bs },
+                )
+            }
+        }
+        opc::COMPARE_AND_WRITE => {
+            let lba = be64(cdb, 2);
+            let blocks = u32::from(b(13));
+            check_range(geo, lba, u64::from(blocks))?;
+            Decoded {
+                exact_out: true,
+                ..Decoded::data_out(Op::CompareAndWrite { lba, blocks }, 2 * blocks * bs)
+            }
+        }
+        opc::MODE_SENSE6 | opc::MODE_SENSE10 => {
+            let ten = b(0) == opc::MODE_SENSE10;
+            let req = ModeSenseReq {
+                ten,
+                dbd: b(1) & 0x08 != 0,
+                llbaa: ten && b(1) & 0x10 != 0,
+                pc: b(2) >> 6,
+                page: b(2) & 0x3f,
+                alloc: if ten {
+                    u32::from(be16(cdb, 7))
+                } else {
+                    u32::from(b(4))
+                },
+            };
+            super::mode::check_sense_request(&req, b(3))?;
+            Decoded::data_in(Op::ModeSense(req), req.alloc)
+        }
+        opc::MODE_SELECT6 | opc::MODE_SELECT10 => {
+            let ten = b(0) == opc::MODE_SELECT10;
+            if b(1) & 1 != 0 {
+                return Err(SenseReason::SavingParamsNotSupported);
+            }
+            let len = if ten {
+                u32::from(be16(cdb, 7))
+            } else {
+                u32::from(b(4))
+            };
+            Decoded::data_out(Op::ModeSelect { ten, len }, len)
+        }
+        opc::PR_IN => {
+            let alloc = u32::from(be16(cdb, 7));
+            Decoded::data_in(
+                Op::PrIn {
+                    sa: b(1) & 0x1f,
+                    alloc,
+                },
+                alloc,
+            )
+        }
+        opc::PR_OUT => {
+            let len = be32(cdb, 5);
+            // Without SPEC_I_PT (unsupported) every service action we take
+            // has a 24-byte parameter list (SPC-4 6.17.3).
+            if len != 24 {
+                return Err(SenseReason::ParamListLengthError);
+            }
+            Decoded::data_out(
+                Op::PrOut {
+                    sa: b(1) & 0x1f,
+                    scope: b(2) >> 4,
+                    ty: b(2) & 0x0f,
+                },
+                len,
+            )
+        }
+        opc::RESERVE6 => Decoded::none(Op::Reserve6),
+        opc::RELEASE6 => Decoded::none(Op::Release6),
+        opc::MAINTENANCE_IN => {
+            let options = b(2) & 0x07;
+            if options > 3 {
+                return Err(bad_cdb_bit(2, 2));
+            }
+            let alloc = be32(cdb, 6);
+            let op = Op::ReportOpcodes {
+                rctd: b(2) & 0x80 != 0,
+                options,
+                opcode: b(3),
+                sa: be16(cdb, 4),
+                alloc,
+            };
+            super::opcodes::check_request(&op)?;
+            Decoded::data_in(op, alloc)
+        }
+        _ => return Err(SenseReason::InvalidOpcode),
+    };
+    Ok(d)
+}
+
+/// LBA, length and the byte offset of the length field, for the 10/12/16
+/// byte forms of the block commands.
+fn lba_len(cdb: &[u8]) -> (u64, u32, u16) {
+    // The opcode's group code gives the CDB size (SPC-4 4.2.5.1).
+    match cdb.first().map(|op| op >> 5) {
+        Some(4) => (be64(cdb, 2), be32(cdb, 10), 10),
+        Some(5) => (u64::from(be32(cdb, 2)), be32(cdb, 6), 6),
+        _ => (u64::from(be32(cdb, 2)), u32::from(be16(cdb, 7)), 7),
+    }
+}
+
+fn rw(
+    write: bool,
+    geo: Geometry,
+    lba: u64,
+    blocks: u32,
+    len_byte: u16,
+) -> Result<Decoded, SenseReason> {
+    check_range(geo, lba, u64::from(blocks))?;
+    let bytes = xfer_bytes(geo, blocks, len_byte)?;
+    let offset = lba * u64::from(geo.block_size);
+    Ok(if write {
+        Decoded {
+            out_to_store: (bytes > 0).then_some(offset),
+            ..Decoded::data_out(Op::Write { lba, blocks }, bytes)
+        }
+    } else {
+        Decoded::data_in(Op::Read { lba, blocks }, bytes)
+    })
+}

@@ -1,0 +1,125 @@
+//! INQUIRY (standard data and VPD pages) and REPORT LUNS.
+
+use super::cdb::{Geometry, MAX_CAW_BLOCKS, MAX_TRANSFER_BYTES, MAX_WRITE_SAME_BYTES};
+use super::Identity;
+
+pub(crate) const VENDOR: &[u8; 8] = b"RAMSLOG ";
+pub(crate) const PRODUCT: &[u8; 16] = b"RAMDISK         ";
+pub(crate) const REVISION: &[u8; 4] = b"0001";
+
+/// VPD pages we serve, in the order page 00h lists them. No B2h: the LU is
+/// fully provisioned, so we do not advertise logical block provisioning.
+pub(crate) const VPD_PAGES: [u8; 6] = [0x00, 0x80, 0x83, 0x86, 0xb0, 0xb1];
+
+/// Peripheral qualifier 011b / device type 1Fh: "no LU at this LUN".
+const NO_LU: u8 = 0x7f;
+const SBC_DISK: u8 = 0x00;
+
+/// Standard INQUIRY data (SPC-4 6.6.2), 96 bytes.
+pub(crate) fn standard(out: &mut Vec<u8>, present: bool) {
+    let start = out.len();
+    out.resize(start + 96, 0);
+    let d = &mut out[start..];
+    d[0] = if present { SBC_DISK } else { NO_LU };
+    d[2] = 0x06; // SPC-4
+    d[3] = 0x12; // HISUP, response data format 2
+    d[4] = 96 - 5;
+    d[7] = 0x02; // CMDQUE
+    d[8..16].copy_from_slice(VENDOR);
+    d[16..32].copy_from_slice(PRODUCT);
+    d[32..36].copy_from_slice(REVISION);
+    // Version descriptors: SAM-5, iSCSI, SPC-4, SBC-3. libiscsi's test tool
+    // enables its SBC-3 checks (READ CAPACITY 16, 60-byte Block Limits) on 04C0h.
+    for (i, v) in [0x00a0u16, 0x0960, 0x0460, 0x04c0].iter().enumerate() {
+        d[58 + 2 * i..60 + 2 * i].copy_from_slice(&v.to_be_bytes());
+    }
+}
+
+/// VPD page header + body; `body` fills in the page after the 4-byte header.
+fn page(out: &mut Vec<u8>, pdt: u8, code: u8, body: impl FnOnce(&mut Vec<u8>)) {
+    let start = out.len();
+    out.extend_from_slice(&[pdt, code, 0, 0]);
+    body(out);
+    let len = (out.len() - start - 4) as u16;
+    out[start + 2..start + 4].copy_from_slice(&len.to_be_bytes());
+}
+
+/// VPD pages for a LU that does not exist: just the header.
+pub(crate) fn absent_vpd(out: &mut Vec<u8>, code: u8) {
+    page(out, NO_LU, code, |_| {});
+}
+
+pub(crate) fn vpd(out: &mut Vec<u8>, code: u8, id: &Identity, geo: Geometry) {
+    let bs = geo.block_size;
+    match code {
+        0x00 => page(out, SBC_DISK, code, |o| o.extend_from_slice(&VPD_PAGES)),
+        0x80 => page(out, SBC_DISK, code, |o| {
+            o.extend_from_slice(id.serial.as_bytes())
+        }),
+        0x83 => page(out, SBC_DISK, code, |o| {
+            // NAA designator: binary code set, LU association, type 3.
+            o.extend_from_slice(&[0x01, 0x03, 0x00, 8]);
+            o.extend_from_slice(&id.naa);
+            // T10 vendor ID designator: ASCII, LU association, type 1.
+            let t10_len = (VENDOR.len() + id.serial.len()) as u8;
+            o.extend_from_slice(&[0x02, 0x01, 0x00, t10_len]);
+            o.extend_from_slice(VENDOR);
+            o.extend_from_slice(id.serial.as_bytes());
+            // Relative target port 1: iSCSI protocol id, PIV, target port
+            // association, type 4. We expose exactly one target port.
+            o.extend_from_slice(&[0x51, 0x94, 0x00, 4, 0, 0, 0, 1]);
+        }),
+        0x86 => page(out, SBC_DISK, code, |o| {
+            let mut b = [0u8; 60];
+            b[1] = 0x01; // SIMPSUP: SIMPLE task attribute supported
+            o.extend_from_slice(&b);
+        }),
+        0xb0 => page(out, SBC_DISK, code, |o| {
+            let mut b = [0u8; 60];
+            // b[0] bit 0 WSNZ = 0: WRITE SAME with 0 blocks means "to the end".
+            b[1] = MAX_CAW_BLOCKS;
+            b[2..4].copy_from_slice(&1u16.to_be_bytes()); // OPTIMAL TRANSFER LENGTH GRANULARITY
+            b[4..8].copy_from_slice(&(MAX_TRANSFER_BYTES / bs).to_be_bytes());
+            // MAXIMUM UNMAP LBA COUNT / BLOCK DESCRIPTOR COUNT stay 0: no UNMAP.
+            b[32..40].copy_from_slice(&(MAX_WRITE_SAME_BYTES / u64::from(bs)).to_be_bytes());
+            o.extend_from_slice(&b);
+        }),
+        0xb1 => page(out, SBC_DISK, code, |o| {
+            let mut b = [0u8; 60];
+            b[0..2].copy_from_slice(&1u16.to_be_bytes()); // non-rotating medium
+            o.extend_from_slice(&b);
+        }),
+        _ => absent_vpd(out, code),
+    }
+}
+
+/// LUN field encoding (SAM-5 4.7): peripheral addressing below 256, flat
+/// space addressing up to 16383, extended flat beyond that (not expected).
+pub fn encode_lun(lun: u64) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    if lun < 256 {
+        b[1] = lun as u8;
+    } else if lun < 0x4000 {
+        b[0] = 0x40 | (lun >> 8) as u8;
+        b[1] = lun as u8;
+    } else {
+        // Extended flat space, 3-byte LUN (SAM-5 4.7.7.4).
+        b[0] = 0xd2;
+        b[1] = (lun >> 16) as u8;
+        b[2] = (lun >> 8) as u8;
+        b[3] = lun as u8;
+    }
+    b
+}
+
+pub(crate) fn report_luns(out: &mut Vec<u8>, select: u8, luns: impl Iterator<Item = u64>) {
+    out.extend_from_slice(&[0; 8]);
+    // SELECT REPORT 01h asks for well-known LUNs only; we have none.
+    if select != 1 {
+        for lun in luns {
+            out.extend_from_slice(&encode_lun(lun));
+        }
+    }
+    let len = (out.len() - 8) as u32;
+    out[0..4].copy_from_slice(&len.to_be_bytes());
+}

@@ -1,0 +1,269 @@
+//! iSCSI over TCP: a thin tokio driver around the sans-IO engine.
+//!
+//! Per connection: read bytes into one buffer, cut whole PDUs out of it (the
+//! read is cancel-safe, so timers and termination can interrupt it), hand them
+//! to the engine, and write everything the engine queued in one batch.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use ramslog_common::iscsi::{digest, padded, Bhs, PduLayout, BHS_LEN};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+
+use crate::engine::{Action, ConnInfo, Connection, OutData, OutPdu};
+use crate::portal::{Portal, SessionControl};
+
+/// Largest AHS the 8-bit TotalAHSLength field allows.
+const MAX_AHS: usize = 255 * 4;
+
+struct TcpControl {
+    terminated: AtomicBool,
+    notify: Notify,
+}
+
+impl SessionControl for TcpControl {
+    fn terminate(&self) {
+        self.terminated.store(true, Ordering::Release);
+        self.notify.notify_one();
+    }
+}
+
+/// Accept connections forever.
+pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let portal = portal.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = run_connection(stream, peer, portal).await {
+                        tracing::debug!(%peer, "connection ended: {e}");
+                    }
+                });
+            }
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!("accept failed: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn run_connection(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    portal: Arc<Portal>,
+) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let local = stream.local_addr()?;
+    tracing::debug!(%peer, "connection accepted");
+    let control = Arc::new(TcpControl {
+        terminated: AtomicBool::new(false),
+        notify: Notify::new(),
+    });
+    let mut conn = Connection::new(
+        portal,
+        ConnInfo { local, peer },
+        control.clone(),
+        Instant::now(),
+    );
+    let mut rx = RxBuffer::new();
+    let mut wbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
+    let result = loop {
+        if drain_actions(&mut conn, &mut wbuf) {
+            let _ = stream.write_all(&wbuf).await;
+            break Ok(());
+        }
+        if !wbuf.is_empty() {
+            if let Err(e) = stream.write_all(&wbuf).await {
+                break Err(e);
+            }
+            wbuf.clear();
+        }
+        if control.terminated.load(Ordering::Acquire) {
+            break Ok(());
+        }
+        let deadline = conn.poll_timeout();
+        tokio::select! {
+            r = stream.read(rx.spare()) => match r {
+                Ok(0) => break Ok(()),
+                Ok(n) => {
+                    rx.filled(n);
+                    if let Err(e) = process_pdus(&mut conn, &mut rx) {
+                        if !matches!(e, RxError::Closed) {
+                            tracing::info!(%peer, "closing connection: {e}");
+                        }
+                        let _ = drain_actions(&mut conn, &mut wbuf);
+                        let _ = stream.write_all(&wbuf).await;
+                        break Ok(());
+                    }
+                }
+                Err(e) => break Err(e),
+            },
+            _ = sleep_until(deadline) => conn.handle_timeout(Instant::now()),
+            _ = control.notify.notified() => break Ok(()),
+        }
+    };
+    conn.shutdown();
+    result
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Encode queued PDUs into `wbuf`; true when the engine asked to close.
+fn drain_actions(conn: &mut Connection, wbuf: &mut Vec<u8>) -> bool {
+    while let Some(action) = conn.poll_action() {
+        match action {
+            Action::Send(pdu) => encode_pdu(conn, &pdu, wbuf),
+            Action::Close => return true,
+        }
+    }
+    false
+}
+
+fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) {
+    let start = wbuf.len();
+    wbuf.extend_from_slice(&pdu.bhs.0);
+    if pdu.header_digest {
+        let d = digest::header(&wbuf[start..], &[]);
+        wbuf.extend_from_slice(&digest::to_wire(d));
+    }
+    let data_start = wbuf.len();
+    match &pdu.data {
+        OutData::None => return,
+        OutData::Owned(v) => wbuf.extend_from_slice(v),
+        OutData::Store { lun, offset, len } => {
+            wbuf.resize(data_start + *len as usize, 0);
+            if !conn.read_store(*lun, *offset, &mut wbuf[data_start..]) {
+                // The engine checked the range; this cannot happen short of a bug.
+                tracing::error!(lun, offset, len, "Data-In range outside the LUN");
+            }
+        }
+    }
+    let data_len = wbuf.len() - data_start;
+    wbuf.resize(data_start + padded(data_len), 0);
+    if pdu.data_digest {
+        let d = digest::data(&wbuf[data_start..data_start + data_len]);
+        wbuf.extend_from_slice(&digest::to_wire(d));
+    }
+}
+
+/// A receive buffer that holds at least one whole PDU.
+struct RxBuffer {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl RxBuffer {
+    fn new() -> RxBuffer {
+        RxBuffer {
+            buf: vec![0; 64 * 1024],
+            start: 0,
+            end: 0,
+        }
+    }
+    fn data(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+    fn consume(&mut self, n: usize) {
+        self.start += n;
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+    }
+    fn filled(&mut self, n: usize) {
+        self.end += n;
+    }
+    /// Make room for at least `need` unread bytes, then return the free tail.
+    fn reserve(&mut self, need: usize) {
+        if self.start > 0 && self.buf.len() - self.start < need.max(BHS_LEN) {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        if self.buf.len() < need {
+            self.buf.resize(need, 0);
+        }
+    }
+    fn spare(&mut self) -> &mut [u8] {
+        if self.end == self.buf.len() {
+            self.reserve(self.end - self.start + 4096);
+        }
+        &mut self.buf[self.end..]
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum RxError {
+    #[error("header digest mismatch")]
+    HeaderDigest,
+    #[error("data segment of {0} bytes exceeds MaxRecvDataSegmentLength")]
+    Oversized(u32),
+    #[error("engine closed the connection")]
+    Closed,
+}
+
+/// Hand every complete PDU in the buffer to the engine.
+fn process_pdus(conn: &mut Connection, rx: &mut RxBuffer) -> Result<(), RxError> {
+    loop {
+        if conn.is_closed() {
+            return Err(RxError::Closed);
+        }
+        let avail = rx.data();
+        if avail.len() < BHS_LEN {
+            rx.reserve(BHS_LEN);
+            return Ok(());
+        }
+        let mut raw = [0u8; BHS_LEN];
+        raw.copy_from_slice(&avail[..BHS_LEN]);
+        // Unknown opcodes still get a Reject from the engine, so no decode() here.
+        let bhs = Bhs(raw);
+        let (hd, dd) = conn.rx_digests();
+        let layout = PduLayout::of(&bhs, hd, dd);
+        if bhs.data_segment_len() > conn.max_rx_data_segment() {
+            conn.handle_oversized(Instant::now(), &bhs);
+            return Err(RxError::Oversized(bhs.data_segment_len()));
+        }
+        let header_len = BHS_LEN + layout.header_rest();
+        let total = header_len + layout.data_wire_len();
+        if avail.len() < total {
+            rx.reserve(total.max(BHS_LEN + MAX_AHS));
+            return Ok(());
+        }
+        let ahs = &avail[BHS_LEN..BHS_LEN + layout.ahs_len];
+        if hd {
+            let got = digest::from_wire(
+                avail[header_len - 4..header_len]
+                    .try_into()
+                    .unwrap_or_default(),
+            );
+            if got != digest::header(&avail[..BHS_LEN], ahs) {
+                // Lengths can no longer be trusted: the stream is lost (RFC 7143 7.8).
+                return Err(RxError::HeaderDigest);
+            }
+        }
+        let data = &avail[header_len..header_len + layout.data_len];
+        let data_ok = !dd
+            || layout.data_len == 0
+            || digest::from_wire(avail[total - 4..total].try_into().unwrap_or_default())
+                == digest::data(data);
+        let now = Instant::now();
+        if data_ok {
+            conn.handle_pdu(now, &bhs, ahs, data);
+        } else {
+            conn.handle_data_digest_error(now, &bhs);
+        }
+        rx.consume(total);
+    }
+}
