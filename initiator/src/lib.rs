@@ -1,2 +1,74 @@
 //! Userspace iSCSI initiator on ramslog-common's codecs.
+//!
+//! Two levels:
+//! - [`Connection`]: one TCP connection, login, and raw PDU send/receive with
+//!   digests and sequence-number bookkeeping. For tests that send hostile input.
+//! - [`Session`]: a logged-in, pipelined session usable from many tasks at once
+//!   (`&self`), with SCSI command helpers. For the bench and data-integrity tests.
 #![deny(unsafe_code)]
+
+pub mod cdb;
+pub mod chap;
+mod conn;
+pub mod datain;
+mod discovery;
+mod error;
+mod login;
+pub mod pdu;
+pub mod seq;
+mod session;
+pub mod url;
+
+pub use conn::{Connection, DEFAULT_PORT};
+pub use datain::{Residual, ScsiResult};
+pub use discovery::discover;
+pub use error::Error;
+pub use login::{
+    ChapParams, Credentials, Digest, LoginOutcome, LoginParams, Negotiated, SessionType,
+    DEFAULT_INITIATOR_NAME,
+};
+pub use pdu::{Digests, Pdu};
+pub use session::Session;
+pub use url::{TargetUrl, Transport};
+
+/// Encode a LUN number as the 8-byte LUN field (SAM-5 4.7): peripheral device
+/// addressing below 256, flat space addressing below 16384.
+pub fn encode_lun(lun: u64) -> Result<u64, Error> {
+    match lun {
+        0..=255 => Ok(lun << 48),
+        256..=0x3fff => Ok((0x4000 | lun) << 48),
+        _ => Err(Error::InvalidArgument(format!(
+            "LUN {lun} needs an addressing method this initiator does not encode"
+        ))),
+    }
+}
+
+/// Decode an 8-byte LUN field to a LUN number (peripheral and flat space
+/// addressing); other forms are returned as the raw 64-bit value.
+pub fn decode_lun(raw: u64) -> u64 {
+    let first = (raw >> 48) as u16;
+    if raw & 0x0000_ffff_ffff_ffff != 0 {
+        return raw;
+    }
+    match first >> 14 {
+        0b00 if first >> 8 == 0 => u64::from(first & 0xff),
+        0b01 => u64::from(first & 0x3fff),
+        _ => raw,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lun_encoding() {
+        assert_eq!(encode_lun(1).unwrap(), 0x0001_0000_0000_0000);
+        assert_eq!(encode_lun(300).unwrap(), 0x412c_0000_0000_0000);
+        assert!(encode_lun(0x4000).is_err());
+        for l in [0u64, 1, 255, 256, 0x3fff] {
+            assert_eq!(decode_lun(encode_lun(l).unwrap()), l);
+        }
+        assert_eq!(decode_lun(0x0001_0000_0000_0001), 0x0001_0000_0000_0001);
+    }
+}

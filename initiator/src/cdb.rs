@@ -1,0 +1,75 @@
+//! CDB builders for the commands the helpers use.
+
+pub const TEST_UNIT_READY: u8 = 0x00;
+pub const INQUIRY: u8 = 0x12;
+pub const SYNCHRONIZE_CACHE_10: u8 = 0x35;
+pub const READ_16: u8 = 0x88;
+pub const WRITE_16: u8 = 0x8a;
+pub const SERVICE_ACTION_IN_16: u8 = 0x9e;
+pub const SA_READ_CAPACITY_16: u8 = 0x10;
+pub const REPORT_LUNS: u8 = 0xa0;
+
+pub fn test_unit_ready() -> [u8; 6] {
+    [TEST_UNIT_READY, 0, 0, 0, 0, 0]
+}
+
+pub fn inquiry(evpd: bool, page: u8, alloc: u16) -> [u8; 6] {
+    let a = alloc.to_be_bytes();
+    [INQUIRY, evpd as u8, page, a[0], a[1], 0]
+}
+
+pub fn read16(lba: u64, blocks: u32) -> [u8; 16] {
+    rw16(READ_16, lba, blocks, false)
+}
+
+pub fn write16(lba: u64, blocks: u32, fua: bool) -> [u8; 16] {
+    rw16(WRITE_16, lba, blocks, fua)
+}
+
+fn rw16(op: u8, lba: u64, blocks: u32, fua: bool) -> [u8; 16] {
+    let mut c = [0u8; 16];
+    c[0] = op;
+    if fua {
+        c[1] = 0x08;
+    }
+    c[2..10].copy_from_slice(&lba.to_be_bytes());
+    c[10..14].copy_from_slice(&blocks.to_be_bytes());
+    c
+}
+
+/// SYNCHRONIZE CACHE (10) of the whole LUN (LBA 0, 0 blocks).
+pub fn sync_cache10() -> [u8; 10] {
+    [SYNCHRONIZE_CACHE_10, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+}
+
+pub fn read_capacity16(alloc: u32) -> [u8; 16] {
+    let mut c = [0u8; 16];
+    c[0] = SERVICE_ACTION_IN_16;
+    c[1] = SA_READ_CAPACITY_16;
+    c[10..14].copy_from_slice(&alloc.to_be_bytes());
+    c
+}
+
+pub fn report_luns(alloc: u32) -> [u8; 12] {
+    let mut c = [0u8; 12];
+    c[0] = REPORT_LUNS;
+    c[6..10].copy_from_slice(&alloc.to_be_bytes());
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts() {
+        let w = write16(0x0102_0304_0506_0708, 8, true);
+        assert_eq!(w[0], 0x8a);
+        assert_eq!(w[1], 0x08);
+        assert_eq!(&w[2..10], &[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(&w[10..14], &[0, 0, 0, 8]);
+        assert_eq!(inquiry(true, 0x83, 255), [0x12, 1, 0x83, 0, 255, 0]);
+        assert_eq!(read_capacity16(32)[13], 32);
+        assert_eq!(report_luns(4096)[8], 0x10);
+    }
+}
