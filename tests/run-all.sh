@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The full test command: installs what the tests need, then runs every tier.
+#   tests/run-all.sh            everything (what CI runs)
+#   tests/run-all.sh --fast     unit + integration + conformance only (a developer's loop)
+# Needs root for apt-get; on a machine that already has the packages it only uses cargo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FAST=0
+[ "${1:-}" = "--fast" ] && FAST=1
+
+step() { printf '\n=== %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
+
+need_pkgs=()
+command -v iscsi-test-cu >/dev/null || need_pkgs+=(libiscsi-bin)
+command -v setpriv >/dev/null || need_pkgs+=(util-linux)
+command -v python3 >/dev/null || need_pkgs+=(python3)
+if ((${#need_pkgs[@]})); then
+  step "installing ${need_pkgs[*]}"
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
+  else
+    echo "missing packages ${need_pkgs[*]}: run as root or install them (apt-get install ${need_pkgs[*]})" >&2
+    exit 1
+  fi
+fi
+command -v cargo-nextest >/dev/null || cargo nextest --version >/dev/null 2>&1 || {
+  step "installing cargo-nextest"; cargo install cargo-nextest --locked -j2; }
+
+step "format and lint"
+cargo fmt --all -- --check
+cargo clippy -j2 --workspace --all-targets -- -D warnings
+
+step "build"
+cargo build -j2 --workspace --all-targets
+
+step "tests: unit, integration, conformance"
+cargo nextest run -j2 --workspace --no-fail-fast
+
+if [ "$FAST" = 1 ]; then exit 0; fi
+
+step "fuzz: every decoder for a bounded time"
+tests/fuzz.sh "${FUZZ_SECONDS:-20}"

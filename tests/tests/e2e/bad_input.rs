@@ -1,0 +1,372 @@
+//! Hostile input, one test per class. Each shows the right Reject, sense or
+//! closed connection, and that the target keeps serving another session with
+//! no block changed.
+
+use ramslog_common::iscsi::{text, Bhs, Opcode, RejectReason, RESERVED_TAG};
+use ramslog_common::scsi_wire::{sense_key, status};
+use ramslog_initiator::{Connection, Error, LoginParams, Pdu, Residual, Session};
+use ramslog_tests::TargetProcess;
+
+use super::*;
+
+const CANARY_LBA: u64 = 1000;
+
+/// A bystander session with a known pattern on the LUN, checked after the abuse.
+struct Bystander {
+    s: Session,
+    pattern: Vec<u8>,
+}
+
+impl Bystander {
+    async fn new(t: &TargetProcess) -> Bystander {
+        let s = open(t, "iqn.2026-11.org.ramslog:bystander").await;
+        let pattern = random_bytes(64 * 1024);
+        s.write(0, CANARY_LBA, &pattern, true)
+            .await
+            .expect("canary write");
+        Bystander { s, pattern }
+    }
+
+    async fn still_fine(&self) {
+        let got = self
+            .s
+            .read(0, CANARY_LBA, 128, 512)
+            .await
+            .expect("bystander read");
+        assert!(got == self.pattern, "a block changed under the bystander");
+    }
+}
+
+async fn raw_login(t: &TargetProcess, tweak: impl FnOnce(&mut LoginParams)) -> Connection {
+    let mut c = Connection::connect(t.addr()).await.expect("connect");
+    let mut p = LoginParams::normal(INITIATOR, t.target_name());
+    tweak(&mut p);
+    c.login(&p).await.expect("login");
+    c
+}
+
+fn scsi_cmd(c: &mut Connection, cdb: &[u8], flags: u8, edtl: u32) -> Bhs {
+    let mut b = Bhs::new(Opcode::ScsiCommand);
+    b.set_flags(flags)
+        .set_itt(c.next_itt())
+        .set_expected_data_len(edtl);
+    b.0[32..32 + cdb.len()].copy_from_slice(cdb);
+    c.fill_sn(&mut b, false);
+    b
+}
+
+async fn expect_reject(c: &mut Connection, reason: RejectReason) -> Pdu {
+    let p = c
+        .recv_pdu_timeout(Duration::from_secs(5))
+        .await
+        .expect("recv")
+        .expect("a Reject");
+    assert_eq!(p.opcode(), Some(Opcode::Reject), "got {:?}", p.bhs);
+    assert_eq!(p.bhs.0[2], reason as u8);
+    assert!(p.data.len() >= 48, "Reject carries the rejected header");
+    p
+}
+
+async fn expect_closed(c: &mut Connection) {
+    loop {
+        match c.recv_pdu_timeout(Duration::from_secs(5)).await {
+            Err(Error::Closed) | Err(Error::Io(_)) => return,
+            Ok(Some(p)) if p.opcode() == Some(Opcode::Reject) => continue,
+            other => panic!("expected the connection to close, got {other:?}"),
+        }
+    }
+}
+
+async fn tur_works(c: &mut Connection) {
+    for _ in 0..3 {
+        let b = scsi_cmd(c, &[0; 6], 0x81, 0);
+        c.send_pdu(&b, &[], &[]).await.expect("send TUR");
+        let p = c
+            .recv_pdu_timeout(Duration::from_secs(5))
+            .await
+            .expect("recv")
+            .expect("TUR response");
+        assert_eq!(p.opcode(), Some(Opcode::ScsiResponse));
+        if p.bhs.0[3] == status::GOOD {
+            return;
+        }
+    }
+    panic!("TEST UNIT READY never succeeded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_opcode_is_rejected() {
+    let t = TargetProcess::start();
+    let by = Bystander::new(&t).await;
+    let mut c = raw_login(&t, |_| {}).await;
+    let mut b = Bhs::default();
+    b.0[0] = 0x1d; // not an iSCSI opcode
+    b.set_itt(7);
+    c.send_pdu(&b, &[], &[]).await.expect("send");
+    let r = expect_reject(&mut c, RejectReason::CommandNotSupported).await;
+    assert_eq!(&r.data[..48], &b.0[..]);
+    // A target-only opcode from the initiator is just as unsupported.
+    let mut b = Bhs::new(Opcode::ScsiResponse);
+    b.set_itt(8);
+    c.send_pdu(&b, &[], &[]).await.expect("send");
+    expect_reject(&mut c, RejectReason::CommandNotSupported).await;
+    tur_works(&mut c).await;
+    by.still_fine().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pdus_of_the_wrong_phase() {
+    let t = TargetProcess::start();
+    let by = Bystander::new(&t).await;
+    // A SCSI command before login: the connection is dropped.
+    let mut c = Connection::connect(t.addr()).await.expect("connect");
+    let b = scsi_cmd(&mut c, &[0; 6], 0x81, 0);
+    c.send_pdu(&b, &[], &[]).await.expect("send");
+    expect_closed(&mut c).await;
+    // A Login Request in full feature phase: Reject, protocol error.
+    let mut c = raw_login(&t, |_| {}).await;
+    let mut l = Bhs::new(Opcode::LoginRequest);
+    l.set_flags(0x87).set_itt(c.next_itt());
+    c.fill_sn(&mut l, true);
+    c.send_pdu(&l, &[], b"InitiatorName=x\0")
+        .await
+        .expect("send");
+    expect_reject(&mut c, RejectReason::ProtocolError).await;
+    // SNACK needs ErrorRecoveryLevel > 0.
+    let mut s = Bhs::new(Opcode::SnackRequest);
+    s.set_final(true).set_itt(RESERVED_TAG);
+    c.send_pdu(&s, &[], &[]).await.expect("send");
+    expect_reject(&mut c, RejectReason::ProtocolError).await;
+    tur_works(&mut c).await;
+    by.still_fine().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_segment_longer_than_negotiated() {
+    let t = TargetProcess::start();
+    let by = Bystander::new(&t).await;
+    let mut c = raw_login(&t, |_| {}).await;
+    let b = scsi_cmd(&mut c, &[0x2a, 0, 0, 0, 0, 0, 0, 0x08, 0, 0], 0xa1, 1 << 20);
+    let big = vec![0x5a; 1 << 20]; // the target declared 256 KiB
+    let _ = c.send_pdu(&b, &[], &big).await;
+    expect_closed(&mut c).await;
+    by.still_fine().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_segment_longer_than_the_bytes_sent() {
+    let t = TargetProcess::start();
+    let by = Bystander::new(&t).await;
+    let mut c = raw_login(&t, |_| {}).await;
+    let mut b = scsi_cmd(&mut c, &[0x2a, 0, 0, 0, 0x03, 0xe8, 0, 0, 8, 0], 0xa1, 4096);
+    b.set_data_segment_len(4096);
+    let mut bytes = b.0.to_vec();
+    bytes.extend_from_slice(&[0xee; 100]);
+    c.send_raw(&bytes).await.expect("send");
+    c.shutdown_write().await.expect("half-close");
+    expect_closed(&mut c).await;
+    by.still_fine().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ahs_length_lies() {
+    let t = TargetProcess::start();
+    let by = Bystander::new(&t).await;
+    let mut c = raw_login(&t, |_| {}).await;
+    let mut b = scsi_cmd(&mut c, &[0; 6], 0x81, 0);
+    // TotalAHSLength says 8 bytes; the AHS inside claims 100.
+    b.0[4] = 2;
+    let mut bytes = b.0.to_vec();
+    bytes.extend_from_slice(&[0, 100, 1, 0, 0, 0, 0, 0]);
+    c.send_raw(&bytes).await.expect("send");
+    expect_reject(&mut c, RejectReason::InvalidPduField).await;
+    tur_works(&mut c).await;
+    by.still_fine().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cmdsn_outside_the_window_is_ignored() {
+    let t = TargetProcess::start();
+    let by = Bystander::new(&t).await;
+    let mut c = raw_login(&t, |_| {}).await;
+    tur_works(&mut c).await;
+    let good = c.next_cmdsn();
+    for sn in [good.wrapping_add(100_000), good.wrapping_sub(1)] {
+        let mut b = scsi_cmd(&mut c, &[0; 6], 0x81, 0);
+        b.set_cmdsn(sn);
+        c.set_next_cmdsn(good);
+        c.send_pdu(&b, &[], &[]).await.expect("send");
+        assert!(
+            c.recv_pdu_timeout(SHORT).await.expect("recv").is_none(),
+            "CmdSN {sn} must be ignored"
+        );
+    }
+    tur_works(&mut c).await;
+    by.still_fine().await;
+}
+
+async fn login_status(t: &TargetProcess, text: &[u8]) -> (u8, u8, Vec<u8>) {
+    let mut c = Connection::connect(t.addr()).await.expect("connect");
+    let mut l = Bhs::new(Opcode::LoginRequest);
+    l.set_immediate(true).set_flags(0x87).set_itt(1);
+    l.0[8..14].copy_from_slice(&[0x80, 9, 9, 9, 0, 1]);
+    c.send_pdu(&l, &[], text).await.expect("send login");
+    let p = c
+        .recv_pdu_timeout(Duration::from_secs(5))
+        .await
+        .expect("recv")
+        .expect("login response");
+    assert_eq!(p.opcode(), Some(Opcode::LoginResponse));
+    (p.bhs.0[36], p.bhs.0[37], p.data)
+}
+
+fn login_text(extra: &[(&str, &str)], name: &str) -> Vec<u8> {
+    let mut t = Vec::new();
+    text::encode_pair(&mut t, "InitiatorName", INITIATOR);
+    text::encode_pair(&mut t, "TargetName", name);
+    for (k, v) in extra {
+        text::encode_pair(&mut t, k, v);
+    }
+    t
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_login_keys() {
+    let t = TargetProcess::start();
+    let by = Bystander::new(&t).await;
+    let name = t.target_name().to_string();
+    let dup = login_text(
+        &[("MaxBurstLength", "65536"), ("MaxBurstLength", "65536")],
+        &name,
+    );
+    assert_eq!(
+        login_status(&t, &dup).await.0,
+        2,
+        "duplicate key: initiator error"
+    );
+    let long = "x".repeat(300);
+    let oversized = login_text(&[("MaxBurstLength", &long)], &name);
+    assert_eq!(
+        login_status(&t, &oversized).await.0,
+        2,
+        "oversized value: initiator error"
+    );
+    let mut no_equals = login_text(&[], &name);
+    no_equals.extend_from_slice(b"ImmediateData\0");
+    assert_eq!(
+        login_status(&t, &no_equals).await.0,
+        2,
+        "key without '=': initiator error"
+    );
+    // An unknown key is answered NotUnderstood and the login goes on.
+    let (class, _, data) =
+        login_status(&t, &login_text(&[("X-org.example.Thing", "1")], &name)).await;
+    assert_eq!(class, 0);
+    let pairs = text::decode(&data).expect("login text");
+    assert!(pairs
+        .iter()
+        .any(|p| p.key == "X-org.example.Thing" && p.value == "NotUnderstood"));
+    // Out-of-range numeric value: that key is rejected, the login goes on.
+    let (class, _, data) = login_status(&t, &login_text(&[("MaxBurstLength", "100")], &name)).await;
+    assert_eq!(class, 0);
+    assert!(text::decode(&data)
+        .expect("text")
+        .iter()
+        .any(|p| p.key == "MaxBurstLength" && p.value == "Reject"));
+    by.still_fine().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_request_without_equals_is_rejected() {
+    let t = TargetProcess::start();
+    let mut c = raw_login(&t, |_| {}).await;
+    let mut b = Bhs::new(Opcode::TextRequest);
+    b.set_final(true)
+        .set_itt(c.next_itt())
+        .set_ttt(RESERVED_TAG);
+    c.fill_sn(&mut b, false);
+    c.send_pdu(&b, &[], b"SendTargets\0").await.expect("send");
+    expect_reject(&mut c, RejectReason::ProtocolError).await;
+    tur_works(&mut c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lba_past_the_end_and_length_mismatch() {
+    let t = TargetProcess::start();
+    let by = Bystander::new(&t).await;
+    let s = open(&t, INITIATOR).await;
+    let last = (256u64 << 20) / 512;
+    let r = s
+        .command(0, &ramslog_initiator::cdb::read16(last, 1), None, 512)
+        .await
+        .expect("cmd");
+    assert_eq!(
+        (r.status, sense(&r)),
+        (
+            status::CHECK_CONDITION,
+            (sense_key::ILLEGAL_REQUEST, 0x21, 0)
+        )
+    );
+    let r = s
+        .command(
+            0,
+            &ramslog_initiator::cdb::write16(last - 1, 2, false),
+            Some(&[0u8; 1024]),
+            0,
+        )
+        .await
+        .expect("cmd");
+    assert_eq!(
+        (r.status, sense(&r)),
+        (
+            status::CHECK_CONDITION,
+            (sense_key::ILLEGAL_REQUEST, 0x21, 0)
+        )
+    );
+    // READ(10) of two blocks with room for one: one block moves, overflow reported.
+    let r = s
+        .command(0, &[0x28, 0, 0, 0, 0x03, 0xe8, 0, 0, 2, 0], None, 512)
+        .await
+        .expect("cmd");
+    assert_eq!(
+        (r.status, r.data.len(), r.residual),
+        (status::GOOD, 512, Residual::Over(512))
+    );
+    by.still_fine().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_dropped_mid_r2t_changes_nothing() {
+    let t = TargetProcess::start();
+    let by = Bystander::new(&t).await;
+    let mut c = raw_login(&t, |p| {
+        p.initial_r2t = true;
+        p.immediate_data = false;
+    })
+    .await;
+    tur_works(&mut c).await;
+    // WRITE(10) of 128 blocks onto the bystander's blocks; send half, then vanish.
+    let lba = (CANARY_LBA as u32).to_be_bytes();
+    let b = scsi_cmd(
+        &mut c,
+        &[0x2a, 0, lba[0], lba[1], lba[2], lba[3], 0, 0, 128, 0],
+        0xa1,
+        65536,
+    );
+    c.send_pdu(&b, &[], &[]).await.expect("send");
+    let r2t = c
+        .recv_pdu_timeout(Duration::from_secs(5))
+        .await
+        .expect("recv")
+        .expect("R2T");
+    assert_eq!(r2t.opcode(), Some(Opcode::ReadyToTransfer));
+    let mut d = Bhs::new(Opcode::DataOut);
+    d.set_itt(b.itt())
+        .set_ttt(r2t.bhs.ttt())
+        .set_buffer_offset(0)
+        .set_datasn(0);
+    c.send_pdu(&d, &[], &[0xdd; 8192]).await.expect("send half");
+    drop(c);
+    tokio::time::sleep(SHORT).await;
+    by.still_fine().await;
+}

@@ -1,0 +1,125 @@
+//! The identity rule: a restart that lost the content keeps the identity but
+//! answers NOT READY (04h/03h) until `accept-empty`, which makes the LUN ready
+//! under a new identity.
+
+use std::path::Path;
+use std::process::Command;
+
+use ramslog_common::scsi_wire::{sense_key, status};
+use ramslog_initiator::cdb;
+use ramslog_tests::{target_binary, TargetOptions, TargetProcess};
+
+use super::*;
+
+async fn vpd(s: &Session, page: u8) -> Vec<u8> {
+    s.inquiry(0, true, page, 255).await.expect("INQUIRY VPD")
+}
+
+fn cli(args: &[&str], state_dir: &Path) -> std::process::Output {
+    Command::new(target_binary())
+        .args(args)
+        .arg("--state-dir")
+        .arg(state_dir)
+        .output()
+        .expect("run ramslog-target subcommand")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_is_not_ready_until_accept_empty() {
+    let dir = std::env::temp_dir().join(format!("ramslog-e2e-identity-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let opts = TargetOptions {
+        ephemeral: false,
+        state_dir: Some(dir.clone()),
+        ..Default::default()
+    };
+
+    let mut t = TargetProcess::start_with(opts.clone());
+    let s = open(&t, INITIATOR).await;
+    let (serial, naa) = (vpd(&s, 0x80).await, vpd(&s, 0x83).await);
+    s.write(0, 0, &[0xa5; 4096], true)
+        .await
+        .expect("write before restart");
+    drop(s);
+    t.stop();
+
+    let t = TargetProcess::start_with(TargetOptions {
+        port: Some(t.port()),
+        ..opts.clone()
+    });
+    let s = Session::login(t.addr(), LoginParams::normal(INITIATOR, t.target_name()))
+        .await
+        .expect("login");
+    // Same identity, so the host recognises the device it wrote to ...
+    assert_eq!(vpd(&s, 0x80).await, serial);
+    assert_eq!(vpd(&s, 0x83).await, naa);
+    // ... and every media access says the content is gone.
+    let mut saw_not_ready = false;
+    for _ in 0..4 {
+        let r = s.test_unit_ready(0).await.expect("TUR");
+        if r.status == status::CHECK_CONDITION && sense(&r) == (sense_key::NOT_READY, 0x04, 0x03) {
+            saw_not_ready = true;
+            break;
+        }
+    }
+    assert!(saw_not_ready, "TEST UNIT READY must report 04h/03h");
+    for (cdb, out, inlen) in [
+        (cdb::read16(0, 8).to_vec(), None, 4096u32),
+        (cdb::write16(8, 8, false).to_vec(), Some(vec![1u8; 4096]), 0),
+        (cdb::sync_cache10().to_vec(), None, 0),
+    ] {
+        let r = s
+            .command(0, &cdb, out.as_deref(), inlen)
+            .await
+            .expect("command");
+        assert_eq!(r.status, status::CHECK_CONDITION);
+        assert_eq!(
+            sense(&r),
+            (sense_key::NOT_READY, 0x04, 0x03),
+            "opcode {:#x}",
+            cdb[0]
+        );
+        assert!(
+            r.data.is_empty(),
+            "no data may come back from a LUN that lost its content"
+        );
+    }
+    let st = cli(&["status"], &dir);
+    assert!(
+        String::from_utf8_lossy(&st.stdout).contains("NOT READY"),
+        "status: {st:?}"
+    );
+
+    let out = cli(&["accept-empty", t.target_name(), "0"], &dir);
+    assert!(
+        out.status.success(),
+        "accept-empty failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bad = cli(&["accept-empty", "iqn.2026-11.org.ramslog:none", "0"], &dir);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("no target named"));
+
+    // The host is told the inquiry data changed, then the LUN is ready and empty.
+    let r = s.test_unit_ready(0).await.expect("TUR");
+    assert_eq!(r.status, status::CHECK_CONDITION);
+    assert_eq!(sense(&r).0, sense_key::UNIT_ATTENTION);
+    clear_unit_attentions(&s).await;
+    assert!(s.test_unit_ready(0).await.expect("TUR").is_good());
+    assert_ne!(vpd(&s, 0x80).await, serial, "new serial after accept-empty");
+    assert_ne!(vpd(&s, 0x83).await, naa, "new NAA after accept-empty");
+    assert_eq!(s.read(0, 0, 8, 512).await.expect("read"), vec![0u8; 4096]);
+    let st = cli(&["status"], &dir);
+    assert!(!String::from_utf8_lossy(&st.stdout).contains("NOT READY"));
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_without_a_daemon_names_the_fix() {
+    let dir = std::env::temp_dir().join(format!("ramslog-e2e-nodaemon-{}", std::process::id()));
+    let out = cli(&["status"], &dir);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is it running?"));
+}

@@ -1,0 +1,150 @@
+//! Start-up refusals: each names the limit or setting and the fix, exits
+//! non-zero, and never panics.
+
+use std::process::{Command, Output};
+
+use ramslog_tests::{find_in_path, free_port, target_binary};
+
+fn run(prefix: &[&str], args: &[&str]) -> Output {
+    let (prog, pre) = match prefix.split_first() {
+        Some((p, rest)) => (p.to_string(), rest.to_vec()),
+        None => (target_binary().display().to_string(), Vec::new()),
+    };
+    let mut cmd = Command::new(prog);
+    cmd.args(pre);
+    if !prefix.is_empty() {
+        cmd.arg(target_binary());
+    }
+    cmd.args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run ramslog-target")
+}
+
+fn refused(out: &Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "should have refused to start; stderr: {err}"
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a clean exit code, not a panic (101) or signal: {err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    for n in needles {
+        assert!(err.contains(n), "stderr should mention {n:?}: {err}");
+    }
+}
+
+#[test]
+fn mlock_limit_is_named_with_the_fix() {
+    let (Some(_), Some(_)) = (find_in_path("prlimit"), find_in_path("setpriv")) else {
+        panic!("prlimit and setpriv (util-linux) are needed; tests/run-all.sh installs them");
+    };
+    let port = free_port().to_string();
+    // Root bypasses RLIMIT_MEMLOCK through CAP_IPC_LOCK: drop it from the bounding set.
+    let out = run(
+        &[
+            "prlimit",
+            "--memlock=65536:65536",
+            "setpriv",
+            "--bounding-set=-ipc_lock",
+            "--inh-caps=-ipc_lock",
+        ],
+        &[
+            "--size",
+            "64M",
+            "--ephemeral",
+            "--hugepages",
+            "off",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ],
+    );
+    refused(
+        &out,
+        &[
+            "RLIMIT_MEMLOCK",
+            "65536",
+            "ulimit -l",
+            "LimitMEMLOCK=infinity",
+        ],
+    );
+}
+
+#[test]
+fn hugepages_require_names_the_reservation() {
+    let free: u64 = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines().find_map(|l| {
+                l.strip_prefix("HugePages_Free:")
+                    .and_then(|v| v.trim().parse().ok())
+            })
+        })
+        .unwrap_or(0);
+    if free >= 64 {
+        eprintln!(
+            "this machine has {free} free huge pages reserved; the refusal cannot be provoked"
+        );
+        return;
+    }
+    let port = free_port().to_string();
+    let out = run(
+        &[],
+        &[
+            "--size",
+            "128M",
+            "--ephemeral",
+            "--hugepages",
+            "require",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ],
+    );
+    refused(&out, &["huge pages", "nr_hugepages", "--hugepages auto"]);
+}
+
+#[test]
+fn non_loopback_without_acl_is_refused() {
+    let out = run(
+        &[],
+        &["--size", "16M", "--ephemeral", "--listen", "0.0.0.0:3260"],
+    );
+    refused(&out, &["--allow", "--allow-any", "CHAP"]);
+}
+
+#[test]
+fn missing_or_bad_settings_name_the_fix() {
+    refused(&run(&[], &["--ephemeral"]), &["--size"]);
+    let out = run(&[], &["--size", "4X", "--ephemeral"]);
+    assert_eq!(out.status.code(), Some(2), "clap usage error");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a size"));
+    let dir = std::env::temp_dir().join(format!("ramslog-e2e-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let cfg = dir.join("bad.toml");
+    std::fs::write(&cfg, "listen = [\"127.0.0.1:3260\"]\nbogus = 1\n").expect("write config");
+    refused(
+        &run(
+            &[],
+            &["--config", cfg.to_str().unwrap_or_default(), "--ephemeral"],
+        ),
+        &["bad.toml", "bogus"],
+    );
+    refused(
+        &run(
+            &[],
+            &[
+                "--size",
+                "16M",
+                "--ephemeral",
+                "--target-name",
+                "not an iqn",
+            ],
+        ),
+        &["not a valid iSCSI name"],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
