@@ -694,3 +694,37 @@ fn unknown_opcode_is_rejected_and_logout_closes() {
     assert_eq!(r[0].bhs.0[2], 0);
     assert!(h.closed);
 }
+
+mod hostile {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Arbitrary PDUs after login never panic the engine, never produce a
+        /// PDU whose length field disagrees with its data, and leave it either
+        /// serving or closed.
+        #[test]
+        fn random_pdus_never_panic(pdus in proptest::collection::vec(
+            (proptest::collection::vec(any::<u8>(), 48), proptest::collection::vec(any::<u8>(), 0..600), 0u8..8),
+            1..24,
+        )) {
+            let mut h = logged_in();
+            for (raw, data, ahs_words) in pdus {
+                let mut b = Bhs(raw.try_into().unwrap());
+                // Mostly real opcodes, so the handlers themselves get exercised.
+                b.0[0] &= 0x47;
+                b.0[4] = ahs_words;
+                let ahs = vec![0u8; ahs_words as usize * 4];
+                b.set_data_segment_len(data.len() as u32);
+                h.conn.handle_pdu(h.now, &b, &ahs, &data);
+                h.drain();
+                if h.closed {
+                    break;
+                }
+            }
+        }
+    }
+}
