@@ -1,96 +1,19 @@
-//! CHAP (RFC 1994) as iSCSI uses it (RFC 7143 12.1.3): MD5 only (CHAP_A=5),
-//! binary values as `0x` hex or `0b` base64.
+//! CHAP for the initiator: the shared codec in ramslog-common, with this
+//! crate's errors.
 
-use md5::{Digest as _, Md5};
+pub use ramslog_common::iscsi::chap::{encode_hex, response};
 
 use crate::Error;
 
-/// CHAP response: MD5(identifier || secret || challenge).
-pub fn response(id: u8, secret: &[u8], challenge: &[u8]) -> [u8; 16] {
-    let mut h = Md5::new();
-    h.update([id]);
-    h.update(secret);
-    h.update(challenge);
-    h.finalize().into()
-}
-
-/// Encode binary as `0x` followed by lower-case hex.
-pub fn encode_hex(bytes: &[u8]) -> String {
-    let mut s = String::with_capacity(2 + bytes.len() * 2);
-    s.push_str("0x");
-    for b in bytes {
-        s.push_str(&format!("{b:02x}"));
-    }
-    s
-}
-
-/// Decode a binary value: `0x`/`0X` hex (odd length allowed, RFC 7143 6.1) or
-/// `0b`/`0B` base64.
+/// Decode a `0x` hex or `0b` base64 binary value from the target.
 pub fn decode_binary(s: &str) -> Result<Vec<u8>, Error> {
-    let bad = || Error::proto(format!("bad CHAP binary value {s:?}"));
-    if let Some(hex) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        if hex.is_empty() {
-            return Err(bad());
-        }
-        let digits: Vec<u8> = hex
-            .chars()
-            .map(|c| c.to_digit(16).map(|d| d as u8))
-            .collect::<Option<_>>()
-            .ok_or_else(bad)?;
-        let mut out = Vec::with_capacity(digits.len().div_ceil(2));
-        let mut iter = digits.iter();
-        if digits.len() % 2 == 1 {
-            out.push(*iter.next().ok_or_else(bad)?);
-        }
-        while let (Some(h), Some(l)) = (iter.next(), iter.next()) {
-            out.push(h << 4 | l);
-        }
-        Ok(out)
-    } else if let Some(b64) = s.strip_prefix("0b").or_else(|| s.strip_prefix("0B")) {
-        decode_base64(b64).ok_or_else(bad)
-    } else {
-        Err(bad())
-    }
+    ramslog_common::iscsi::chap::decode_binary(s)
+        .ok_or_else(|| Error::proto(format!("bad CHAP binary value {s:?}")))
 }
 
-fn decode_base64(s: &str) -> Option<Vec<u8>> {
-    let val = |c: u8| -> Option<u32> {
-        Some(match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => return None,
-        } as u32)
-    };
-    let body = s.trim_end_matches('=');
-    if body.is_empty() || s.len() - body.len() > 2 {
-        return None;
-    }
-    let mut out = Vec::with_capacity(body.len() * 3 / 4);
-    let mut acc = 0u32;
-    let mut bits = 0;
-    for c in body.bytes() {
-        acc = (acc << 6) | val(c)?;
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((acc >> bits) as u8);
-            acc &= (1 << bits) - 1;
-        }
-    }
-    Some(out)
-}
-
-/// Parse a CHAP_I value (decimal, or 0x hex), which must fit in one byte.
+/// Parse a CHAP_I value, which must fit in one byte.
 pub fn parse_identifier(s: &str) -> Result<u8, Error> {
-    let v = if let Some(h) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        u32::from_str_radix(h, 16).ok()
-    } else {
-        s.parse::<u32>().ok()
-    };
-    v.and_then(|v| u8::try_from(v).ok())
+    ramslog_common::iscsi::chap::parse_identifier(s)
         .ok_or_else(|| Error::proto(format!("bad CHAP_I {s:?}")))
 }
 

@@ -1,6 +1,7 @@
 //! iSCSI (RFC 7143) wire format: basic header segment, text keys, digests.
 
 mod bhs;
+pub mod chap;
 pub mod digest;
 pub mod text;
 

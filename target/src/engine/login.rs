@@ -6,11 +6,11 @@
 
 use std::collections::HashSet;
 
-use md5::{Digest, Md5};
+use ramslog_common::iscsi::chap::{self, decode_binary, encode_hex};
 use ramslog_common::iscsi::{login, login_status, text, Bhs};
 use rand::RngCore;
 
-use super::params::{parse_binary, parse_bool, parse_number, to_hex, yes_no, Params};
+use super::params::{parse_bool, parse_number, yes_no, Params};
 use crate::portal::{ChapSecret, Portal};
 
 /// RFC 7143 6.1: values are at most 255 bytes, except binary CHAP values.
@@ -18,7 +18,6 @@ const MAX_VALUE_LEN: usize = 255;
 const MAX_CHAP_VALUE_LEN: usize = 2 + 2 * 1024;
 /// RFC 7143 4.2.7.1: iSCSI names are at most 223 bytes.
 const MAX_NAME_LEN: usize = 223;
-const CHAP_MD5: &str = "5";
 const CHAP_CHALLENGE_LEN: usize = 32;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -262,7 +261,7 @@ impl Login {
                     if self.auth != Auth::ChapAgreed {
                         return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
                     }
-                    if !p.value.split(',').any(|a| a == CHAP_MD5) {
+                    if !p.value.split(',').any(|a| a == chap::ALGORITHM_MD5) {
                         text::encode_pair(&mut out, "CHAP_A", "Reject");
                         return Reply {
                             text: out,
@@ -273,9 +272,9 @@ impl Login {
                     let mut rng = rand::thread_rng();
                     rng.fill_bytes(&mut challenge);
                     let id = (rng.next_u32() & 0xff) as u8;
-                    text::encode_pair(&mut out, "CHAP_A", CHAP_MD5);
+                    text::encode_pair(&mut out, "CHAP_A", chap::ALGORITHM_MD5);
                     text::encode_pair(&mut out, "CHAP_I", &id.to_string());
-                    text::encode_pair(&mut out, "CHAP_C", &to_hex(&challenge));
+                    text::encode_pair(&mut out, "CHAP_C", &encode_hex(&challenge));
                     self.auth = Auth::ChallengeSent { id, challenge };
                 }
                 "CHAP_N" => chap_n = Some(p.value),
@@ -436,9 +435,9 @@ impl Login {
         let secret = self
             .chap_required(portal)
             .ok_or(login_status::INITIATOR_ERROR)?;
-        let response = parse_binary(r).ok_or(login_status::INITIATOR_ERROR)?;
-        let expected = chap_md5(id, secret.secret.as_bytes(), &challenge);
-        if n != secret.user || response != expected {
+        let response = decode_binary(r).ok_or(login_status::INITIATOR_ERROR)?;
+        let expected = chap::response(id, secret.secret.as_bytes(), &challenge);
+        if n != secret.user || response[..] != expected[..] {
             tracing::warn!(user = n, "login refused: CHAP authentication failed");
             return Err(login_status::AUTH_FAILED);
         }
@@ -451,10 +450,8 @@ impl Login {
                     );
                     login_status::AUTH_FAILED
                 })?;
-                let id: u8 = parse_number(i)
-                    .and_then(|v| u8::try_from(v).ok())
-                    .ok_or(login_status::INITIATOR_ERROR)?;
-                let their = parse_binary(c).ok_or(login_status::INITIATOR_ERROR)?;
+                let id = chap::parse_identifier(i).ok_or(login_status::INITIATOR_ERROR)?;
+                let their = decode_binary(c).ok_or(login_status::INITIATOR_ERROR)?;
                 if their == challenge {
                     tracing::warn!(
                         "login refused: initiator reflected the target's CHAP challenge"
@@ -465,7 +462,7 @@ impl Login {
                 text::encode_pair(
                     out,
                     "CHAP_R",
-                    &to_hex(&chap_md5(id, mutual.secret.as_bytes(), &their)),
+                    &encode_hex(&chap::response(id, mutual.secret.as_bytes(), &their)),
                 );
             }
             _ => return Err(login_status::INITIATOR_ERROR),
@@ -473,15 +470,6 @@ impl Login {
         self.auth = Auth::Done;
         Ok(())
     }
-}
-
-/// RFC 1994: MD5 over identifier, secret and challenge.
-pub fn chap_md5(id: u8, secret: &[u8], challenge: &[u8]) -> Vec<u8> {
-    let mut h = Md5::new();
-    h.update([id]);
-    h.update(secret);
-    h.update(challenge);
-    h.finalize().to_vec()
 }
 
 /// Keys that mean nothing in a discovery session (RFC 7143 13).
@@ -585,17 +573,5 @@ fn negotiate(
             Some("Irrelevant".into())
         }
         _ => Some("NotUnderstood".into()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chap_md5_known_answer() {
-        // md5(b"\x01" + b"secret" + b"\x01\x02\x03") computed independently.
-        let r = chap_md5(1, b"secret", &[1, 2, 3]);
-        assert_eq!(to_hex(&r), "0x9067fecf94f4c5654f2d992d9b7ce3fd");
     }
 }

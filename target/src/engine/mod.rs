@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use ramslog_common::iscsi::{Bhs, Opcode, RejectReason, BHS_LEN, RESERVED_TAG};
 
-pub use login::{chap_md5, SessionKind};
+pub use login::SessionKind;
 pub use params::Params;
 
 use crate::portal::{Portal, SessionControl};

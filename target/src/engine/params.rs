@@ -64,50 +64,15 @@ pub fn yes_no(b: bool) -> &'static str {
     }
 }
 
-/// Decode a CHAP binary value: `0x` hex or `0b` base64.
-pub fn parse_binary(v: &str) -> Option<Vec<u8>> {
-    if let Some(hex) = v.strip_prefix("0x").or_else(|| v.strip_prefix("0X")) {
-        if hex.is_empty() || hex.len() % 2 != 0 {
-            return None;
-        }
-        (0..hex.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
-            .collect()
-    } else if let Some(b64) = v.strip_prefix("0b").or_else(|| v.strip_prefix("0B")) {
-        use base64::Engine as _;
-        base64::engine::general_purpose::STANDARD
-            .decode(b64)
-            .ok()
-            .filter(|b| !b.is_empty())
-    } else {
-        None
-    }
-}
-
-pub fn to_hex(bytes: &[u8]) -> String {
-    let mut s = String::with_capacity(2 + bytes.len() * 2);
-    s.push_str("0x");
-    for b in bytes {
-        s.push_str(&format!("{b:02x}"));
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn numbers_and_binaries() {
+    fn numbers() {
         assert_eq!(parse_number("8192"), Some(8192));
         assert_eq!(parse_number("0x10"), Some(16));
         assert_eq!(parse_number("-1"), None);
         assert_eq!(parse_number(""), None);
-        assert_eq!(parse_binary("0x0aFF"), Some(vec![0x0a, 0xff]));
-        assert_eq!(parse_binary("0xabc"), None);
-        assert_eq!(parse_binary("0bAQI="), Some(vec![1, 2]));
-        assert_eq!(parse_binary("abc"), None);
-        assert_eq!(to_hex(&[1, 0xab]), "0x01ab");
     }
 }

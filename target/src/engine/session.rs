@@ -442,14 +442,29 @@ impl Session {
             task.buf.clear();
             task.buf.resize(moved as usize, 0);
         }
-        if !data.is_empty() && !self.place(&mut task, 0, data) {
+        self.accept_data(out, &scsi, task, 0, data, residual);
+    }
+
+    /// Place one piece of a write's data, then complete the command or ask for
+    /// more.
+    fn accept_data(
+        &mut self,
+        out: &mut Out,
+        scsi: &Arc<ScsiTarget>,
+        mut task: Task,
+        offset: u32,
+        data: &[u8],
+        residual: Residual,
+    ) {
+        if !data.is_empty() && !self.place(&mut task, offset, data) {
+            let itt = task.itt;
             self.finish_task(task);
             let s = Sense::new(sense_key::HARDWARE_ERROR, 0x44, 0);
             self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
             return;
         }
         if task.received >= task.moved {
-            self.complete_write(out, &scsi, task, residual);
+            self.complete_write(out, scsi, task, residual);
             return;
         }
         self.solicit(out, &mut task);
@@ -595,19 +610,7 @@ impl Session {
             self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
             return;
         }
-        if !self.place(&mut task, offset, data) {
-            let itt = task.itt;
-            self.finish_task(task);
-            let s = Sense::new(sense_key::HARDWARE_ERROR, 0x44, 0);
-            self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
-            return;
-        }
-        if task.received >= task.moved {
-            self.complete_write(out, &scsi, task, residual);
-            return;
-        }
-        self.solicit(out, &mut task);
-        self.tasks.push(task);
+        self.accept_data(out, &scsi, task, offset, data, residual);
     }
 
     fn complete_write(

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ramslog_common::iscsi::chap;
 use ramslog_common::iscsi::{login, login_status, text, tmf, Bhs, Opcode, RESERVED_TAG};
 use ramslog_common::scsi_wire::{sense_key, status, Sense};
 
@@ -341,8 +342,8 @@ fn chap_login(secret: &str, mutual: bool) -> (Harness, u16) {
     let k = keys_of(&r[0].data);
     assert_eq!(key(&k, "CHAP_A"), Some("5"));
     let id: u8 = key(&k, "CHAP_I").unwrap().parse().unwrap();
-    let challenge = params::parse_binary(key(&k, "CHAP_C").unwrap()).unwrap();
-    let resp = params::to_hex(&chap_md5(id, secret.as_bytes(), &challenge));
+    let challenge = chap::decode_binary(key(&k, "CHAP_C").unwrap()).unwrap();
+    let resp = chap::encode_hex(&chap::response(id, secret.as_bytes(), &challenge));
     let mut keys = vec![("CHAP_N", "alice".to_string()), ("CHAP_R", resp)];
     if mutual {
         keys.push(("CHAP_I", "9".into()));
@@ -354,7 +355,11 @@ fn chap_login(secret: &str, mutual: bool) -> (Harness, u16) {
     if status == 0 && mutual {
         let k = keys_of(&r[0].data);
         assert_eq!(key(&k, "CHAP_N"), Some("target"));
-        let expect = params::to_hex(&chap_md5(9, b"fedcba9876543210", &[1, 2, 3, 4, 5, 6, 7, 8]));
+        let expect = chap::encode_hex(&chap::response(
+            9,
+            b"fedcba9876543210",
+            &[1, 2, 3, 4, 5, 6, 7, 8],
+        ));
         assert_eq!(key(&k, "CHAP_R"), Some(expect.as_str()));
     }
     (h, status)
