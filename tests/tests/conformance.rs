@@ -10,7 +10,8 @@
 //! Environment:
 //! - `RAMSLOG_CONFORMANCE_URL=iscsi://host:port/iqn/lun`: test that target instead of starting
 //!   `ramslog-target` (useful to score peers such as tgt or LIO).
-//! - `RAMSLOG_CONFORMANCE_MPATH_URL=...`: second URL, enables the MultipathIO tests.
+//! - `RAMSLOG_CONFORMANCE_MPATH_URL=...`: second URL for the MultipathIO tests (our own target
+//!   gets a second portal and uses it by default).
 //! - `RAMSLOG_CONFORMANCE_SUITES=Read10,iSCSIdatasn`: only these suites (and no `-t ALL` run).
 //! - `RAMSLOG_CONFORMANCE_NO_ALL=1`: skip the `-t ALL` run.
 //! - `RAMSLOG_CONFORMANCE_VERBOSE_SCSI=1`: add `-V` (explains failed asserts; note that some
@@ -44,7 +45,7 @@ const REQUIRED_SUITE_PREFIXES: &[&str] = &[
     "iSCSIdatasn",
 ];
 
-const TARGET_NAME: &str = "iqn.2024-01.io.ramslog:conformance";
+const TARGET_NAME: &str = "iqn.2026-11.org.ramslog:conformance";
 
 fn env_secs(name: &str, default: u64) -> Duration {
     let secs = match std::env::var(name) {
@@ -278,9 +279,12 @@ fn iscsi_test_cu_conformance() {
     let external = std::env::var("RAMSLOG_CONFORMANCE_URL")
         .ok()
         .filter(|u| !u.is_empty());
+    // A second portal on the same target gives MultipathIO a real second path.
+    let second_port = ramslog_tests::free_port();
     let start_target = || {
         TargetProcess::start_with(TargetOptions {
             target_name: TARGET_NAME.to_string(),
+            extra_args: vec!["--listen".into(), format!("127.0.0.1:{second_port}")],
             ..TargetOptions::default()
         })
     };
@@ -303,7 +307,12 @@ fn iscsi_test_cu_conformance() {
     }
     let mpath = std::env::var("RAMSLOG_CONFORMANCE_MPATH_URL")
         .ok()
-        .filter(|u| !u.is_empty());
+        .filter(|u| !u.is_empty())
+        .or_else(|| {
+            external
+                .is_none()
+                .then(|| format!("iscsi://127.0.0.1:{second_port}/{TARGET_NAME}/0"))
+        });
     let suite_timeout = env_secs("RAMSLOG_CONFORMANCE_SUITE_TIMEOUT", 300);
     let all_timeout = env_secs("RAMSLOG_CONFORMANCE_ALL_TIMEOUT", 1800);
 
