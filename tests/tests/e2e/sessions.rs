@@ -226,3 +226,63 @@ async fn session_reinstatement_replaces_the_old_session() {
     );
     assert!(new.test_unit_ready(0).await.expect("TUR").is_good());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crc32c_header_and_data_digests() {
+    let t = TargetProcess::start();
+    let mut p = LoginParams::normal(INITIATOR, t.target_name());
+    p.header_digest = ramslog_initiator::Digest::Crc32c;
+    p.data_digest = ramslog_initiator::Digest::Crc32c;
+    let s = Session::login(t.addr(), p)
+        .await
+        .expect("login with digests");
+    assert!(s.negotiated().header_digest && s.negotiated().data_digest);
+    clear_unit_attentions(&s).await;
+    // Sizes that need padding, immediate data, unsolicited Data-Out and R2T.
+    for (lba, len) in [
+        (0u64, 512usize),
+        (64, 3 * 512),
+        (4096, 300 * 1024),
+        (9000, 2 << 20),
+    ] {
+        let data = random_bytes(len);
+        s.write(0, lba, &data, false)
+            .await
+            .expect("write with digests");
+        assert!(
+            s.read(0, lba, (len / 512) as u32, 512)
+                .await
+                .expect("read with digests")
+                == data
+        );
+    }
+    s.logout().await.expect("logout");
+}
+
+/// libiscsi's own utilities, as an admin would use them.
+#[test]
+fn libiscsi_utilities_work() {
+    let t = TargetProcess::start();
+    let run = |tool: &str, args: &[&str]| {
+        let out = std::process::Command::new(tool)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("{tool} (apt-get install libiscsi-bin): {e}"));
+        assert!(
+            out.status.success(),
+            "{tool} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let url = t.url(0);
+    let inq = run("iscsi-inq", &[&url]);
+    assert!(
+        inq.contains("Vendor:RAMSLOG") && inq.contains("DIRECT_ACCESS"),
+        "{inq}"
+    );
+    let cap = run("iscsi-readcapacity16", &[&url]);
+    assert!(cap.contains("Total size:268435456"), "{cap}");
+    let ls = run("iscsi-ls", &["-s", &format!("iscsi://{}", t.addr())]);
+    assert!(ls.contains(t.target_name()) && ls.contains("Lun:0"), "{ls}");
+}
