@@ -41,3 +41,6 @@ if [ "$FAST" = 1 ]; then exit 0; fi
 
 step "fuzz: every decoder for a bounded time"
 tests/fuzz.sh "${FUZZ_SECONDS:-20}"
+
+step "SoftRoCE lab: real rxe RDMA (in a qemu guest unless this kernel has rdma_rxe)"
+tests/softroce/check.sh

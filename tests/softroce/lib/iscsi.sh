@@ -1,0 +1,26 @@
+# Sourced by lab test scripts: open-iscsi helpers (iscsid started once, stopped
+# by PID at exit).
+
+iscsid_start() {
+  modprobe iscsi_tcp; modprobe ib_iser; modprobe sd_mod   # no udev: nothing autoloads
+  # Its own session: on SIGTERM iscsid signals its whole process group.
+  setsid iscsid -f >/tmp/iscsid.log 2>&1 &
+  ISCSID_PID=$!
+  sleep 1
+}
+
+iscsid_stop() {
+  iscsiadm -m node --logoutall=all >/dev/null 2>&1 || true
+  if [ -n "${ISCSID_PID:-}" ]; then stop_pid "$ISCSID_PID"; fi
+}
+
+# The /dev/sdX of the session logged in to TARGET, waiting for the SCSI scan.
+iscsi_disk() {
+  local target=$1 i d
+  for i in $(seq 1 100); do
+    d=$(iscsiadm -m session -P3 2>/dev/null | awk -v t="$target" '$1=="Target:"{cur=$2} cur==t && /Attached scsi disk/{print "/dev/"$4; exit}')
+    [ -n "$d" ] && [ -b "$d" ] && { echo "$d"; return 0; }
+    sleep 0.2
+  done
+  return 1
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Lab self-test: rxe is visible to ibv_devices, rping and ib_write_lat work.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/lib/rxe.sh"
+step() { echo; echo "== $*"; }
+
+step "rxe up"
+rxe_up
+rdma link
+ibv_devices | tee /tmp/devs
+grep -q "$RXE_DEV_A" /tmp/devs
+
+step "rping on $RXE_ADDR_A"
+timeout 60 rping -s -a "$RXE_ADDR_A" -C 3 >/tmp/rping-server.log 2>&1 &
+srv=$!
+sleep 2
+timeout 40 rping -c -a "$RXE_ADDR_A" -C 3 -S 64 -v
+wait "$srv"
+echo "rping ok"
+
+step "ib_write_lat on $RXE_DEV_A"
+timeout 120 ib_write_lat -d "$RXE_DEV_A" -R -F -n 200 >/tmp/lat-server.log 2>&1 &
+srv=$!
+sleep 3
+timeout 120 ib_write_lat -d "$RXE_DEV_A" -R -F -n 200 "$RXE_ADDR_A" | sed -n '/#bytes/,$p'
+wait "$srv"
+echo "SELFTEST PASSED"
