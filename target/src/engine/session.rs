@@ -18,6 +18,14 @@ use super::{is_reserved, rejected_header, ConnInfo, Out, OutData, OutPdu};
 use crate::portal::{Portal, SessionControl, SessionKey};
 use crate::scsi::{DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget};
 
+/// Bytes of write data one session may hold in staging buffers at once
+/// (multi-PDU LUN writes and parameter data). Beyond it new such commands get
+/// TASK SET FULL and the initiator retries: a hostile or runaway initiator
+/// cannot make the target allocate without bound.
+const STAGING_BUDGET: u64 = 64 << 20;
+/// Staging buffers up to this capacity are kept for reuse; larger ones are freed.
+const POOLED_BUFFER_MAX: usize = 1 << 20;
+
 pub(super) enum Flow {
     Continue,
     PingAnswered,
@@ -82,6 +90,8 @@ pub(super) struct Session {
     ping_ttt: Option<u32>,
     text_rx: Vec<u8>,
     text_tx: Option<(u32, Vec<u8>)>,
+    /// Bytes currently held in tasks' staging buffers.
+    staged_bytes: u64,
     ended: bool,
 }
 
@@ -156,6 +166,7 @@ impl Session {
             ping_ttt: None,
             text_rx: Vec::new(),
             text_tx: None,
+            staged_bytes: 0,
             ended: false,
         }
     }
@@ -364,7 +375,9 @@ impl Session {
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
         }
-        if !data.is_empty() && !self.params.immediate_data {
+        if !data.is_empty()
+            && (!self.params.immediate_data || data.len() as u32 > self.params.first_burst_len)
+        {
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
         }
@@ -439,6 +452,12 @@ impl Session {
         task.staged = matches!(task.plan.out_placement, OutPlacement::Store { .. })
             && (data.len() as u32) < moved;
         if matches!(task.plan.out_placement, OutPlacement::Buffer) || task.staged {
+            if self.staged_bytes + u64::from(moved) > STAGING_BUDGET {
+                self.finish_task(task);
+                self.respond(out, itt, status::TASK_SET_FULL, None, residual);
+                return;
+            }
+            self.staged_bytes += u64::from(moved);
             task.buf.clear();
             task.buf.resize(moved as usize, 0);
         }
@@ -648,8 +667,12 @@ impl Session {
     }
 
     fn finish_task(&mut self, mut task: Task) {
+        if !task.buf.is_empty() {
+            self.staged_bytes = self.staged_bytes.saturating_sub(task.buf.len() as u64);
+        }
         task.buf.clear();
-        if task.buf.capacity() > 0 && self.spare_bufs.len() < 8 {
+        let cap = task.buf.capacity();
+        if cap > 0 && cap <= POOLED_BUFFER_MAX && self.spare_bufs.len() < 8 {
             self.spare_bufs.push(std::mem::take(&mut task.buf));
         }
     }

@@ -44,7 +44,17 @@ fn portal_with(
     mutual: Option<ChapSecret>,
     acl: Acl,
 ) -> Arc<Portal> {
-    let store = Arc::new(Store::new(1 << 20, HugePages::Off).unwrap());
+    portal_sized(1 << 20, limits, chap, mutual, acl)
+}
+
+fn portal_sized(
+    size: u64,
+    limits: Limits,
+    chap: Option<ChapSecret>,
+    mutual: Option<ChapSecret>,
+    acl: Acl,
+) -> Arc<Portal> {
+    let store = Arc::new(Store::new(size, HugePages::Off).unwrap());
     let lu = LuConfig {
         lun: 0,
         block_size: 512,
@@ -482,6 +492,30 @@ fn r2t_path_solicits_every_byte() {
     }
     assert_eq!(responses.len(), 1);
     assert_eq!(responses[0].bhs.0[3], status::GOOD);
+}
+
+#[test]
+fn staging_is_bounded_per_session() {
+    let mut h = Harness::new(portal_sized(
+        128 << 20,
+        Limits::default(),
+        None,
+        None,
+        Acl::Any,
+    ));
+    h.login(&[("InitialR2T", "Yes"), ("ImmediateData", "Yes")]);
+    // 16 MiB writes whose data never comes: four fit the 64 MiB budget.
+    for i in 0..4u32 {
+        let (_, r) = h.command(&write10(i * 32768, 32768), 0xa1, 16 << 20, &[]);
+        assert_eq!(r.len(), 1, "one R2T, no status yet");
+        assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
+    }
+    let (_, r) = h.command(&write10(4 * 32768, 32768), 0xa1, 16 << 20, &[]);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
+    assert_eq!(r[0].bhs.0[3], status::TASK_SET_FULL);
+    // Immediate data beyond FirstBurstLength is a protocol error.
+    let (_, r) = h.command(&write10(0, 256), 0xa1, 131072, &vec![0u8; 65536 + 512]);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::Reject));
 }
 
 #[test]

@@ -286,3 +286,118 @@ fn libiscsi_utilities_work() {
     let ls = run("iscsi-ls", &["-s", &format!("iscsi://{}", t.addr())]);
     assert!(ls.contains(t.target_name()) && ls.contains("Lun:0"), "{ls}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_size_4096() {
+    let t = TargetProcess::start_with(TargetOptions {
+        extra_args: vec!["--block-size".into(), "4096".into()],
+        ..Default::default()
+    });
+    let s = open(&t, INITIATOR).await;
+    assert_eq!(
+        s.read_capacity16(0).await.expect("READ CAPACITY 16"),
+        ((256 << 20) / 4096 - 1, 4096)
+    );
+    let data = random_bytes(3 * 4096);
+    s.write(0, 10, &data, true).await.expect("write");
+    assert!(s.read(0, 10, 3, 4096).await.expect("read") == data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_file_with_several_targets_and_luns() {
+    let dir = std::env::temp_dir().join(format!("ramslog-e2e-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let port = ramslog_tests::free_port();
+    let cfg = dir.join("ramslog.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"listen = ["127.0.0.1:{port}"]
+
+[[target]]
+name = "iqn.2026-11.org.ramslog:slog-a"
+[[target.lun]]
+lun = 0
+size = "16M"
+[[target.lun]]
+lun = 1
+size = "32M"
+block_size = 4096
+
+[[target]]
+name = "iqn.2026-11.org.ramslog:slog-b"
+allow = ["{INITIATOR}"]
+[[target.lun]]
+size = "8M"
+"#
+        ),
+    )
+    .expect("write config");
+    /// Stops the daemon even when an assertion fails first.
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _daemon = KillOnDrop(
+        std::process::Command::new(ramslog_tests::target_binary())
+            .args(["--ephemeral", "--config"])
+            .arg(&cfg)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start ramslog-target"),
+    );
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let mut found = Vec::new();
+    for _ in 0..100 {
+        if let Ok(f) = discover(addr, INITIATOR, None).await {
+            found = f;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let names: Vec<&str> = found.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "iqn.2026-11.org.ramslog:slog-a",
+            "iqn.2026-11.org.ramslog:slog-b"
+        ]
+    );
+    let others = discover(addr, "iqn.2026-11.org.example:other", None)
+        .await
+        .expect("discovery");
+    assert_eq!(
+        others.len(),
+        1,
+        "slog-b is hidden from initiators outside its ACL: {others:?}"
+    );
+
+    let s = Session::login(
+        addr,
+        LoginParams::normal(INITIATOR, "iqn.2026-11.org.ramslog:slog-a"),
+    )
+    .await
+    .expect("login");
+    clear_unit_attentions(&s).await;
+    assert_eq!(s.report_luns().await.expect("REPORT LUNS"), vec![0, 1]);
+    // Unit attentions are per logical unit: LUN 1 reports its own power-on UA once.
+    let r = s.test_unit_ready(1).await.expect("TUR LUN 1");
+    assert_eq!(
+        sense(&r).0,
+        ramslog_common::scsi_wire::sense_key::UNIT_ATTENTION
+    );
+    assert!(s.test_unit_ready(1).await.expect("TUR LUN 1").is_good());
+    assert_eq!(
+        s.read_capacity16(0).await.expect("RC16"),
+        ((16 << 20) / 512 - 1, 512)
+    );
+    assert_eq!(
+        s.read_capacity16(1).await.expect("RC16"),
+        ((32 << 20) / 4096 - 1, 4096)
+    );
+    s.logout().await.expect("logout");
+    let _ = std::fs::remove_dir_all(&dir);
+}
