@@ -18,9 +18,10 @@ IQN=iqn.2026-11.org.ramslog.lab:lio-rd0
 step() { echo; echo "== $*"; }
 
 # LIO through configfs (targetcli-fb wants a system D-Bus the guest lacks;
-# configfs is what it writes anyway): a 256 MiB rd_mcp ramdisk on ADDR:3260 with iSER.
+# configfs is what it writes anyway): a 256 MiB rd_mcp ramdisk on ADDR:3260,
+# iSER-enabled unless TRANSPORT is tcp.
 lio_export() {
-  local iqn=$1 addr=$2 name=$3
+  local iqn=$1 addr=$2 name=$3 transport=${4:-iser}
   local c=/sys/kernel/config/target tpg=/sys/kernel/config/target/iscsi/$1/tpgt_1
   modprobe target_core_mod && modprobe iscsi_target_mod && modprobe ib_isert
   mkdir -p "$c/core/rd_mcp_0/$name"
@@ -29,7 +30,7 @@ lio_export() {
   mkdir -p "$tpg/lun/lun_0"
   ln -s "$c/core/rd_mcp_0/$name" "$tpg/lun/lun_0/$name"
   mkdir "$tpg/np/$addr:3260"
-  echo 1 >"$tpg/np/$addr:3260/iser"
+  if [ "$transport" = iser ]; then echo 1 >"$tpg/np/$addr:3260/iser"; fi
   local kv
   for kv in authentication=0 generate_node_acls=1 demo_mode_write_protect=0 cache_dynamic_acls=1; do
     echo "${kv#*=}" >"$tpg/attrib/${kv%=*}"

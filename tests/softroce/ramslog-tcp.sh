@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# ramslog-target over iSCSI/TCP with the Linux kernel initiator (open-iscsi):
+# an independent initiator nobody here wrote. fio with verify=crc32c over
+# block sizes and queue depths, the lab's sync-write job, mkfs.ext4 + fsck,
+# logout/login with data intact, and the identity rule with a real host:
+# SIGKILL + restart with the same state directory -> open-iscsi reconnects by
+# itself and every I/O on the same /dev/sdX fails (NOT READY, manual
+# intervention required, never zeros) until `accept-empty`.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+RESULTS=${RESULTS:-$REPO/build/softroce/results}
+SECS=${FIO_SECONDS:-15}
+. "$HERE/lib/rxe.sh"
+. "$HERE/lib/iscsi.sh"
+. "$HERE/lib/fio.sh"
+. "$HERE/lio-baseline.sh"
+IQN=iqn.2026-11.org.ramslog:lab
+LIO_IQN=iqn.2026-11.org.ramslog.lab:lio-tcp
+STATE=/tmp/ramslog-state
+BIN=$REPO/build/release/ramslog-target
+[ -x "$BIN" ] || BIN=$REPO/build/debug/ramslog-target
+[ -x "$BIN" ] || { echo "build ramslog-target first (cargo build)"; exit 1; }
+step() { echo; echo "== $*"; }
+TARGET_PID=
+STARTS=0
+
+# Start the target with its own log ($LOG) and wait until it listens.
+start_target() {
+  STARTS=$((STARTS + 1))
+  LOG=$RESULTS/ramslog-target-tcp-$STARTS.log
+  mkdir -p "$RESULTS"
+  "$BIN" --size 512M --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --allow "$INITIATOR" \
+    --state-dir "$STATE" --nop-interval 5 >"$LOG" 2>&1 &
+  TARGET_PID=$!
+  for _ in $(seq 1 100); do
+    grep -q "listening on $RXE_ADDR_A:3260" "$LOG" 2>/dev/null && return 0
+    kill -0 "$TARGET_PID" 2>/dev/null || { cat "$LOG"; return 1; }
+    sleep 0.2
+  done
+  echo "ramslog-target did not start"; cat "$LOG"; return 1
+}
+
+cleanup() {
+  iscsid_stop
+  [ -n "$TARGET_PID" ] && stop_pid "$TARGET_PID"
+  rxe_down
+}
+
+step "network (veth; TCP needs no rxe, but the addresses are the lab's)"
+rxe_up
+iscsid_start
+trap cleanup EXIT
+INITIATOR=$(sed -n 's/^InitiatorName=//p' /etc/iscsi/initiatorname.iscsi)
+[ -n "$INITIATOR" ] || { INITIATOR=iqn.2026-11.org.ramslog.lab:host; echo "InitiatorName=$INITIATOR" >/etc/iscsi/initiatorname.iscsi; }
+echo "initiator $INITIATOR, target binary $BIN"
+
+step "ramslog-target on $RXE_ADDR_A:3260 (state dir $STATE, ACL = this initiator)"
+rm -rf "$STATE"
+start_target
+"$BIN" status --state-dir "$STATE"
+
+step "discovery and login over TCP"
+iscsiadm -m discovery -t sendtargets -p "$RXE_ADDR_A:3260" | tee /tmp/discovery
+grep -q "$IQN" /tmp/discovery
+iscsiadm -m node -T "$IQN" -p "$RXE_ADDR_A:3260" -o update -n node.session.timeo.replacement_timeout -v 120
+timeout 60 iscsiadm -m node -T "$IQN" -p "$RXE_ADDR_A:3260" --login
+disk=$(iscsi_disk "$IQN")
+echo "disk $disk: $(blockdev --getsize64 "$disk") bytes, $(cat /sys/block/${disk#/dev/}/queue/logical_block_size)-byte blocks"
+echo "write cache: $(cat /sys/block/${disk#/dev/}/queue/write_cache) (RAM is the medium: write through)"
+grep -q "write through" /sys/block/${disk#/dev/}/queue/write_cache
+
+step "fio verify=crc32c: random writes, block sizes x queue depths"
+for bs in 512 4k 64k 1m; do
+  for qd in 1 32; do
+    size=8m; case $bs in 64k|1m) size=32m;; esac
+    timeout 600 fio --name="verify-$bs-qd$qd" --filename="$disk" --rw=randwrite --bs="$bs" --iodepth="$qd" \
+      --ioengine=libaio --direct=1 --size="$size" --offset=64m --verify=crc32c --verify_fatal=1 \
+      --do_verify=1 --output-format=terse --terse-version=3 >/tmp/fio-verify.txt 2>&1 ||
+      { cat /tmp/fio-verify.txt; echo "fio verify $bs qd$qd FAILED"; exit 1; }
+    echo "fio verify bs=$bs qd=$qd ok"
+  done
+done
+
+step "the lab's sync-write job (4 KiB random, direct+sync, QD1, ${SECS} s)"
+fio_sync_qd1 ramslog-tcp "$disk" "$SECS" "$RESULTS"
+
+step "the same job against LIO (kernel target, RAM LUN) over TCP, same boot"
+lio_export "$LIO_IQN" "$RXE_ADDR_B" rdtcp tcp
+iscsiadm -m discovery -t sendtargets -p "$RXE_ADDR_B:3260" >/dev/null
+timeout 60 iscsiadm -m node -T "$LIO_IQN" -p "$RXE_ADDR_B:3260" --login
+lio_disk=$(iscsi_disk "$LIO_IQN")
+fio_sync_qd1 lio-tcp "$lio_disk" "$SECS" "$RESULTS"
+timeout 60 iscsiadm -m node -T "$LIO_IQN" -p "$RXE_ADDR_B:3260" --logout
+lio_remove "$LIO_IQN" "$RXE_ADDR_B" rdtcp
+python3 - "$RESULTS/ramslog-tcp.json" "$RESULTS/lio-tcp.json" <<'PY'
+import json, sys
+r, l = (json.load(open(p)) for p in sys.argv[1:3])
+print("side by side, one boot (TCG guest: compare ratios only)")
+print("%-12s %9s %9s %9s" % ("target", "IOPS", "p50 us", "p99 us"))
+for x in (r, l):
+    print("%-12s %9.0f %9.1f %9.1f" % (x["name"], x["iops"], x["p50_us"], x["p99_us"]))
+print("ramslog/LIO: IOPS %.2fx, p50 %.2fx" % (r["iops"] / l["iops"], r["p50_us"] / l["p50_us"]))
+PY
+
+step "mkfs.ext4 + fsck -f"
+mkfs.ext4 -q -F "$disk"
+fsck.ext4 -fn "$disk"
+
+step "logout and login again: the data is still there"
+dd if=/dev/urandom of=/tmp/pattern bs=1M count=4 status=none
+dd if=/tmp/pattern of="$disk" bs=1M count=4 seek=200 oflag=direct status=none
+timeout 60 iscsiadm -m node -T "$IQN" -p "$RXE_ADDR_A:3260" --logout
+timeout 60 iscsiadm -m node -T "$IQN" -p "$RXE_ADDR_A:3260" --login
+disk=$(iscsi_disk "$IQN")
+cmp <(dd if="$disk" bs=1M count=4 skip=200 iflag=direct status=none) /tmp/pattern
+echo "data intact across logout/login"
+sdx=${disk#/dev/}
+
+step "SIGKILL the target and restart it with the same state directory"
+kill -9 "$TARGET_PID"; wait "$TARGET_PID" 2>/dev/null || true
+start_target
+grep "content did not survive" "$LOG"
+echo "waiting for open-iscsi to reconnect by itself"
+for i in $(seq 1 60); do
+  "$BIN" status --state-dir "$STATE" | grep -q "sessions: 1" && break
+  sleep 1
+done
+"$BIN" status --state-dir "$STATE"
+"$BIN" status --state-dir "$STATE" | grep -q "sessions: 1"
+[ -b "/dev/$sdx" ] || { echo "/dev/$sdx disappeared"; exit 1; }
+echo "reconnected; /dev/$sdx is the same device node"
+
+step "every I/O on /dev/$sdx fails until accept-empty (never zeros, never stale data)"
+sleep 2
+if dd if="/dev/$sdx" of=/tmp/readback bs=1M count=4 skip=200 iflag=direct status=none 2>/tmp/dd.err; then
+  echo "READ SUCCEEDED on a LUN whose content was lost"; cmp /tmp/readback /tmp/pattern && echo "(stale data!)"; exit 1
+fi
+echo "read failed as it must: $(cat /tmp/dd.err)"
+if dd if=/tmp/pattern of="/dev/$sdx" bs=1M count=1 seek=100 oflag=direct status=none 2>/tmp/dd.err; then
+  echo "WRITE SUCCEEDED on a LUN that must be accepted first"; exit 1
+fi
+echo "write failed as it must: $(cat /tmp/dd.err)"
+dmesg | grep -iE "$sdx.*(Not Ready|Manual intervention)" | tail -3
+dmesg | grep -qiE "Manual intervention required"
+
+step "accept-empty: new identity, ready"
+"$BIN" accept-empty "$IQN" 0 --state-dir "$STATE"
+ok=0
+for i in $(seq 1 20); do
+  if dd if="/dev/$sdx" of=/tmp/readback bs=4k count=1 iflag=direct status=none 2>/dev/null; then ok=1; break; fi
+  sleep 1
+done
+[ "$ok" = 1 ] || { echo "the LUN did not become usable after accept-empty"; exit 1; }
+cmp -n 4096 /tmp/readback /dev/zero && echo "reads back the empty (accepted) device"
+grep "accept-empty" "$LOG"
+echo "RAMSLOG TCP PASSED"
