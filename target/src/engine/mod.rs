@@ -52,6 +52,15 @@ pub enum OutData {
 }
 
 impl OutData {
+    /// Owned bytes, or no data segment at all when there are none.
+    pub fn bytes(v: Vec<u8>) -> OutData {
+        if v.is_empty() {
+            OutData::None
+        } else {
+            OutData::Owned(v)
+        }
+    }
+
     pub fn len(&self) -> usize {
         match self {
             OutData::None => 0,
@@ -347,11 +356,7 @@ impl Connection {
     }
 
     fn push_login_response(&mut self, rsp: Bhs, text: Vec<u8>) {
-        let data = if text.is_empty() {
-            OutData::None
-        } else {
-            OutData::Owned(text)
-        };
+        let data = OutData::bytes(text);
         self.actions.push_back(Action::Send(OutPdu {
             bhs: rsp,
             data,

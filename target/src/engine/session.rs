@@ -201,6 +201,14 @@ impl Session {
         }
     }
 
+    /// Send a PDU that carries status: it takes the next StatSN and the
+    /// current command window.
+    fn push_status(&self, out: &mut Out, mut bhs: Bhs, data: OutData) {
+        bhs.set_statsn(out.take_statsn());
+        self.stamp(&mut bhs);
+        out.push(self.pdu(bhs, data));
+    }
+
     pub fn read_store(&self, lun: u64, offset: u64, out: &mut [u8]) -> bool {
         self.scsi
             .as_ref()
@@ -213,10 +221,7 @@ impl Session {
         r.set_final(true);
         r.0[2] = reason as u8;
         r.set_itt(RESERVED_TAG);
-        r.set_statsn(out.take_statsn());
-        self.stamp(&mut r);
-        let pdu = self.pdu(r, OutData::Owned(rejected_header(bhs)));
-        out.push(pdu);
+        self.push_status(out, r, OutData::Owned(rejected_header(bhs)));
     }
 
     pub fn data_digest_error(&mut self, bhs: &Bhs, out: &mut Out) {
@@ -318,16 +323,8 @@ impl Session {
             .set_lun(bhs.lun())
             .set_itt(bhs.itt())
             .set_ttt(RESERVED_TAG);
-        b.set_statsn(out.take_statsn());
-        self.stamp(&mut b);
         let echo = &data[..data.len().min(self.params.initiator_mrdsl as usize)];
-        let d = if echo.is_empty() {
-            OutData::None
-        } else {
-            OutData::Owned(echo.to_vec())
-        };
-        let pdu = self.pdu(b, d);
-        out.push(pdu);
+        self.push_status(out, b, OutData::bytes(echo.to_vec()));
     }
 
     // ---- SCSI commands -------------------------------------------------
@@ -775,9 +772,7 @@ impl Session {
         b.set_flags(0x80 | residual.flags());
         b.0[3] = st;
         b.set_itt(itt);
-        b.set_statsn(out.take_statsn());
         b.set_residual(residual.count());
-        self.stamp(&mut b);
         let data = match sense {
             Some(s) => {
                 let enc = s.encode_fixed();
@@ -788,8 +783,7 @@ impl Session {
             }
             None => OutData::None,
         };
-        let pdu = self.pdu(b, data);
-        out.push(pdu);
+        self.push_status(out, b, data);
     }
 
     // ---- task management -------------------------------------------------
@@ -839,10 +833,7 @@ impl Session {
         let mut b = Bhs::new(Opcode::TaskMgmtResponse);
         b.set_final(true).set_itt(bhs.itt());
         b.0[2] = response;
-        b.set_statsn(out.take_statsn());
-        self.stamp(&mut b);
-        let pdu = self.pdu(b, OutData::None);
-        out.push(pdu);
+        self.push_status(out, b, OutData::None);
     }
 
     fn abort_tasks(&mut self, pred: impl Fn(&Task) -> bool) {
@@ -948,15 +939,8 @@ impl Session {
     fn send_text_pdu(&mut self, out: &mut Out, itt: u32, data: Vec<u8>, last: bool, ttt: u32) {
         let mut b = Bhs::new(Opcode::TextResponse);
         b.set_flags(if last { 0x80 } else { 0x40 });
-        b.set_itt(itt).set_ttt(ttt).set_statsn(out.take_statsn());
-        self.stamp(&mut b);
-        let d = if data.is_empty() {
-            OutData::None
-        } else {
-            OutData::Owned(data)
-        };
-        let pdu = self.pdu(b, d);
-        out.push(pdu);
+        b.set_itt(itt).set_ttt(ttt);
+        self.push_status(out, b, OutData::bytes(data));
     }
 
     fn logout(&mut self, bhs: &Bhs, out: &mut Out) -> Flow {
@@ -971,10 +955,7 @@ impl Session {
         let mut b = Bhs::new(Opcode::LogoutResponse);
         b.set_final(true).set_itt(bhs.itt());
         b.0[2] = response;
-        b.set_statsn(out.take_statsn());
-        self.stamp(&mut b);
-        let pdu = self.pdu(b, OutData::None);
-        out.push(pdu);
+        self.push_status(out, b, OutData::None);
         if response == 0 {
             self.abort_tasks(|_| true);
             tracing::info!(initiator = %self.initiator_name, "logout");
