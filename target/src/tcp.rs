@@ -119,18 +119,26 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
-/// Encode queued PDUs into `wbuf`; true when the engine asked to close.
+/// Encode queued PDUs into `wbuf`; true when the connection must close.
 fn drain_actions(conn: &mut Connection, wbuf: &mut Vec<u8>) -> bool {
     while let Some(action) = conn.poll_action() {
         match action {
-            Action::Send(pdu) => encode_pdu(conn, &pdu, wbuf),
+            Action::Send(pdu) => {
+                if !encode_pdu(conn, &pdu, wbuf) {
+                    // Never put anything else where LUN data should be.
+                    tracing::error!("Data-In names bytes outside the LUN; closing the connection");
+                    return true;
+                }
+            }
             Action::Close => return true,
         }
     }
     false
 }
 
-fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) {
+/// Append one PDU to `wbuf`; false (and `wbuf` unchanged) when its LUN data
+/// cannot be read.
+fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) -> bool {
     let start = wbuf.len();
     wbuf.extend_from_slice(&pdu.bhs.0);
     if pdu.header_digest {
@@ -139,13 +147,13 @@ fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) {
     }
     let data_start = wbuf.len();
     match &pdu.data {
-        OutData::None => return,
+        OutData::None => return true,
         OutData::Owned(v) => wbuf.extend_from_slice(v),
         OutData::Store { lun, offset, len } => {
             wbuf.resize(data_start + *len as usize, 0);
             if !conn.read_store(*lun, *offset, &mut wbuf[data_start..]) {
-                // The engine checked the range; this cannot happen short of a bug.
-                tracing::error!(lun, offset, len, "Data-In range outside the LUN");
+                wbuf.truncate(start);
+                return false;
             }
         }
     }
@@ -155,6 +163,7 @@ fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) {
         let d = digest::data(&wbuf[data_start..data_start + data_len]);
         wbuf.extend_from_slice(&digest::to_wire(d));
     }
+    true
 }
 
 /// A receive buffer that holds at least one whole PDU.

@@ -28,6 +28,7 @@ pub use login::SessionKind;
 pub use params::Params;
 
 use crate::portal::{Portal, SessionControl};
+use crate::scsi::ScsiTarget;
 use login::{Login, Next};
 use session::Session;
 
@@ -138,6 +139,8 @@ pub struct Connection {
     login_cmdsn: Option<u32>,
     rx_header_digest: bool,
     rx_data_digest: bool,
+    /// The session's LUs, kept past the session's end for queued Data-In.
+    scsi: Option<Arc<ScsiTarget>>,
 }
 
 impl Connection {
@@ -161,6 +164,7 @@ impl Connection {
             login_cmdsn: None,
             rx_header_digest: false,
             rx_data_digest: false,
+            scsi: None,
         }
     }
 
@@ -193,11 +197,16 @@ impl Connection {
     }
 
     /// Copy LUN bytes named by [`OutData::Store`] into `out`.
+    ///
+    /// This keeps working after the session ended, so Data-In queued before a
+    /// failure is sent with the LUN's bytes; `false` means the range does not
+    /// exist, and the driver must then drop the PDU and close rather than send
+    /// anything in its place.
     pub fn read_store(&self, lun: u64, offset: u64, out: &mut [u8]) -> bool {
-        match &self.phase {
-            Phase::FullFeature(s) => s.read_store(lun, offset, out),
-            _ => false,
-        }
+        self.scsi
+            .as_ref()
+            .and_then(|s| s.lu(lun))
+            .is_some_and(|lu| lu.store().read(offset, out).is_ok())
     }
 
     /// A PDU whose data digest did not match (the header was good).
@@ -347,6 +356,7 @@ impl Connection {
                 self.push_login_response(rsp, reply.text);
                 self.rx_header_digest = session.params.header_digest;
                 self.rx_data_digest = session.params.data_digest;
+                self.scsi = session.scsi_target();
                 self.phase = Phase::FullFeature(Box::new(session));
                 self.timers.clear(Timer::Login);
                 self.timers

@@ -209,11 +209,8 @@ impl Session {
         out.push(self.pdu(bhs, data));
     }
 
-    pub fn read_store(&self, lun: u64, offset: u64, out: &mut [u8]) -> bool {
-        self.scsi
-            .as_ref()
-            .and_then(|s| s.lu(lun))
-            .is_some_and(|lu| lu.store().read(offset, out).is_ok())
+    pub fn scsi_target(&self) -> Option<Arc<ScsiTarget>> {
+        self.scsi.clone()
     }
 
     pub fn reject(&mut self, out: &mut Out, bhs: &Bhs, reason: RejectReason) {
@@ -429,6 +426,12 @@ impl Session {
                 .min(edtl_out)
                 .max(data.len() as u32)
         };
+        if self.tasks.len() >= self.cmd_window as usize {
+            // More commands waiting for data than the window allows: the
+            // initiator is ignoring MaxCmdSN or flooding immediate commands.
+            self.respond(out, itt, status::TASK_SET_FULL, None, residual);
+            return;
+        }
         let mut task = Task {
             itt,
             lun,

@@ -767,3 +767,67 @@ mod hostile {
         }
     }
 }
+
+#[test]
+fn data_in_queued_before_a_fatal_error_carries_the_real_bytes() {
+    let mut h = logged_in();
+    let pattern = vec![0xc3u8; 4096];
+    let (_, r) = h.command(&write10(16, 8), 0xa1, 4096, &pattern);
+    assert_eq!(r[0].bhs.0[3], status::GOOD);
+    // A READ and then, in the same receive batch, a fatal protocol error.
+    let mut b = Bhs::new(Opcode::ScsiCommand);
+    b.set_flags(0xc1)
+        .set_itt(900)
+        .set_expected_data_len(4096)
+        .set_cmdsn(h.cmdsn);
+    b.0[32..42].copy_from_slice(&read10(16, 8));
+    h.conn.handle_pdu(h.now, &b, &[], &[]);
+    let mut huge = Bhs::new(Opcode::ScsiCommand);
+    huge.set_data_segment_len((1 << 24) - 1);
+    h.conn.handle_oversized(h.now, &huge);
+    let r = h.drain();
+    assert!(h.closed);
+    let data: Vec<u8> = r
+        .iter()
+        .filter(|p| p.bhs.opcode() == Some(Opcode::DataIn))
+        .flat_map(|p| p.data.clone())
+        .collect();
+    assert_eq!(
+        data, pattern,
+        "Data-In must hold the LUN's bytes, never zeros"
+    );
+}
+
+#[test]
+fn waiting_commands_are_bounded_by_the_window() {
+    let mut h = Harness::new(portal_sized(
+        8 << 20,
+        Limits {
+            cmd_window: 4,
+            ..Limits::default()
+        },
+        None,
+        None,
+        Acl::Any,
+    ));
+    h.login(&[("InitialR2T", "Yes")]);
+    let mut statuses = Vec::new();
+    for i in 0..6u32 {
+        // Immediate commands are not limited by CmdSN, only by the task cap.
+        let itt = h.next_itt();
+        let mut b = Bhs::new(Opcode::ScsiCommand);
+        b.set_immediate(true)
+            .set_flags(0xa1)
+            .set_itt(itt)
+            .set_expected_data_len(4096)
+            .set_cmdsn(h.cmdsn);
+        b.0[32..42].copy_from_slice(&write10(i * 8, 8));
+        let r = h.send(&b, &[]);
+        statuses.push((r[0].bhs.opcode(), r[0].bhs.0[3]));
+    }
+    let full = statuses
+        .iter()
+        .filter(|s| **s == (Some(Opcode::ScsiResponse), status::TASK_SET_FULL))
+        .count();
+    assert_eq!(full, 2, "{statuses:?}");
+}
