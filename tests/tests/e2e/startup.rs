@@ -21,6 +21,18 @@ fn run(prefix: &[&str], args: &[&str]) -> Output {
         .expect("run ramslog-target")
 }
 
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("Uid:")
+                    .map(|v| v.split_whitespace().nth(1) == Some("0"))
+            })
+        })
+        .unwrap_or(false)
+}
+
 fn refused(out: &Output, needles: &[&str]) {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -44,25 +56,32 @@ fn mlock_limit_is_named_with_the_fix() {
         panic!("prlimit and setpriv (util-linux) are needed; tests/run-all.sh installs them");
     };
     let port = free_port().to_string();
-    // Root bypasses RLIMIT_MEMLOCK through CAP_IPC_LOCK: drop it from the bounding set.
-    let out = run(
-        &[
-            "prlimit",
-            "--memlock=65536:65536",
-            "setpriv",
-            "--bounding-set=-ipc_lock",
-            "--inh-caps=-ipc_lock",
-        ],
-        &[
-            "--size",
-            "64M",
-            "--ephemeral",
-            "--hugepages",
-            "off",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-        ],
-    );
+    let listen = format!("127.0.0.1:{port}");
+    let args = [
+        "--size",
+        "64M",
+        "--ephemeral",
+        "--hugepages",
+        "off",
+        "--listen",
+        &listen,
+    ];
+    // Root bypasses RLIMIT_MEMLOCK through CAP_IPC_LOCK: drop it from the
+    // bounding set. An unprivileged user has no such capability to drop.
+    let out = if is_root() {
+        run(
+            &[
+                "prlimit",
+                "--memlock=65536:65536",
+                "setpriv",
+                "--bounding-set=-ipc_lock",
+                "--inh-caps=-ipc_lock",
+            ],
+            &args,
+        )
+    } else {
+        run(&["prlimit", "--memlock=65536:65536"], &args)
+    };
     refused(
         &out,
         &[
