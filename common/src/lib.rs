@@ -5,5 +5,6 @@
 #![deny(unsafe_code)]
 
 pub mod iscsi;
+pub mod iser;
 pub mod scsi_wire;
 pub mod serial;

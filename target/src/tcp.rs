@@ -130,6 +130,11 @@ fn drain_actions(conn: &mut Connection, wbuf: &mut Vec<u8>) -> bool {
                     return true;
                 }
             }
+            Action::RdmaWrite { .. } | Action::RdmaRead { .. } => {
+                // A TCP connection's engine never asks for RDMA.
+                tracing::error!("RDMA action on a TCP connection; closing it");
+                return true;
+            }
             Action::Close => return true,
         }
     }

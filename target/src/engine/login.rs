@@ -11,6 +11,7 @@ use ramslog_common::iscsi::{login, login_status, text, Bhs};
 use rand::RngCore;
 
 use super::params::{parse_bool, parse_number, yes_no, Params};
+use super::Transport;
 use crate::portal::{ChapSecret, Portal};
 
 /// RFC 7143 6.1: values are at most 255 bytes, except binary CHAP values.
@@ -93,7 +94,9 @@ impl Reply {
 }
 
 impl Login {
-    pub fn new(target_mrdsl: u32) -> Login {
+    pub fn new(target_mrdsl: u32, transport: Transport) -> Login {
+        let mut params = Params::defaults(target_mrdsl);
+        params.iser = transport == Transport::Iser;
         Login {
             first: None,
             stage: login::STAGE_SECURITY,
@@ -103,7 +106,7 @@ impl Login {
             auth: Auth::Pending,
             seen: HashSet::new(),
             rx_text: Vec::new(),
-            params: Params::defaults(target_mrdsl),
+            params,
             declared_mrdsl: false,
             sent_tpgt: false,
         }
@@ -200,6 +203,15 @@ impl Login {
                 return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
             }
         };
+        if self.params.iser
+            && pairs
+                .iter()
+                .any(|p| p.key == "RDMAExtensions" && p.value == "Yes")
+        {
+            // Decided before any other key: it changes how ImmediateData and
+            // the segment lengths are answered in this same PDU.
+            self.params.rdma_extensions = true;
+        }
         let mut out = Vec::new();
         let mut chap_n = None;
         let mut chap_r = None;
@@ -327,11 +339,12 @@ impl Login {
         }
         if csg == login::STAGE_OPERATIONAL && !self.declared_mrdsl {
             self.declared_mrdsl = true;
-            text::encode_pair(
-                &mut out,
-                "MaxRecvDataSegmentLength",
-                &self.params.target_mrdsl.to_string(),
-            );
+            let key = if self.params.rdma_extensions {
+                "TargetRecvDataSegmentLength"
+            } else {
+                "MaxRecvDataSegmentLength"
+            };
+            text::encode_pair(&mut out, key, &self.params.target_mrdsl.to_string());
         }
 
         let mut next = Next::Continue;
@@ -472,6 +485,10 @@ impl Login {
     }
 }
 
+/// Largest data segment the illumos iSER initiator can receive: its 16 KiB
+/// receive messages minus the iSER header and BHS.
+pub const ILLUMOS_MAX_SEND_DATA: u32 = 16384 - 28 - 48;
+
 /// Keys that mean nothing in a discovery session (RFC 7143 13).
 const NORMAL_ONLY: &[&str] = &[
     "MaxConnections",
@@ -506,9 +523,14 @@ fn negotiate(
         return Some("Irrelevant".into());
     }
     let reject = || Some("Reject".to_string());
+    // The illumos iSER initiator: no RDMAExtensions key, 16 KiB messages.
+    let illumos_iser = p.iser && !p.rdma_extensions;
     match key {
         "HeaderDigest" | "DataDigest" => {
-            let choice = value.split(',').find(|v| *v == "CRC32C" || *v == "None");
+            // iSER moves data by RDMA: digests do not apply (RFC 7145 6.3).
+            let choice = value
+                .split(',')
+                .find(|v| *v == "None" || (*v == "CRC32C" && !p.iser));
             let Some(choice) = choice else {
                 return reject();
             };
@@ -522,20 +544,47 @@ fn negotiate(
         }
         "MaxConnections" => numeric(value, 1, 65535).map_or_else(reject, |_| Some("1".into())),
         "InitialR2T" => parse_bool(value).map_or_else(reject, |v| {
-            p.initial_r2t = v || limits.initial_r2t;
+            p.initial_r2t = v || limits.initial_r2t || illumos_iser;
             Some(yes_no(p.initial_r2t).into())
         }),
         "ImmediateData" => parse_bool(value).map_or_else(reject, |v| {
-            p.immediate_data = v && limits.immediate_data;
+            p.immediate_data = v && limits.immediate_data && !illumos_iser;
             Some(yes_no(p.immediate_data).into())
         }),
+        "MaxRecvDataSegmentLength" if p.rdma_extensions => Some("Irrelevant".into()),
         "MaxRecvDataSegmentLength" => match numeric(value, 512, MAX_SEGMENT) {
             Some(v) => {
-                p.initiator_mrdsl = v as u32;
+                // illumos receives into fixed 16 KiB messages, headers included.
+                let cap = if illumos_iser {
+                    ILLUMOS_MAX_SEND_DATA
+                } else {
+                    u32::MAX
+                };
+                p.initiator_mrdsl = (v as u32).min(cap);
                 None
             }
             None => reject(),
         },
+        "InitiatorRecvDataSegmentLength" if p.rdma_extensions => {
+            match numeric(value, 512, MAX_SEGMENT) {
+                Some(v) => {
+                    p.initiator_mrdsl = v as u32;
+                    None
+                }
+                None => reject(),
+            }
+        }
+        // A hint from the initiator; we declare our own value with the
+        // operational stage's first response.
+        "TargetRecvDataSegmentLength" if p.rdma_extensions => {
+            numeric(value, 512, MAX_SEGMENT).map_or_else(reject, |_| None)
+        }
+        "MaxOutstandingUnexpectedPDUs" if p.rdma_extensions => {
+            // Minimum, 0 meaning no limit: we send no unexpected PDUs but pings.
+            parse_number(value)
+                .filter(|v| *v == 0 || (2..=u64::from(u32::MAX)).contains(v))
+                .map_or_else(reject, |v| Some(v.to_string()))
+        }
         "MaxBurstLength" => numeric(value, 512, MAX_SEGMENT).map_or_else(reject, |v| {
             p.max_burst_len = (v as u32).min(limits.max_burst_len);
             Some(p.max_burst_len.to_string())
@@ -564,7 +613,9 @@ fn negotiate(
         "ErrorRecoveryLevel" => numeric(value, 0, 2).map_or_else(reject, |_| Some("0".into())),
         "IFMarker" | "OFMarker" => parse_bool(value).map_or_else(reject, |_| Some("No".into())),
         "IFMarkInt" | "OFMarkInt" => Some("Irrelevant".into()),
-        "RDMAExtensions" => parse_bool(value).map_or_else(reject, |_| Some("No".into())),
+        "RDMAExtensions" => {
+            parse_bool(value).map_or_else(reject, |v| Some(yes_no(v && p.iser).into()))
+        }
         "TaskReporting" => Some("RFC3720".into()),
         "iSCSIProtocolLevel" => {
             numeric(value, 0, 31).map_or_else(reject, |v| Some(v.min(1).to_string()))

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ramslog_common::iscsi::{Bhs, Opcode, RejectReason, BHS_LEN, RESERVED_TAG};
+use ramslog_common::iser::RemoteBuffer;
 
 pub use login::SessionKind;
 pub use params::Params;
@@ -87,8 +88,44 @@ pub struct OutPdu {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Action {
     Send(OutPdu),
+    /// iSER: RDMA-WRITE `data` to the initiator's buffer at `remote_addr`. It
+    /// is queued before the SCSI Response of the same command, and RC ordering
+    /// places it before that SEND arrives, so the driver needs no completion.
+    RdmaWrite {
+        stag: u32,
+        remote_addr: u64,
+        data: OutData,
+    },
+    /// iSER: RDMA-READ `len` bytes of the initiator's buffer into `dest`, then
+    /// report [`Connection::handle_rdma_read_done`] with `tag`.
+    RdmaRead {
+        tag: u32,
+        stag: u32,
+        remote_addr: u64,
+        len: u32,
+        dest: ReadDest,
+    },
     /// Close the connection once everything before this action is sent.
     Close,
+}
+
+/// Where an RDMA READ puts the initiator's data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadDest {
+    /// Straight into LUN memory.
+    Store { lun: u64, offset: u64 },
+    /// Into the driver's own buffer; its bytes come back with the completion
+    /// (parameter lists and other data the SCSI device must see first).
+    Buffer,
+}
+
+/// The transport a connection runs on: it decides how data moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// R2T / Data-Out / Data-In PDUs.
+    Tcp,
+    /// RDMA READ / WRITE of tagged initiator buffers; only control PDUs are sent.
+    Iser,
 }
 
 /// Timers, one slot each.
@@ -141,6 +178,7 @@ pub struct Connection {
     rx_data_digest: bool,
     /// The session's LUs, kept past the session's end for queued Data-In.
     scsi: Option<Arc<ScsiTarget>>,
+    transport: Transport,
 }
 
 impl Connection {
@@ -151,13 +189,36 @@ impl Connection {
         now: Instant,
     ) -> Connection {
         let mrdsl = portal.limits.max_recv_data_segment_len;
+        Connection::with_transport(portal, info, control, now, Transport::Tcp, mrdsl)
+    }
+
+    /// An iSER connection whose receive buffers hold `recv_data_len` bytes of
+    /// data segment after the iSER header, BHS and AHS.
+    pub fn new_iser(
+        portal: Arc<Portal>,
+        info: ConnInfo,
+        control: Arc<dyn SessionControl>,
+        now: Instant,
+        recv_data_len: u32,
+    ) -> Connection {
+        Connection::with_transport(portal, info, control, now, Transport::Iser, recv_data_len)
+    }
+
+    fn with_transport(
+        portal: Arc<Portal>,
+        info: ConnInfo,
+        control: Arc<dyn SessionControl>,
+        now: Instant,
+        transport: Transport,
+        mrdsl: u32,
+    ) -> Connection {
         let mut timers = TimerTable::default();
         timers.set(Timer::Login, now + portal.limits.login_timeout);
         Connection {
             portal,
             info,
             control,
-            phase: Phase::Login(Box::new(Login::new(mrdsl))),
+            phase: Phase::Login(Box::new(Login::new(mrdsl, transport))),
             actions: VecDeque::with_capacity(64),
             timers,
             statsn: 0,
@@ -165,6 +226,43 @@ impl Connection {
             rx_header_digest: false,
             rx_data_digest: false,
             scsi: None,
+            transport,
+        }
+    }
+
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+
+    /// iSER: a control PDU with the tagged buffers its iSER header carried.
+    pub fn handle_iser_pdu(
+        &mut self,
+        now: Instant,
+        write: Option<RemoteBuffer>,
+        read: Option<RemoteBuffer>,
+        bhs: &Bhs,
+        ahs: &[u8],
+        data: &[u8],
+    ) {
+        if let Phase::FullFeature(s) = &mut self.phase {
+            s.set_remote_buffers(write, read);
+        }
+        self.handle_pdu(now, bhs, ahs, data);
+        if let Phase::FullFeature(s) = &mut self.phase {
+            s.set_remote_buffers(None, None);
+        }
+    }
+
+    /// iSER: the RDMA READ of [`Action::RdmaRead`] `tag` finished. For
+    /// [`ReadDest::Buffer`] `data` holds the bytes read; for the store it is empty.
+    pub fn handle_rdma_read_done(&mut self, now: Instant, tag: u32, data: &[u8]) {
+        self.touch(now);
+        if let Phase::FullFeature(s) = &mut self.phase {
+            let mut out = Out {
+                q: &mut self.actions,
+                statsn: &mut self.statsn,
+            };
+            s.rdma_read_done(tag, data, &mut out);
         }
     }
 
@@ -401,6 +499,9 @@ impl Out<'_> {
     }
     fn push(&mut self, pdu: OutPdu) {
         self.q.push_back(Action::Send(pdu));
+    }
+    fn push_action(&mut self, action: Action) {
+        self.q.push_back(action);
     }
     fn close(&mut self) {
         self.q.push_back(Action::Close);

@@ -16,6 +16,11 @@ pub struct Params {
     pub max_outstanding_r2t: u32,
     pub default_time2wait: u32,
     pub default_time2retain: u32,
+    /// iSER-assisted: data moves by RDMA, digests and R2Ts are off.
+    pub iser: bool,
+    /// The initiator negotiated RDMAExtensions=Yes (RFC 7145, Linux); an
+    /// iSER login without it follows the illumos initiator's rules.
+    pub rdma_extensions: bool,
 }
 
 impl Params {
@@ -33,6 +38,8 @@ impl Params {
             max_outstanding_r2t: 1,
             default_time2wait: 2,
             default_time2retain: 20,
+            iser: false,
+            rdma_extensions: false,
         }
     }
 }

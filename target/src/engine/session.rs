@@ -9,14 +9,19 @@ use ramslog_common::iscsi::{
     parse_ahs, scsi_cmd, scsi_rsp, text, tmf, Bhs, Opcode, RejectReason, AHS_EXTENDED_CDB,
     RESERVED_TAG,
 };
+use ramslog_common::iser::RemoteBuffer;
 use ramslog_common::scsi_wire::{sense_key, status, Sense};
 use ramslog_common::serial;
 
 use super::login::{Login, SessionKind};
 use super::params::Params;
-use super::{is_reserved, rejected_header, ConnInfo, Out, OutData, OutPdu};
+use super::{is_reserved, rejected_header, Action, ConnInfo, Out, OutData, OutPdu, ReadDest};
 use crate::portal::{Portal, SessionControl, SessionKey};
 use crate::scsi::{DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget};
+
+/// Data room of the Linux ib_iser initiator's full-feature receive buffers
+/// (`ISER_RECV_DATA_SEG_LEN`).
+const LINUX_ISER_RECV_DATA: u32 = 128;
 
 /// Bytes of write data one session may hold in staging buffers at once
 /// (multi-PDU LUN writes and parameter data). Beyond it new such commands get
@@ -67,6 +72,10 @@ struct Task {
     /// changes no block.
     staged: bool,
     buf: Vec<u8>,
+    /// iSER: the initiator's buffer holding the write data.
+    remote: Option<RemoteBuffer>,
+    /// iSER: the RDMA READ in flight, as (tag, offset, len).
+    rdma_read: Option<(u32, u32, u32)>,
 }
 
 pub(super) struct Session {
@@ -93,6 +102,10 @@ pub(super) struct Session {
     /// Bytes currently held in tasks' staging buffers.
     staged_bytes: u64,
     ended: bool,
+    /// iSER: the tagged buffers of the PDU being handled.
+    remote_write: Option<RemoteBuffer>,
+    remote_read: Option<RemoteBuffer>,
+    next_rdma_tag: u32,
 }
 
 fn lun_from_wire(raw: u64) -> Option<u64> {
@@ -145,10 +158,17 @@ impl Session {
             "session started"
         );
         let window = portal.limits.cmd_window.max(1);
+        let mut params = login.params.clone();
+        if params.rdma_extensions && login.kind == SessionKind::Normal {
+            // Linux ib_iser receives full-feature PDUs into buffers with 128
+            // bytes of data room, whatever it declared during login (a
+            // discovery session keeps its login buffer).
+            params.initiator_mrdsl = params.initiator_mrdsl.min(LINUX_ISER_RECV_DATA);
+        }
         Session {
             portal: portal.clone(),
             tsih,
-            params: login.params.clone(),
+            params,
             kind: login.kind,
             key,
             nexus,
@@ -168,7 +188,15 @@ impl Session {
             text_tx: None,
             staged_bytes: 0,
             ended: false,
+            remote_write: None,
+            remote_read: None,
+            next_rdma_tag: 1,
         }
+    }
+
+    pub fn set_remote_buffers(&mut self, write: Option<RemoteBuffer>, read: Option<RemoteBuffer>) {
+        self.remote_write = write;
+        self.remote_read = read;
     }
 
     /// Release the session: the I_T nexus is lost.
@@ -375,6 +403,12 @@ impl Session {
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
         }
+        if self.params.iser && flags & scsi_cmd::READ != 0 && edtl > 0 && self.remote_read.is_none()
+        {
+            // iSER reads are RDMA-written to a buffer the command must name.
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return;
+        }
         let plan = match scsi.prepare(self.nexus, lun, cdb) {
             Ok(p) => p,
             Err(reason) => {
@@ -448,9 +482,20 @@ impl Session {
             r2ts: Vec::new(),
             staged: false,
             buf: self.spare_bufs.pop().unwrap_or_default(),
+            remote: self.remote_write,
+            rdma_read: None,
         };
+        if self.params.iser && unsol_end < moved && task.remote.is_none() {
+            // The rest must be RDMA-read, but the command named no buffer.
+            self.finish_task(task);
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return;
+        }
+        // iSER writes go straight into LUN memory: an unacknowledged write
+        // may leave its blocks partly written, as on any disk.
         task.staged = matches!(task.plan.out_placement, OutPlacement::Store { .. })
-            && (data.len() as u32) < moved;
+            && (data.len() as u32) < moved
+            && !self.params.iser;
         if matches!(task.plan.out_placement, OutPlacement::Buffer) || task.staged {
             if self.staged_bytes + u64::from(moved) > STAGING_BUDGET {
                 self.finish_task(task);
@@ -519,8 +564,13 @@ impl Session {
         ok
     }
 
-    /// Send R2Ts for the next ranges, up to MaxOutstandingR2T.
+    /// Send R2Ts for the next ranges, up to MaxOutstandingR2T; over iSER,
+    /// one RDMA READ of everything not sent unsolicited.
     fn solicit(&mut self, out: &mut Out, task: &mut Task) {
+        if self.params.iser {
+            self.solicit_rdma(out, task);
+            return;
+        }
         while task.solicit_next < task.moved
             && (task.r2ts.len() as u32) < self.params.max_outstanding_r2t
         {
@@ -548,6 +598,66 @@ impl Session {
             task.r2ts.push(r2t);
             let pdu = self.pdu(b, OutData::None);
             out.push(pdu);
+        }
+    }
+
+    fn solicit_rdma(&mut self, out: &mut Out, task: &mut Task) {
+        if !task.unsol_done || task.rdma_read.is_some() || task.solicit_next >= task.moved {
+            return;
+        }
+        let (offset, len) = (task.solicit_next, task.moved - task.solicit_next);
+        // Checked when the command arrived.
+        let Some(remote) = task.remote else {
+            return;
+        };
+        let Some(remote_addr) = remote.at(offset.into()) else {
+            return;
+        };
+        let dest = match task.plan.out_placement {
+            OutPlacement::Store { offset: base } => ReadDest::Store {
+                lun: task.lun,
+                offset: base + u64::from(offset),
+            },
+            _ => ReadDest::Buffer,
+        };
+        let tag = self.next_rdma_tag;
+        self.next_rdma_tag = self.next_rdma_tag.wrapping_add(1).max(1);
+        task.rdma_read = Some((tag, offset, len));
+        task.solicit_next = task.moved;
+        out.push_action(Action::RdmaRead {
+            tag,
+            stag: remote.stag,
+            remote_addr,
+            len,
+            dest,
+        });
+    }
+
+    /// iSER: an RDMA READ finished. A task aborted meanwhile is gone, and its
+    /// late data is dropped.
+    pub fn rdma_read_done(&mut self, tag: u32, data: &[u8], out: &mut Out) {
+        let Some(idx) = self
+            .tasks
+            .iter()
+            .position(|t| t.rdma_read.is_some_and(|(t, _, _)| t == tag))
+        else {
+            return;
+        };
+        let Some(scsi) = self.scsi.clone() else {
+            return;
+        };
+        let mut task = self.tasks.swap_remove(idx);
+        let Some((_, offset, len)) = task.rdma_read.take() else {
+            return;
+        };
+        let residual = Residual::between(task.edtl, task.plan.data_out_len);
+        if matches!(task.plan.out_placement, OutPlacement::Store { .. }) {
+            // The HCA already placed it in LUN memory.
+            task.received += len;
+            self.accept_data(out, &scsi, task, offset, &[], residual);
+        } else {
+            let data = &data[..data.len().min(len as usize)];
+            self.accept_data(out, &scsi, task, offset, data, residual);
         }
     }
 
@@ -718,6 +828,30 @@ impl Session {
         let xfer = produced.min(edtl);
         let residual = Residual::between(edtl, produced);
         if xfer == 0 {
+            self.respond(out, itt, status::GOOD, None, residual);
+            return;
+        }
+        if self.params.iser {
+            // Checked when the command arrived; the address cannot overflow
+            // once the initiator registered that many bytes there.
+            let Some(remote) = self.remote_read else {
+                let s = Sense::new(sense_key::ABORTED_COMMAND, 0x4b, 0x00);
+                self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
+                return;
+            };
+            let data = match src {
+                DataSource::Store(offset) => OutData::Store {
+                    lun,
+                    offset,
+                    len: xfer,
+                },
+                DataSource::Buffer(v) => OutData::Owned(v[..xfer as usize].to_vec()),
+            };
+            out.push_action(Action::RdmaWrite {
+                stag: remote.stag,
+                remote_addr: remote.va,
+                data,
+            });
             self.respond(out, itt, status::GOOD, None, residual);
             return;
         }

@@ -36,6 +36,8 @@ struct Harness {
     cmdsn: u32,
     itt: u32,
     closed: bool,
+    /// iSER: RDMA actions, in order, interleaved with sends by index.
+    rdma: Vec<(usize, Action)>,
 }
 
 fn portal_with(
@@ -89,7 +91,14 @@ impl Harness {
             cmdsn: 100,
             itt: 1,
             closed: false,
+            rdma: Vec::new(),
         }
+    }
+
+    fn new_iser(portal: Arc<Portal>) -> Harness {
+        let mut h = Harness::new(portal.clone());
+        h.conn = Connection::new_iser(portal, h.conn.info, Arc::new(Flag::default()), h.now, 8192);
+        h
     }
 
     fn send(&mut self, bhs: &Bhs, data: &[u8]) -> Vec<Rsp> {
@@ -104,6 +113,9 @@ impl Harness {
         while let Some(a) = self.conn.poll_action() {
             match a {
                 Action::Close => self.closed = true,
+                a @ (Action::RdmaWrite { .. } | Action::RdmaRead { .. }) => {
+                    self.rdma.push((v.len(), a))
+                }
                 Action::Send(p) => {
                     let data = match p.data {
                         OutData::None => Vec::new(),
@@ -830,4 +842,264 @@ fn waiting_commands_are_bounded_by_the_window() {
         .filter(|s| **s == (Some(Opcode::ScsiResponse), status::TASK_SET_FULL))
         .count();
     assert_eq!(full, 2, "{statuses:?}");
+}
+
+// ---- iSER ------------------------------------------------------------------
+
+fn iser_buf(va: u64) -> Option<ramslog_common::iser::RemoteBuffer> {
+    Some(ramslog_common::iser::RemoteBuffer { stag: 0x77, va })
+}
+
+impl Harness {
+    fn iser_command(
+        &mut self,
+        cdb: &[u8],
+        flags: u8,
+        edtl: u32,
+        data: &[u8],
+        write: Option<ramslog_common::iser::RemoteBuffer>,
+        read: Option<ramslog_common::iser::RemoteBuffer>,
+    ) -> (u32, Vec<Rsp>) {
+        let itt = self.next_itt();
+        let mut b = Bhs::new(Opcode::ScsiCommand);
+        b.set_flags(flags)
+            .set_itt(itt)
+            .set_expected_data_len(edtl)
+            .set_cmdsn(self.cmdsn)
+            .set_data_segment_len(data.len() as u32);
+        self.cmdsn += 1;
+        b.0[32..32 + cdb.len()].copy_from_slice(cdb);
+        self.conn
+            .handle_iser_pdu(self.now, write, read, &b, &[], data);
+        (itt, self.drain())
+    }
+}
+
+fn iser_login(extra: &[(&str, &str)]) -> (Harness, Vec<(String, String)>) {
+    let portal = portal_with(Limits::default(), None, None, Acl::Any);
+    let mut h = Harness::new_iser(portal);
+    let mut keys = vec![
+        ("InitiatorName", INI),
+        ("TargetName", IQN),
+        ("SessionType", "Normal"),
+    ];
+    keys.extend_from_slice(extra);
+    let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
+    let mut r = h.login_pdu(flags, &keys);
+    assert_eq!(r.len(), 1);
+    let r = r.remove(0);
+    assert_eq!(r.bhs.u16_at(36), login_status::SUCCESS);
+    let k = keys_of(&r.data);
+    h.clear_unit_attention();
+    (h, k)
+}
+
+#[test]
+fn iser_login_linux_keys() {
+    let (h, k) = iser_login(&[
+        ("RDMAExtensions", "Yes"),
+        ("HeaderDigest", "CRC32C,None"),
+        ("DataDigest", "CRC32C,None"),
+        ("InitiatorRecvDataSegmentLength", "262144"),
+        ("TargetRecvDataSegmentLength", "262144"),
+        ("ImmediateData", "Yes"),
+        ("InitialR2T", "No"),
+        ("MaxOutstandingUnexpectedPDUs", "0"),
+    ]);
+    assert_eq!(key(&k, "RDMAExtensions"), Some("Yes"));
+    assert_eq!(
+        key(&k, "HeaderDigest"),
+        Some("None"),
+        "no digests over iSER"
+    );
+    assert_eq!(key(&k, "DataDigest"), Some("None"));
+    assert_eq!(key(&k, "TargetRecvDataSegmentLength"), Some("8192"));
+    assert_eq!(key(&k, "MaxRecvDataSegmentLength"), None);
+    assert_eq!(key(&k, "ImmediateData"), Some("Yes"));
+    assert_eq!(key(&k, "MaxOutstandingUnexpectedPDUs"), Some("0"));
+    assert_eq!(h.conn.rx_digests(), (false, false));
+}
+
+#[test]
+fn iser_login_illumos_profile_gets_what_illumos_requires() {
+    // What iscsi_login.c sends: no iSER keys at all.
+    let (_h, k) = iser_login(&[
+        ("HeaderDigest", "None"),
+        ("DataDigest", "None"),
+        ("MaxRecvDataSegmentLength", "8192"),
+        ("DefaultTime2Wait", "2"),
+        ("DefaultTime2Retain", "20"),
+        ("ErrorRecoveryLevel", "0"),
+        ("IFMarker", "No"),
+        ("OFMarker", "No"),
+        ("InitialR2T", "Yes"),
+        ("ImmediateData", "Yes"),
+        ("MaxBurstLength", "262144"),
+        ("FirstBurstLength", "65536"),
+        ("MaxOutstandingR2T", "1"),
+        ("MaxConnections", "1"),
+        ("DataPDUInOrder", "Yes"),
+        ("DataSequenceInOrder", "Yes"),
+    ]);
+    assert_eq!(key(&k, "ImmediateData"), Some("No"));
+    assert_eq!(key(&k, "InitialR2T"), Some("Yes"));
+    assert_eq!(key(&k, "MaxOutstandingR2T"), Some("1"));
+    assert_eq!(key(&k, "MaxConnections"), Some("1"));
+    assert_eq!(key(&k, "ErrorRecoveryLevel"), Some("0"));
+    let mrdsl: u32 = key(&k, "MaxRecvDataSegmentLength")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(mrdsl <= 8192);
+    assert_eq!(key(&k, "RDMAExtensions"), None);
+}
+
+#[test]
+fn iser_read_is_one_rdma_write_before_the_response() {
+    let (mut h, _) = iser_login(&[("RDMAExtensions", "Yes")]);
+    let (_, r) = h.iser_command(
+        &read10(0, 16),
+        scsi_cmd_flags(false, true),
+        8192,
+        &[],
+        None,
+        iser_buf(0x1000),
+    );
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
+    assert_eq!(r[0].bhs.0[3], status::GOOD);
+    assert_eq!(h.rdma.len(), 1);
+    let (at, ref a) = h.rdma[0];
+    assert_eq!(at, 0, "the RDMA WRITE is queued before the response");
+    assert_eq!(
+        *a,
+        Action::RdmaWrite {
+            stag: 0x77,
+            remote_addr: 0x1000,
+            data: OutData::Store {
+                lun: 0,
+                offset: 0,
+                len: 8192
+            }
+        }
+    );
+}
+
+#[test]
+fn iser_read_without_a_read_buffer_is_rejected() {
+    let (mut h, _) = iser_login(&[("RDMAExtensions", "Yes")]);
+    let (_, r) = h.iser_command(
+        &read10(0, 1),
+        scsi_cmd_flags(false, true),
+        512,
+        &[],
+        None,
+        None,
+    );
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::Reject));
+    assert!(h.rdma.is_empty());
+}
+
+#[test]
+fn iser_write_takes_immediate_data_and_rdma_reads_the_rest() {
+    let (mut h, _) = iser_login(&[("RDMAExtensions", "Yes"), ("ImmediateData", "Yes")]);
+    let data: Vec<u8> = (0..16384u32).map(|i| (i * 13 + 1) as u8).collect();
+    let (itt, r) = h.iser_command(
+        &write10(4, 32),
+        scsi_cmd_flags(true, false),
+        16384,
+        &data[..4096],
+        iser_buf(0x9000),
+        None,
+    );
+    assert!(r.is_empty(), "waits for the RDMA READ");
+    let Some((
+        _,
+        Action::RdmaRead {
+            tag,
+            stag,
+            remote_addr,
+            len,
+            dest,
+        },
+    )) = h.rdma.pop()
+    else {
+        panic!("expected an RDMA READ");
+    };
+    assert_eq!((stag, remote_addr, len), (0x77, 0x9000 + 4096, 12288));
+    let ReadDest::Store { lun: 0, offset } = dest else {
+        panic!("LUN writes are read straight into the store: {dest:?}");
+    };
+    assert_eq!(offset, 4 * 512 + 4096);
+    // Play the HCA: place the bytes, then report the completion.
+    let lu_store = h.conn.scsi.as_ref().unwrap().lu(0).unwrap().store().clone();
+    lu_store.write(offset, &data[4096..]).unwrap();
+    h.conn.handle_rdma_read_done(h.now, tag, &[]);
+    let r = h.drain();
+    assert_eq!(r.len(), 1);
+    assert_eq!((r[0].bhs.itt(), r[0].bhs.0[3]), (itt, status::GOOD));
+    let mut back = vec![0u8; 16384];
+    lu_store.read(4 * 512, &mut back).unwrap();
+    assert_eq!(back, data);
+    // A late completion for a tag no task owns is ignored.
+    h.conn.handle_rdma_read_done(h.now, tag, &[]);
+    assert!(h.drain().is_empty());
+}
+
+#[test]
+fn iser_write_without_a_write_buffer_is_rejected() {
+    let (mut h, _) = iser_login(&[("RDMAExtensions", "Yes")]);
+    let (_, r) = h.iser_command(
+        &write10(0, 8),
+        scsi_cmd_flags(true, false),
+        4096,
+        &[],
+        None,
+        None,
+    );
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::Reject));
+}
+
+#[test]
+fn iser_parameter_data_is_read_into_the_driver_buffer() {
+    let (mut h, _) = iser_login(&[]);
+    // MODE SELECT(6) with a 12-byte header + block descriptor-less caching page.
+    let mut param = vec![0u8; 4 + 20];
+    param[4] = 0x08;
+    param[5] = 0x12;
+    let cdb = [0x15, 0x10, 0, 0, param.len() as u8, 0];
+    let (_, r) = h.iser_command(
+        &cdb,
+        scsi_cmd_flags(true, false),
+        param.len() as u32,
+        &[],
+        iser_buf(0x5000),
+        None,
+    );
+    assert!(r.is_empty());
+    let Some((_, Action::RdmaRead { tag, len, dest, .. })) = h.rdma.pop() else {
+        panic!("expected an RDMA READ");
+    };
+    assert_eq!((len, dest), (param.len() as u32, ReadDest::Buffer));
+    h.conn.handle_rdma_read_done(h.now, tag, &param);
+    let r = h.drain();
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
+}
+
+#[test]
+fn iser_linux_full_feature_data_stays_within_128_bytes() {
+    let (mut h, _) = iser_login(&[
+        ("RDMAExtensions", "Yes"),
+        ("InitiatorRecvDataSegmentLength", "8192"),
+    ]);
+    let mut b = Bhs::new(Opcode::NopOut);
+    b.set_final(true)
+        .set_itt(0x55)
+        .set_ttt(RESERVED_TAG)
+        .set_cmdsn(h.cmdsn);
+    h.cmdsn += 1;
+    let r = h.send(&b, &[0x5a; 1000]);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::NopIn));
+    assert!(r[0].data.len() <= 128);
 }
