@@ -1,0 +1,736 @@
+//! librdmacm: event channels, ids, connection setup and the QP of an id.
+
+use std::cell::Cell;
+use std::fmt;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::os::fd::RawFd;
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+
+use rdma_sys as ffi;
+
+use super::ib::{self, CompletionQueue, Device, PostError, ProtectionDomain, RecvWr, SendWr};
+use super::{set_fd_nonblocking, Error, Result};
+
+// ---------------------------------------------------------------- event channel
+
+struct ChannelInner {
+    ch: NonNull<ffi::rdma_event_channel>,
+}
+
+// SAFETY: an rdma_event_channel is a file descriptor; rdma_get_cm_event and
+// the id calls that use it are thread-safe in librdmacm. Destroyed once, in
+// Drop.
+unsafe impl Send for ChannelInner {}
+// SAFETY: see Send.
+unsafe impl Sync for ChannelInner {}
+
+impl Drop for ChannelInner {
+    fn drop(&mut self) {
+        // SAFETY: we own the channel; no id uses it any more (every CmId on
+        // it holds an Arc to us).
+        unsafe { ffi::rdma_destroy_event_channel(self.ch.as_ptr()) };
+    }
+}
+
+/// An rdma_cm event channel: a file descriptor on which the events of the
+/// ids created on (or migrated to) it arrive. Cloning gives another handle
+/// to the same channel; it is destroyed when the last handle and the last
+/// id on it are gone.
+#[derive(Clone)]
+pub struct EventChannel {
+    inner: Arc<ChannelInner>,
+}
+
+impl EventChannel {
+    pub fn new() -> Result<EventChannel> {
+        // SAFETY: no arguments; returns a new channel or null with errno.
+        let ch = unsafe { ffi::rdma_create_event_channel() };
+        let ch =
+            NonNull::new(ch).ok_or_else(|| Error::last_os_error("rdma_create_event_channel"))?;
+        Ok(EventChannel {
+            inner: Arc::new(ChannelInner { ch }),
+        })
+    }
+
+    fn as_ptr(&self) -> *mut ffi::rdma_event_channel {
+        self.inner.ch.as_ptr()
+    }
+
+    pub fn fd(&self) -> RawFd {
+        // SAFETY: the channel is alive; `fd` is set at creation and constant.
+        unsafe { (*self.as_ptr()).fd }
+    }
+
+    pub fn set_nonblocking(&self, on: bool) -> Result<()> {
+        set_fd_nonblocking(self.fd(), on)
+    }
+
+    /// The next event (`rdma_get_cm_event`), copied out and acknowledged
+    /// (`rdma_ack_cm_event`) before returning. Blocks unless the channel is
+    /// non-blocking; then "no event" is an `Err` whose
+    /// [`is_would_block`](Error::is_would_block) is true.
+    ///
+    /// For `ConnectRequest` the new connection's id is handed over as an
+    /// owned [`CmId`] in [`CmEvent::new_id`]; it is on this channel (use
+    /// [`CmId::migrate`] to move it), and dropping it rejects the request.
+    pub fn get_event(&self) -> Result<CmEvent> {
+        let mut ev: *mut ffi::rdma_cm_event = ptr::null_mut();
+        // SAFETY: the channel is alive; `ev` is a valid out-pointer.
+        let rc = unsafe { ffi::rdma_get_cm_event(self.as_ptr(), &mut ev) };
+        if rc != 0 {
+            return Err(Error::last_os_error("rdma_get_cm_event"));
+        }
+        let ev =
+            NonNull::new(ev).ok_or_else(|| Error::from_errno("rdma_get_cm_event", libc::EIO))?;
+        let out = {
+            // SAFETY: librdmacm returned a valid event that stays valid until
+            // it is acknowledged below; we only read it.
+            let e = unsafe { ev.as_ref() };
+            let kind = CmEventKind::from_raw(e.event);
+            let has_conn_param = matches!(
+                kind,
+                CmEventKind::ConnectRequest
+                    | CmEventKind::ConnectResponse
+                    | CmEventKind::Established
+                    | CmEventKind::Rejected
+                    | CmEventKind::Disconnected
+            );
+            let (private_data, responder_resources, initiator_depth) = if has_conn_param {
+                // SAFETY: for connection events on RC ids (all ours are
+                // RDMA_PS_TCP / RC) librdmacm fills `param.conn`.
+                let c = unsafe { e.param.conn };
+                let data = if c.private_data.is_null() || c.private_data_len == 0 {
+                    Vec::new()
+                } else {
+                    // SAFETY: `private_data` points to `private_data_len`
+                    // bytes inside the event, valid until the ack below;
+                    // copied at once.
+                    unsafe {
+                        std::slice::from_raw_parts(
+                            c.private_data.cast::<u8>(),
+                            usize::from(c.private_data_len),
+                        )
+                    }
+                    .to_vec()
+                };
+                (data, c.responder_resources, c.initiator_depth)
+            } else {
+                (Vec::new(), 0, 0)
+            };
+            let new_id = match kind {
+                CmEventKind::ConnectRequest => NonNull::new(e.id).map(|id| CmId {
+                    id,
+                    channel: Cell::new(Arc::clone(&self.inner)),
+                    qp: None,
+                    caps: QpCaps::default(),
+                    _pd: None,
+                    _cq: None,
+                }),
+                _ => None,
+            };
+            let listen_id = if e.listen_id.is_null() {
+                e.id as usize
+            } else {
+                e.listen_id as usize
+            };
+            CmEvent {
+                kind,
+                status: e.status,
+                private_data,
+                responder_resources,
+                initiator_depth,
+                new_id,
+                id: e.id as usize,
+                listen_id,
+            }
+        };
+        // SAFETY: acknowledging the event we got, exactly once; nothing
+        // borrowed from it survives (everything was copied above). For a
+        // connect request this does not destroy the new id, which `out` owns.
+        let _ = unsafe { ffi::rdma_ack_cm_event(ev.as_ptr()) };
+        Ok(out)
+    }
+
+    /// Address of the `rdma_event_channel`, to tell channels apart.
+    pub fn raw_handle(&self) -> usize {
+        self.as_ptr() as usize
+    }
+}
+
+impl fmt::Debug for EventChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EventChannel")
+            .field("fd", &self.fd())
+            .finish()
+    }
+}
+
+// ---------------------------------------------------------------- events
+
+/// `rdma_cm_event_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CmEventKind {
+    AddrResolved,
+    AddrError,
+    RouteResolved,
+    RouteError,
+    ConnectRequest,
+    ConnectResponse,
+    ConnectError,
+    Unreachable,
+    Rejected,
+    Established,
+    Disconnected,
+    DeviceRemoval,
+    TimewaitExit,
+    AddrChange,
+    Other(u32),
+}
+
+impl CmEventKind {
+    fn from_raw(e: u32) -> CmEventKind {
+        use ffi::rdma_cm_event_type as t;
+        match e {
+            t::RDMA_CM_EVENT_ADDR_RESOLVED => CmEventKind::AddrResolved,
+            t::RDMA_CM_EVENT_ADDR_ERROR => CmEventKind::AddrError,
+            t::RDMA_CM_EVENT_ROUTE_RESOLVED => CmEventKind::RouteResolved,
+            t::RDMA_CM_EVENT_ROUTE_ERROR => CmEventKind::RouteError,
+            t::RDMA_CM_EVENT_CONNECT_REQUEST => CmEventKind::ConnectRequest,
+            t::RDMA_CM_EVENT_CONNECT_RESPONSE => CmEventKind::ConnectResponse,
+            t::RDMA_CM_EVENT_CONNECT_ERROR => CmEventKind::ConnectError,
+            t::RDMA_CM_EVENT_UNREACHABLE => CmEventKind::Unreachable,
+            t::RDMA_CM_EVENT_REJECTED => CmEventKind::Rejected,
+            t::RDMA_CM_EVENT_ESTABLISHED => CmEventKind::Established,
+            t::RDMA_CM_EVENT_DISCONNECTED => CmEventKind::Disconnected,
+            t::RDMA_CM_EVENT_DEVICE_REMOVAL => CmEventKind::DeviceRemoval,
+            t::RDMA_CM_EVENT_TIMEWAIT_EXIT => CmEventKind::TimewaitExit,
+            t::RDMA_CM_EVENT_ADDR_CHANGE => CmEventKind::AddrChange,
+            other => CmEventKind::Other(other),
+        }
+    }
+}
+
+/// One rdma_cm event, copied out of librdmacm (already acknowledged).
+#[derive(Debug)]
+pub struct CmEvent {
+    pub kind: CmEventKind,
+    /// The event's status: 0, a negative errno (e.g. for `AddrError`,
+    /// `RouteError`, `Unreachable`), or for `Rejected` the CM reject reason.
+    pub status: i32,
+    /// `param.conn.private_data` of connection events (ConnectRequest,
+    /// ConnectResponse, Established, Rejected, Disconnected); may be empty.
+    /// On InfiniBand / RoCE it is padded with zeros to the CM's fixed size.
+    pub private_data: Vec<u8>,
+    /// `param.conn` values as librdmacm reports them, already from this
+    /// side's point of view (0 for other events).
+    pub responder_resources: u8,
+    pub initiator_depth: u8,
+    /// For `ConnectRequest`: the new connection's id, owned. Dropping it
+    /// rejects and destroys it.
+    pub new_id: Option<CmId>,
+    /// Address of `event->id` (compare with [`CmId::raw_handle`]). For
+    /// `ConnectRequest` that is the new id.
+    pub id: usize,
+    /// Address of `event->listen_id` if set (`ConnectRequest`: the
+    /// listener), else of `event->id`: the id of ours this event is for.
+    pub listen_id: usize,
+}
+
+// ---------------------------------------------------------------- ids
+
+/// Queue pair sizes ([`CmId::create_qp`]); after creation
+/// [`CmId::qp_caps`] has what the device really gave (at least this much).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QpCaps {
+    pub max_send_wr: u32,
+    pub max_recv_wr: u32,
+    pub max_send_sge: u32,
+    pub max_recv_sge: u32,
+    pub max_inline_data: u32,
+}
+
+/// Connection parameters for [`CmId::connect`] / [`CmId::accept`]
+/// (`rdma_conn_param`; flow control on, no SRQ).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnParam<'a> {
+    /// At most 255 bytes here; the CM allows less (InfiniBand / RoCE: 56
+    /// for connect, 196 for accept), else the call fails with EINVAL.
+    pub private_data: &'a [u8],
+    /// RDMA READs / atomics this side lets the peer have outstanding.
+    pub responder_resources: u8,
+    /// RDMA READs / atomics this side issues at a time.
+    pub initiator_depth: u8,
+    /// Transport retries (0-7); meaningful for connect only.
+    pub retry_count: u8,
+    /// RNR retries (0-7, 7 = forever); meaningful for connect only.
+    pub rnr_retry_count: u8,
+}
+
+impl Default for ConnParam<'_> {
+    /// No private data, 1 outstanding RDMA READ each way, 7 retries, RNR
+    /// retry forever.
+    fn default() -> Self {
+        ConnParam {
+            private_data: &[],
+            responder_resources: 1,
+            initiator_depth: 1,
+            retry_count: 7,
+            rnr_retry_count: 7,
+        }
+    }
+}
+
+impl ConnParam<'_> {
+    fn to_raw(self, op: &'static str) -> Result<ffi::rdma_conn_param> {
+        let len = u8::try_from(self.private_data.len())
+            .map_err(|_| Error::from_errno(op, libc::EINVAL))?;
+        Ok(ffi::rdma_conn_param {
+            private_data: if len == 0 {
+                ptr::null()
+            } else {
+                self.private_data.as_ptr().cast()
+            },
+            private_data_len: len,
+            responder_resources: self.responder_resources,
+            initiator_depth: self.initiator_depth,
+            flow_control: 1,
+            retry_count: self.retry_count,
+            rnr_retry_count: self.rnr_retry_count,
+            srq: 0,
+            qp_num: 0,
+        })
+    }
+}
+
+/// A socket address in the C layout, for the calls that take `sockaddr *`.
+#[repr(C)]
+union RawSockAddr {
+    v4: libc::sockaddr_in,
+    v6: libc::sockaddr_in6,
+}
+
+impl RawSockAddr {
+    fn new(addr: SocketAddr) -> RawSockAddr {
+        match addr {
+            SocketAddr::V4(a) => RawSockAddr {
+                v4: libc::sockaddr_in {
+                    sin_family: libc::AF_INET as libc::sa_family_t,
+                    sin_port: a.port().to_be(),
+                    sin_addr: libc::in_addr {
+                        s_addr: u32::from_ne_bytes(a.ip().octets()),
+                    },
+                    sin_zero: [0; 8],
+                },
+            },
+            SocketAddr::V6(a) => RawSockAddr {
+                v6: libc::sockaddr_in6 {
+                    sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                    sin6_port: a.port().to_be(),
+                    sin6_flowinfo: a.flowinfo().to_be(),
+                    sin6_addr: libc::in6_addr {
+                        s6_addr: a.ip().octets(),
+                    },
+                    sin6_scope_id: a.scope_id(),
+                },
+            },
+        }
+    }
+
+    fn as_mut_ptr(&mut self) -> *mut libc::sockaddr {
+        (self as *mut RawSockAddr).cast()
+    }
+}
+
+fn from_v4(a: &libc::sockaddr_in) -> SocketAddr {
+    SocketAddr::V4(SocketAddrV4::new(
+        Ipv4Addr::from(a.sin_addr.s_addr.to_ne_bytes()),
+        u16::from_be(a.sin_port),
+    ))
+}
+
+fn from_v6(a: &libc::sockaddr_in6) -> SocketAddr {
+    SocketAddr::V6(SocketAddrV6::new(
+        Ipv6Addr::from(a.sin6_addr.s6_addr),
+        u16::from_be(a.sin6_port),
+        u32::from_be(a.sin6_flowinfo),
+        a.sin6_scope_id,
+    ))
+}
+
+/// An rdma_cm id (`RDMA_PS_TCP`), and its RC queue pair once
+/// [`create_qp`](CmId::create_qp) made one. Drop destroys the QP, then the
+/// id; then releases the PD, CQ and event channel it kept alive.
+///
+/// `Send`, not `Sync`: use an id from one thread at a time. (Its address
+/// and device fields are updated by librdmacm while this id's events are
+/// processed in [`EventChannel::get_event`]: read them from the thread that
+/// handles its events.)
+pub struct CmId {
+    id: NonNull<ffi::rdma_cm_id>,
+    /// rdma_destroy_id / rdma_migrate_id write to the id's channel: keep it
+    /// alive as long as the id is on it.
+    channel: Cell<Arc<ChannelInner>>,
+    qp: Option<NonNull<ffi::ibv_qp>>,
+    caps: QpCaps,
+    // Dropped after the QP is destroyed (in Drop::drop, before the fields).
+    _pd: Option<Arc<ProtectionDomain>>,
+    _cq: Option<Arc<CompletionQueue>>,
+}
+
+// SAFETY: the id is owned; librdmacm allows calls on an id from any thread,
+// one at a time, which `!Sync` (Cell) ensures. The QP's post calls are
+// thread-safe in libibverbs providers.
+unsafe impl Send for CmId {}
+
+impl CmId {
+    /// A new id on `ch` (`rdma_create_id`, `RDMA_PS_TCP`, context null).
+    pub fn new(ch: &EventChannel) -> Result<CmId> {
+        let mut id: *mut ffi::rdma_cm_id = ptr::null_mut();
+        // SAFETY: the channel is alive (and kept alive by the Arc below);
+        // `id` is a valid out-pointer.
+        let rc = unsafe {
+            ffi::rdma_create_id(
+                ch.as_ptr(),
+                &mut id,
+                ptr::null_mut(),
+                ffi::rdma_port_space::RDMA_PS_TCP,
+            )
+        };
+        if rc != 0 {
+            return Err(Error::last_os_error("rdma_create_id"));
+        }
+        let id = NonNull::new(id).ok_or_else(|| Error::from_errno("rdma_create_id", libc::EIO))?;
+        Ok(CmId {
+            id,
+            channel: Cell::new(Arc::clone(&ch.inner)),
+            qp: None,
+            caps: QpCaps::default(),
+            _pd: None,
+            _cq: None,
+        })
+    }
+
+    fn as_ptr(&self) -> *mut ffi::rdma_cm_id {
+        self.id.as_ptr()
+    }
+
+    fn check(op: &'static str, rc: libc::c_int) -> Result<()> {
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(Error::last_os_error(op))
+        }
+    }
+
+    /// Address of the `rdma_cm_id`: matches [`CmEvent::id`] /
+    /// [`CmEvent::listen_id`].
+    pub fn raw_handle(&self) -> usize {
+        self.as_ptr() as usize
+    }
+
+    pub fn bind(&self, addr: SocketAddr) -> Result<()> {
+        let mut a = RawSockAddr::new(addr);
+        // SAFETY: the id is alive; `a` is a valid sockaddr of its family,
+        // read during the call only.
+        let rc = unsafe { ffi::rdma_bind_addr(self.as_ptr(), a.as_mut_ptr()) };
+        Self::check("rdma_bind_addr", rc)
+    }
+
+    pub fn listen(&self, backlog: i32) -> Result<()> {
+        // SAFETY: the id is alive.
+        let rc = unsafe { ffi::rdma_listen(self.as_ptr(), backlog) };
+        Self::check("rdma_listen", rc)
+    }
+
+    /// Start resolving `dst` (optionally from `src`); completes with an
+    /// `AddrResolved` or `AddrError` event.
+    pub fn resolve_addr(
+        &self,
+        src: Option<SocketAddr>,
+        dst: SocketAddr,
+        timeout_ms: i32,
+    ) -> Result<()> {
+        let mut s = src.map(RawSockAddr::new);
+        let mut d = RawSockAddr::new(dst);
+        let sp = match s.as_mut() {
+            Some(s) => s.as_mut_ptr(),
+            None => ptr::null_mut(),
+        };
+        // SAFETY: the id is alive; `sp` is null or a valid sockaddr, `d` a
+        // valid sockaddr; librdmacm copies them during the call.
+        let rc = unsafe { ffi::rdma_resolve_addr(self.as_ptr(), sp, d.as_mut_ptr(), timeout_ms) };
+        Self::check("rdma_resolve_addr", rc)
+    }
+
+    /// Start resolving the route; completes with `RouteResolved` or
+    /// `RouteError`.
+    pub fn resolve_route(&self, timeout_ms: i32) -> Result<()> {
+        // SAFETY: the id is alive.
+        let rc = unsafe { ffi::rdma_resolve_route(self.as_ptr(), timeout_ms) };
+        Self::check("rdma_resolve_route", rc)
+    }
+
+    /// Move the id to another event channel (`rdma_migrate_id`): its later
+    /// events arrive there. The id keeps the new channel alive instead of
+    /// the old one.
+    pub fn migrate(&self, ch: &EventChannel) -> Result<()> {
+        // SAFETY: the id and both channels are alive (the old one through
+        // `self.channel`, the new one through `ch`). Every event of this id
+        // was acknowledged in get_event, so librdmacm does not wait.
+        let rc = unsafe { ffi::rdma_migrate_id(self.as_ptr(), ch.as_ptr()) };
+        Self::check("rdma_migrate_id", rc)?;
+        drop(self.channel.replace(Arc::clone(&ch.inner)));
+        Ok(())
+    }
+
+    /// The device the id is bound to; `None` before it is bound to one
+    /// (bind to a device address, resolve_addr, or a connect request).
+    pub fn device(&self) -> Option<Device> {
+        // SAFETY: the id is alive; `verbs` is a pointer field librdmacm sets.
+        Device::from_raw(unsafe { (*self.as_ptr()).verbs })
+    }
+
+    /// Create the id's RC queue pair (`rdma_create_qp`): `cq` for both send
+    /// and receive completions, sq_sig_all = 0 (only `signaled` work
+    /// requests complete). `pd` and `cq` must be of the id's device. The id
+    /// keeps both alive until the QP is destroyed.
+    pub fn create_qp(
+        &mut self,
+        pd: &Arc<ProtectionDomain>,
+        cq: &Arc<CompletionQueue>,
+        caps: QpCaps,
+    ) -> Result<()> {
+        const OP: &str = "rdma_create_qp";
+        if self.qp.is_some() {
+            return Err(Error::from_errno(OP, libc::EEXIST));
+        }
+        let mut attr = ffi::ibv_qp_init_attr {
+            qp_context: ptr::null_mut(),
+            send_cq: cq.as_ptr(),
+            recv_cq: cq.as_ptr(),
+            srq: ptr::null_mut(),
+            cap: ffi::ibv_qp_cap {
+                max_send_wr: caps.max_send_wr,
+                max_recv_wr: caps.max_recv_wr,
+                max_send_sge: caps.max_send_sge,
+                max_recv_sge: caps.max_recv_sge,
+                max_inline_data: caps.max_inline_data,
+            },
+            qp_type: ffi::ibv_qp_type::IBV_QPT_RC,
+            sq_sig_all: 0,
+        };
+        // SAFETY: the id, PD and CQ are alive (the Arcs are stored below on
+        // success); `attr` is valid for the call (librdmacm checks the PD's
+        // and CQ's device against the id's).
+        let rc = unsafe { ffi::rdma_create_qp(self.as_ptr(), pd.as_ptr(), &mut attr) };
+        Self::check(OP, rc)?;
+        // SAFETY: the id is alive; on success librdmacm set `qp`.
+        let qp = NonNull::new(unsafe { (*self.as_ptr()).qp })
+            .ok_or_else(|| Error::from_errno(OP, libc::EIO))?;
+        self.qp = Some(qp);
+        self.caps = QpCaps {
+            max_send_wr: attr.cap.max_send_wr,
+            max_recv_wr: attr.cap.max_recv_wr,
+            max_send_sge: attr.cap.max_send_sge,
+            max_recv_sge: attr.cap.max_recv_sge,
+            max_inline_data: attr.cap.max_inline_data,
+        };
+        self._pd = Some(Arc::clone(pd));
+        self._cq = Some(Arc::clone(cq));
+        Ok(())
+    }
+
+    /// The QP's real sizes (`None` before create_qp).
+    pub fn qp_caps(&self) -> Option<QpCaps> {
+        self.qp.map(|_| self.caps)
+    }
+
+    /// The QP number (`None` before create_qp).
+    pub fn qp_num(&self) -> Option<u32> {
+        // SAFETY: the QP is alive while the id owns it.
+        self.qp.map(|qp| unsafe { (*qp.as_ptr()).qp_num })
+    }
+
+    /// Accept a connect request (passive side, on the id from
+    /// [`CmEvent::new_id`]); `Established` follows. With a QP, librdmacm
+    /// moves it to RTS.
+    pub fn accept(&self, p: &ConnParam) -> Result<()> {
+        let mut raw = p.to_raw("rdma_accept")?;
+        // SAFETY: the id is alive; `raw` and the private data it points to
+        // live across the call (librdmacm copies them).
+        let rc = unsafe { ffi::rdma_accept(self.as_ptr(), &mut raw) };
+        Self::check("rdma_accept", rc)
+    }
+
+    /// Connect (active side, after RouteResolved). With a QP, librdmacm
+    /// handles the response itself and reports `Established`.
+    pub fn connect(&self, p: &ConnParam) -> Result<()> {
+        let mut raw = p.to_raw("rdma_connect")?;
+        // SAFETY: as in accept.
+        let rc = unsafe { ffi::rdma_connect(self.as_ptr(), &mut raw) };
+        Self::check("rdma_connect", rc)
+    }
+
+    /// Reject a connect request, with up to 255 bytes of private data (the
+    /// CM carries 148 on InfiniBand / RoCE).
+    pub fn reject(&self, private_data: &[u8]) -> Result<()> {
+        let len = u8::try_from(private_data.len())
+            .map_err(|_| Error::from_errno("rdma_reject", libc::EINVAL))?;
+        let p = if len == 0 {
+            ptr::null()
+        } else {
+            private_data.as_ptr().cast()
+        };
+        // SAFETY: the id is alive; `p` is null or points to `len` bytes that
+        // live across the call.
+        let rc = unsafe { ffi::rdma_reject(self.as_ptr(), p, len) };
+        Self::check("rdma_reject", rc)
+    }
+
+    /// Disconnect; both sides then get `Disconnected`. The QP goes to the
+    /// error state: outstanding work requests complete as flushed.
+    pub fn disconnect(&self) -> Result<()> {
+        // SAFETY: the id is alive.
+        let rc = unsafe { ffi::rdma_disconnect(self.as_ptr()) };
+        Self::check("rdma_disconnect", rc)
+    }
+
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: the id is alive; the address union is plain data inside
+        // it, and its family field decides which variant is read.
+        unsafe {
+            let a = &(*self.as_ptr()).route.addr.src_addr_union;
+            match i32::from(a.src_addr.sa_family) {
+                libc::AF_INET => Some(from_v4(&a.src_sin)),
+                libc::AF_INET6 => Some(from_v6(&a.src_sin6)),
+                _ => None,
+            }
+        }
+    }
+
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: as in local_addr.
+        unsafe {
+            let a = &(*self.as_ptr()).route.addr.dst_addr_union;
+            match i32::from(a.dst_addr.sa_family) {
+                libc::AF_INET => Some(from_v4(&a.dst_sin)),
+                libc::AF_INET6 => Some(from_v6(&a.dst_sin6)),
+                _ => None,
+            }
+        }
+    }
+
+    fn qp_or_err(&self, op: &'static str) -> Result<NonNull<ffi::ibv_qp>> {
+        self.qp.ok_or_else(|| Error::from_errno(op, libc::ENOTCONN))
+    }
+
+    /// Post one send-queue work request (`ibv_post_send`). ENOTCONN if the
+    /// id has no QP; ENOMEM when the send queue is full.
+    pub fn post_send(&self, wr: &SendWr) -> Result<()> {
+        let qp = self.qp_or_err("ibv_post_send")?;
+        ib::post_send(qp, std::slice::from_ref(wr)).map_err(Error::from)
+    }
+
+    /// Post several send-queue work requests, chained (16 per call into the
+    /// provider). On failure, [`PostError::posted`] says how many went.
+    pub fn post_send_batch(&self, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+        let qp = self
+            .qp_or_err("ibv_post_send")
+            .map_err(|error| PostError { posted: 0, error })?;
+        ib::post_send(qp, wrs)
+    }
+
+    /// Post receive work requests (`ibv_post_recv`), chained in chunks of
+    /// up to 64 built on the stack. On failure some may have been posted:
+    /// use [`post_recv_batch`](Self::post_recv_batch) to learn how many.
+    pub fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
+        self.post_recv_batch(wrs).map_err(Error::from)
+    }
+
+    /// As [`post_recv`](Self::post_recv), reporting how many were posted
+    /// before a failure.
+    pub fn post_recv_batch(&self, wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
+        let qp = self
+            .qp_or_err("ibv_post_recv")
+            .map_err(|error| PostError { posted: 0, error })?;
+        ib::post_recv(qp, wrs)
+    }
+}
+
+impl Drop for CmId {
+    fn drop(&mut self) {
+        if self.qp.take().is_some() {
+            // SAFETY: the id owns a QP created by rdma_create_qp; destroyed
+            // once. (It uses our CQs, which librdmacm does not destroy.)
+            unsafe { ffi::rdma_destroy_qp(self.as_ptr()) };
+        }
+        // SAFETY: we own the id; destroyed once. Its channel is alive
+        // (`self.channel` is dropped after this). All its events were
+        // acknowledged, so this does not wait. Errors are ignored.
+        let _ = unsafe { ffi::rdma_destroy_id(self.as_ptr()) };
+    }
+}
+
+impl fmt::Debug for CmId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CmId")
+            .field("id", &self.id)
+            .field("qp_num", &self.qp_num())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sockaddr_round_trip() {
+        for s in ["10.99.0.1:7471", "[fe80::1%3]:3260", "[::1]:1", "0.0.0.0:0"] {
+            let addr: SocketAddr = s.parse().unwrap();
+            let raw = RawSockAddr::new(addr);
+            // SAFETY: reading back the variant `new` wrote for this family.
+            let back = unsafe {
+                match addr {
+                    SocketAddr::V4(_) => from_v4(&raw.v4),
+                    SocketAddr::V6(_) => from_v6(&raw.v6),
+                }
+            };
+            assert_eq!(back, addr, "{s}");
+        }
+    }
+
+    #[test]
+    fn conn_param_limits() {
+        let long = [0u8; 256];
+        let p = ConnParam {
+            private_data: &long,
+            ..ConnParam::default()
+        };
+        assert!(matches!(p.to_raw("x"), Err(e) if e.errno() == Some(libc::EINVAL)));
+        let p = ConnParam {
+            private_data: &long[..56],
+            ..ConnParam::default()
+        };
+        let raw = p.to_raw("x").unwrap();
+        assert_eq!(raw.private_data_len, 56);
+        assert_eq!(raw.flow_control, 1);
+        let raw = ConnParam::default().to_raw("x").unwrap();
+        assert!(raw.private_data.is_null());
+    }
+
+    #[test]
+    fn event_kinds() {
+        use ffi::rdma_cm_event_type as t;
+        assert_eq!(
+            CmEventKind::from_raw(t::RDMA_CM_EVENT_CONNECT_REQUEST),
+            CmEventKind::ConnectRequest
+        );
+        assert_eq!(
+            CmEventKind::from_raw(t::RDMA_CM_EVENT_TIMEWAIT_EXIT),
+            CmEventKind::TimewaitExit
+        );
+        assert_eq!(CmEventKind::from_raw(99), CmEventKind::Other(99));
+    }
+}
