@@ -120,6 +120,14 @@ pub struct RunArgs {
     /// Seconds of idleness before the target pings the initiator (NOP-In).
     #[arg(long)]
     pub nop_interval: Option<u64>,
+    /// Serve iSCSI/TCP only: no iSER listener even where an RDMA device exists.
+    #[arg(long)]
+    pub no_iser: bool,
+    /// iSER: empty completion-queue polls before a connection's thread sleeps
+    /// on the completion channel (0 = sleep at once; use 0 on SoftRoCE or
+    /// shared CPUs, where spinning starves the peer).
+    #[arg(long, value_name = "POLLS")]
+    pub iser_spin: Option<u32>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -134,6 +142,8 @@ struct FileConfig {
     allow_any: bool,
     cmd_window: Option<u32>,
     nop_interval: Option<u64>,
+    iser: Option<bool>,
+    iser_spin: Option<u32>,
     discovery_chap: Option<FileChap>,
     #[serde(default)]
     target: Vec<FileTarget>,
@@ -203,7 +213,15 @@ pub struct Config {
     pub limits: Limits,
     pub discovery_chap: Option<ChapSecret>,
     pub targets: Vec<TargetConfig>,
+    /// Serve iSER on the portal addresses that belong to an RDMA device.
+    pub iser: bool,
+    pub iser_spin: u32,
 }
+
+/// Default empty polls before an iSER connection thread sleeps: about 20 µs
+/// of spinning on a current CPU, enough to catch the next command of a
+/// synchronous writer without a wake-up.
+pub const DEFAULT_ISER_SPIN: u32 = 2000;
 
 fn read_secret(path: &PathBuf) -> Result<String, ConfigError> {
     let s = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -325,6 +343,12 @@ impl Config {
             limits.nop_interval = Duration::from_secs(n);
         }
 
+        let iser = !args.no_iser && file.iser.unwrap_or(true);
+        let iser_spin = args
+            .iser_spin
+            .or(file.iser_spin)
+            .unwrap_or(DEFAULT_ISER_SPIN);
+
         let cli_target_flags =
             args.size.is_some() || args.target_name.is_some() || args.block_size.is_some();
         let mut targets = Vec::new();
@@ -404,6 +428,8 @@ impl Config {
             limits,
             discovery_chap: chap(file.discovery_chap)?,
             targets,
+            iser,
+            iser_spin,
         };
         cfg.validate()?;
         Ok(cfg)

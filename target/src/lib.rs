@@ -1,7 +1,7 @@
-//! ramslog-target: a pinned-RAM SCSI disk served over iSCSI.
+//! ramslog-target: a pinned-RAM SCSI disk served over iSCSI and iSER.
 //!
 //! Layers, top to bottom (each only calls the ones below it):
-//! `tcp` (transport driver) → `engine` (sans-IO iSCSI) → `scsi` (one SBC
+//! `tcp`, `rdma` (transport drivers) → `engine` (sans-IO iSCSI) → `scsi` (one SBC
 //! device) → `store` (the LUN memory). `config`, `portal`, `state` and
 //! `control` form the control plane and stay off the I/O path.
 #![deny(unsafe_code)]
@@ -10,6 +10,7 @@ pub mod config;
 pub mod control;
 pub mod engine;
 pub mod portal;
+pub mod rdma;
 pub mod scsi;
 pub mod state;
 pub mod store;

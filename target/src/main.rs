@@ -242,6 +242,15 @@ async fn run(args: RunArgs) -> Result<(), String> {
         );
         tokio::spawn(tcp::serve(listener, portal.clone()));
     }
+    if cfg.iser {
+        ramslog_target::rdma::start(
+            portal.clone(),
+            &cfg.listen,
+            ramslog_target::rdma::IserOptions {
+                spin: cfg.iser_spin,
+            },
+        );
+    }
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| format!("cannot install SIGTERM handler: {e}"))?;

@@ -7,6 +7,9 @@
 
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::Arc;
+
+use ramslog_common::verbs;
 
 use thiserror::Error;
 
@@ -252,6 +255,30 @@ impl Store {
         Ok(())
     }
 
+    /// Register the whole LUN with an RDMA device, once, for local access
+    /// only: the HCA reads and writes it on our behalf (RDMA WRITE source,
+    /// RDMA READ destination), and no peer ever gets a key to it.
+    pub fn register_rdma(
+        self: &Arc<Self>,
+        pd: &Arc<verbs::ProtectionDomain>,
+    ) -> Result<RdmaRegion, verbs::Error> {
+        // SAFETY: the mapping stays valid and mapped while the region lives:
+        // RdmaRegion holds an Arc of this Store, and its MR field is declared
+        // (so dropped, deregistered) before that Arc.
+        let mr = unsafe {
+            verbs::MemoryRegion::register(
+                pd,
+                self.base.as_ptr(),
+                self.len,
+                verbs::Access::LOCAL_WRITE,
+            )
+        }?;
+        Ok(RdmaRegion {
+            mr,
+            store: self.clone(),
+        })
+    }
+
     /// Set `len` bytes at `offset` to zero.
     pub fn zero(&self, offset: u64, len: usize) -> Result<(), StoreError> {
         let off = self.check(offset, len)?;
@@ -268,6 +295,28 @@ impl Drop for Store {
             libc::munlock(self.base.as_ptr().cast(), self.len);
             libc::munmap(self.base.as_ptr().cast(), self.len);
         }
+    }
+}
+
+/// A LUN's memory registered with one RDMA device.
+pub struct RdmaRegion {
+    mr: verbs::MemoryRegion,
+    store: Arc<Store>,
+}
+
+impl RdmaRegion {
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// The scatter entry for `len` bytes at `offset`, if they lie inside the LUN.
+    pub fn sge(&self, offset: u64, len: u32) -> Option<verbs::Sge> {
+        let off = self.store.check(offset, len as usize).ok()?;
+        Some(verbs::Sge {
+            addr: self.mr.addr() + off as u64,
+            len,
+            lkey: self.mr.lkey(),
+        })
     }
 }
 

@@ -1,6 +1,7 @@
 //! The data path allocates nothing per I/O after warm-up: 4 KiB WRITE (with
 //! immediate data) and READ through the engine, the SCSI device and the store,
-//! counted by a global allocator.
+//! counted by a global allocator, for both transports (over iSER, also a
+//! 64 KiB WRITE whose data is RDMA-read).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -8,7 +9,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ramslog_common::iscsi::{login, text, Bhs, Opcode};
-use ramslog_target::engine::{Action, ConnInfo, Connection, OutData};
+use ramslog_common::iser::RemoteBuffer;
+use ramslog_target::engine::{Action, ConnInfo, Connection, OutData, ReadDest};
 use ramslog_target::portal::{Acl, Limits, Portal, SessionControl, TargetDef};
 use ramslog_target::scsi::{Identity, LuConfig, Readiness, ScsiTarget};
 use ramslog_target::store::{HugePages, Store};
@@ -42,25 +44,43 @@ impl SessionControl for NoControl {
     fn terminate(&self) {}
 }
 
-/// Drain the engine's actions without allocating; returns (PDUs, SCSI status of the last response).
-fn drain(conn: &mut Connection) -> (usize, Option<u8>) {
+/// Drain the engine's actions without allocating (completing RDMA READs as
+/// the HCA would); returns (PDUs, SCSI status of the last response).
+fn drain(conn: &mut Connection, now: Instant) -> (usize, Option<u8>) {
     let (mut n, mut st) = (0, None);
     while let Some(a) = conn.poll_action() {
-        if let Action::Send(p) = a {
-            n += 1;
-            if matches!(p.bhs.opcode(), Some(Opcode::ScsiResponse)) || p.bhs.flags() & 1 != 0 {
-                st = Some(p.bhs.0[3]);
+        match a {
+            Action::Send(p) => {
+                n += 1;
+                if matches!(p.bhs.opcode(), Some(Opcode::ScsiResponse)) || p.bhs.flags() & 1 != 0 {
+                    st = Some(p.bhs.0[3]);
+                }
+                if let OutData::Store { len, .. } = p.data {
+                    assert_eq!(len, 4096);
+                }
             }
-            if let OutData::Store { len, .. } = p.data {
-                assert_eq!(len, 4096);
+            Action::RdmaWrite { data, .. } => {
+                assert!(matches!(data, OutData::Store { len: 4096, .. }));
             }
+            Action::RdmaRead { tag, dest, .. } => {
+                assert!(matches!(dest, ReadDest::Store { .. }));
+                conn.handle_rdma_read_done(now, tag, &[]);
+            }
+            Action::Close => panic!("connection closed"),
         }
     }
     (n, st)
 }
 
+/// One test: the allocation counter is global, so a second test running on
+/// another thread would be counted too.
 #[test]
 fn zero_allocations_per_io_after_warm_up() {
+    io_loop(false);
+    io_loop(true);
+}
+
+fn io_loop(iser: bool) {
     let store = Arc::new(Store::new(8 << 20, HugePages::Off).expect("store"));
     let lu = LuConfig {
         lun: 0,
@@ -86,7 +106,11 @@ fn zero_allocations_per_io_after_warm_up() {
         peer: "127.0.0.1:5000".parse().expect("addr"),
     };
     let now = Instant::now();
-    let mut conn = Connection::new(portal, info, Arc::new(NoControl), now);
+    let mut conn = if iser {
+        Connection::new_iser(portal, info, Arc::new(NoControl), now, 8192)
+    } else {
+        Connection::new(portal, info, Arc::new(NoControl), now)
+    };
 
     let mut keys = Vec::new();
     for (k, v) in [
@@ -98,16 +122,26 @@ fn zero_allocations_per_io_after_warm_up() {
     ] {
         text::encode_pair(&mut keys, k, v);
     }
+    if iser {
+        text::encode_pair(&mut keys, "RDMAExtensions", "Yes");
+    }
     let mut l = Bhs::new(Opcode::LoginRequest);
     l.set_immediate(true)
         .set_flags(login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE)
         .set_data_segment_len(keys.len() as u32);
     conn.handle_pdu(now, &l, &[], &keys);
-    assert_eq!(drain(&mut conn).0, 1);
+    assert_eq!(drain(&mut conn, now).0, 1);
 
     let data = vec![0x5au8; 4096];
     let mut cmdsn = 0u32;
+    let remote = Some(RemoteBuffer {
+        stag: 7,
+        va: 0x10_0000,
+    });
+    // Over iSER every fourth write is 64 KiB: 4 KiB immediate, the rest RDMA-read.
     let mut io = |conn: &mut Connection, write: bool, lba: u32| {
+        let big = iser && write && lba.is_multiple_of(32);
+        let blocks: u8 = if big { 128 } else { 8 };
         let mut b = Bhs::new(Opcode::ScsiCommand);
         let l = lba.to_be_bytes();
         let cdb = [
@@ -119,19 +153,28 @@ fn zero_allocations_per_io_after_warm_up() {
             l[3],
             0,
             0,
-            8,
+            blocks,
             0,
         ];
         b.0[32..42].copy_from_slice(&cdb);
         b.set_flags(if write { 0xa1 } else { 0xc1 })
             .set_itt(cmdsn)
             .set_cmdsn(cmdsn)
-            .set_expected_data_len(4096);
+            .set_expected_data_len(u32::from(blocks) * 512);
         cmdsn = cmdsn.wrapping_add(1);
         let payload: &[u8] = if write { &data } else { &[] };
         b.set_data_segment_len(payload.len() as u32);
-        conn.handle_pdu(now, &b, &[], payload);
-        drain(conn)
+        if iser {
+            let (w, r) = if write {
+                (remote, None)
+            } else {
+                (None, remote)
+            };
+            conn.handle_iser_pdu(now, w, r, &b, &[], payload);
+        } else {
+            conn.handle_pdu(now, &b, &[], payload);
+        }
+        drain(conn, now)
     };
     // Warm-up: the power-on unit attention, buffers growing to their size.
     for i in 0..200 {

@@ -18,10 +18,10 @@ IQN=iqn.2026-11.org.ramslog.lab:lio-rd0
 step() { echo; echo "== $*"; }
 
 # LIO through configfs (targetcli-fb wants a system D-Bus the guest lacks;
-# configfs is what it writes anyway): a 256 MiB rd_mcp ramdisk on ADDR:3260,
-# iSER-enabled unless TRANSPORT is tcp.
+# configfs is what it writes anyway): a 256 MiB rd_mcp ramdisk on ADDR:PORT
+# (3260 unless given), iSER-enabled unless TRANSPORT is tcp.
 lio_export() {
-  local iqn=$1 addr=$2 name=$3 transport=${4:-iser}
+  local iqn=$1 addr=$2 name=$3 transport=${4:-iser} port=${5:-3260}
   local c=/sys/kernel/config/target tpg=/sys/kernel/config/target/iscsi/$1/tpgt_1
   modprobe target_core_mod && modprobe iscsi_target_mod && modprobe ib_isert
   mkdir -p "$c/core/rd_mcp_0/$name"
@@ -29,8 +29,8 @@ lio_export() {
   echo 1 >"$c/core/rd_mcp_0/$name/enable"
   mkdir -p "$tpg/lun/lun_0"
   ln -s "$c/core/rd_mcp_0/$name" "$tpg/lun/lun_0/$name"
-  mkdir "$tpg/np/$addr:3260"
-  if [ "$transport" = iser ]; then echo 1 >"$tpg/np/$addr:3260/iser"; fi
+  mkdir "$tpg/np/$addr:$port"
+  if [ "$transport" = iser ]; then echo 1 >"$tpg/np/$addr:$port/iser"; fi
   local kv
   for kv in authentication=0 generate_node_acls=1 demo_mode_write_protect=0 cache_dynamic_acls=1; do
     echo "${kv#*=}" >"$tpg/attrib/${kv%=*}"
@@ -39,11 +39,11 @@ lio_export() {
 }
 
 lio_remove() {
-  local iqn=$1 addr=$2 name=$3
+  local iqn=$1 addr=$2 name=$3 port=${4:-3260}
   local c=/sys/kernel/config/target tpg=/sys/kernel/config/target/iscsi/$1/tpgt_1
   echo 0 >"$tpg/enable"
   rm "$tpg/lun/lun_0/$name"
-  rmdir "$tpg/lun/lun_0" "$tpg/np/$addr:3260" "$tpg" "$c/iscsi/$iqn" "$c/core/rd_mcp_0/$name"
+  rmdir "$tpg/lun/lun_0" "$tpg/np/$addr:$port" "$tpg" "$c/iscsi/$iqn" "$c/core/rd_mcp_0/$name"
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then

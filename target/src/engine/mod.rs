@@ -234,6 +234,11 @@ impl Connection {
         self.transport
     }
 
+    /// The logged-in session's LUs (kept after the session ends, like [`Self::read_store`]).
+    pub fn scsi_target(&self) -> Option<&Arc<ScsiTarget>> {
+        self.scsi.as_ref()
+    }
+
     /// iSER: a control PDU with the tagged buffers its iSER header carried.
     pub fn handle_iser_pdu(
         &mut self,

@@ -72,8 +72,11 @@ struct Task {
     /// changes no block.
     staged: bool,
     buf: Vec<u8>,
-    /// iSER: the initiator's buffer holding the write data.
+    /// iSER: the initiator's buffer holding the write data that was not sent
+    /// unsolicited: its address is that of byte `unsol_end` as the command
+    /// arrived (RFC 7145 9.2; Linux sets it to buffer + unsolicited length).
     remote: Option<RemoteBuffer>,
+    remote_base: u32,
     /// iSER: the RDMA READ in flight, as (tag, offset, len).
     rdma_read: Option<(u32, u32, u32)>,
 }
@@ -159,6 +162,12 @@ impl Session {
         );
         let window = portal.limits.cmd_window.max(1);
         let mut params = login.params.clone();
+        if params.iser {
+            // Everything we send over iSER is one SEND into a 16 KiB message.
+            params.initiator_mrdsl = params
+                .initiator_mrdsl
+                .min(super::login::ILLUMOS_MAX_SEND_DATA);
+        }
         if params.rdma_extensions && login.kind == SessionKind::Normal {
             // Linux ib_iser receives full-feature PDUs into buffers with 128
             // bytes of data room, whatever it declared during login (a
@@ -483,6 +492,7 @@ impl Session {
             staged: false,
             buf: self.spare_bufs.pop().unwrap_or_default(),
             remote: self.remote_write,
+            remote_base: unsol_end,
             rdma_read: None,
         };
         if self.params.iser && unsol_end < moved && task.remote.is_none() {
@@ -531,8 +541,15 @@ impl Session {
             self.complete_write(out, scsi, task, residual);
             return;
         }
-        self.solicit(out, &mut task);
-        self.tasks.push(task);
+        if self.solicit(out, &mut task) {
+            self.tasks.push(task);
+            return;
+        }
+        let itt = task.itt;
+        self.finish_task(task);
+        // ABORTED COMMAND, DATA PHASE ERROR: the initiator may retry.
+        let s = Sense::new(sense_key::ABORTED_COMMAND, 0x4b, 0x00);
+        self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
     }
 
     /// Copy data-out bytes at `offset` into the LUN or the task buffer,
@@ -566,10 +583,9 @@ impl Session {
 
     /// Send R2Ts for the next ranges, up to MaxOutstandingR2T; over iSER,
     /// one RDMA READ of everything not sent unsolicited.
-    fn solicit(&mut self, out: &mut Out, task: &mut Task) {
+    fn solicit(&mut self, out: &mut Out, task: &mut Task) -> bool {
         if self.params.iser {
-            self.solicit_rdma(out, task);
-            return;
+            return self.solicit_rdma(out, task);
         }
         while task.solicit_next < task.moved
             && (task.r2ts.len() as u32) < self.params.max_outstanding_r2t
@@ -599,19 +615,30 @@ impl Session {
             let pdu = self.pdu(b, OutData::None);
             out.push(pdu);
         }
+        true
     }
 
-    fn solicit_rdma(&mut self, out: &mut Out, task: &mut Task) {
+    /// False when the data cannot be fetched: the command must fail.
+    fn solicit_rdma(&mut self, out: &mut Out, task: &mut Task) -> bool {
         if !task.unsol_done || task.rdma_read.is_some() || task.solicit_next >= task.moved {
-            return;
+            return true;
         }
         let (offset, len) = (task.solicit_next, task.moved - task.solicit_next);
-        // Checked when the command arrived.
         let Some(remote) = task.remote else {
-            return;
+            return false;
         };
-        let Some(remote_addr) = remote.at(offset.into()) else {
-            return;
+        // Data the initiator meant to send unsolicited but did not is not in
+        // the tagged buffer: refuse instead of reading the wrong bytes.
+        let Some(remote_addr) = offset
+            .checked_sub(task.remote_base)
+            .and_then(|rel| remote.at(rel.into()))
+        else {
+            tracing::warn!(
+                itt = task.itt,
+                offset,
+                "iSER write data missing below the tagged buffer"
+            );
+            return false;
         };
         let dest = match task.plan.out_placement {
             OutPlacement::Store { offset: base } => ReadDest::Store {
@@ -631,6 +658,7 @@ impl Session {
             len,
             dest,
         });
+        true
     }
 
     /// iSER: an RDMA READ finished. A task aborted meanwhile is gone, and its
