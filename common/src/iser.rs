@@ -37,6 +37,12 @@ pub enum IserError {
 }
 
 /// A tagged buffer on the peer: the target RDMA-reads or -writes at `va + offset`.
+///
+/// For a write, `va` is the address of the first byte that was *not* sent
+/// unsolicited (RFC 7145 9.2): Linux ib_iser sets it to buffer start +
+/// immediate/unsolicited length (`iser_prepare_write_cmd`), and illumos, which
+/// negotiates no unsolicited data with us, to the buffer start. For a read it
+/// is the buffer start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteBuffer {
     pub stag: u32,
