@@ -59,6 +59,9 @@ const BOUNCE_SLOTS: usize = 2;
 const MAX_READ_CREDITS: usize = 16;
 /// Longest sleep between checks of the session's termination flag.
 const MAX_SLEEP: Duration = Duration::from_millis(100);
+/// Consumed receive buffers are reposted in batches of this many (or before
+/// sleeping): one doorbell instead of one per command.
+const REPOST_BATCH: usize = 16;
 /// How long a closing connection waits for its last SENDs to complete.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
@@ -314,10 +317,15 @@ fn run_connection(
     let rq_depth = RECV_SLOTS.min(attrs.max_qp_wr as usize);
     let comp = Arc::new(CompletionChannel::new(dev)?);
     comp.set_nonblocking(true)?;
-    let cq = CompletionQueue::new(dev, (sq_depth + rq_depth) as u32, Some(&comp))?;
-    id.create_qp(
+    // Separate queues: the thread sleeps on receives (and on send-side
+    // completions only while it waits for one), so the completion of every
+    // response SEND does not cost a wake-up.
+    let send_cq = CompletionQueue::new(dev, sq_depth as u32, Some(&comp))?;
+    let recv_cq = CompletionQueue::new(dev, rq_depth as u32, Some(&comp))?;
+    id.create_qp_split(
         &res.pd,
-        &cq,
+        &send_cq,
+        &recv_cq,
         QpCaps {
             max_send_wr: sq_depth as u32,
             max_recv_wr: rq_depth as u32,
@@ -337,7 +345,6 @@ fn run_connection(
         initial.push(recv_wr(&recv, slot)?);
     }
     id.post_recv(&initial)?;
-    cq.req_notify()?;
     id.accept(&ConnParam {
         private_data: &[],
         responder_resources: offer
@@ -364,7 +371,8 @@ fn run_connection(
     let conn = Connection::new_iser(portal, info, control.clone(), Instant::now(), RECV_DATA_LEN);
     let mut driver = Driver {
         id: &id,
-        cq: &cq,
+        send_cq: &send_cq,
+        recv_cq: &recv_cq,
         recv: &recv,
         send,
         datain,
@@ -431,7 +439,8 @@ enum Posted {
 
 struct Driver<'a> {
     id: &'a CmId,
-    cq: &'a CompletionQueue,
+    send_cq: &'a CompletionQueue,
+    recv_cq: &'a CompletionQueue,
     recv: &'a RegisteredBuffer,
     send: RegisteredBuffer,
     datain: RegisteredBuffer,
@@ -466,15 +475,9 @@ impl Driver<'_> {
         let mut wcs = [WorkCompletion::default(); 32];
         let mut empty_polls = 0u32;
         loop {
-            let n = self.cq.poll(&mut wcs)?;
+            // One clock read per round: under emulation it can be a syscall.
             let now = Instant::now();
-            for wc in &wcs[..n] {
-                self.completion(now, wc)?;
-            }
-            self.flush_reposts()?;
-            if n > 0 {
-                empty_polls = 0;
-            }
+            let n = self.reap(now, &mut wcs)?;
             if self.conn.poll_timeout().is_some_and(|t| t <= now) {
                 self.conn.handle_timeout(now);
             }
@@ -490,6 +493,7 @@ impl Driver<'_> {
                 return Ok(());
             }
             if n > 0 {
+                empty_polls = 0;
                 continue;
             }
             empty_polls += 1;
@@ -497,36 +501,57 @@ impl Driver<'_> {
                 std::hint::spin_loop();
                 continue;
             }
-            // Arm, then poll once more: a completion that raced the arming
-            // would otherwise wait for the next event.
-            self.cq.req_notify()?;
-            let n = self.cq.poll(&mut wcs)?;
-            if n > 0 {
-                let now = Instant::now();
-                for wc in &wcs[..n] {
-                    self.completion(now, wc)?;
-                }
-                self.flush_reposts()?;
+            // Sleep. Receives always wake us; send-side completions only when
+            // something waits for them (an RDMA READ, a held action, a close).
+            // Arm first, then poll once more: a completion that raced the
+            // arming would otherwise wait for the next event.
+            self.recv_cq.req_notify()?;
+            let send_armed =
+                self.reads_in_flight > 0 || self.held.is_some() || self.closing.is_some();
+            if send_armed {
+                self.send_cq.req_notify()?;
+            }
+            if self.reap(now, &mut wcs)? > 0 {
                 empty_polls = 0;
                 continue;
             }
             let timeout = self
                 .conn
                 .poll_timeout()
-                .map(|t| t.saturating_duration_since(Instant::now()))
+                .map(|t| t.saturating_duration_since(now))
                 .unwrap_or(MAX_SLEEP)
                 .min(MAX_SLEEP);
             let fds: [RawFd; 2] = [comp.fd(), events.fd()];
             let mut ready = [false; 2];
             verbs::wait_readable(&fds, Some(timeout), &mut ready)?;
             if ready[0] {
-                comp.consume_event(self.cq)?;
+                // At most one event per armed queue is pending.
+                if comp.consume_event(self.recv_cq)? && send_armed {
+                    comp.consume_event(self.recv_cq)?;
+                }
             }
             if ready[1] {
                 self.cm_events(events);
             }
             empty_polls = 0;
         }
+    }
+
+    /// Poll both completion queues once and handle what they hold.
+    fn reap(&mut self, now: Instant, wcs: &mut [WorkCompletion]) -> Result<usize, ConnError> {
+        let mut total = 0;
+        for recv in [true, false] {
+            let cq = if recv { self.recv_cq } else { self.send_cq };
+            let n = cq.poll(wcs)?;
+            for wc in &wcs[..n] {
+                self.completion(now, wc)?;
+            }
+            total += n;
+        }
+        if self.n_reposts >= REPOST_BATCH {
+            self.flush_reposts()?;
+        }
+        Ok(total)
     }
 
     fn cm_events(&mut self, events: &EventChannel) {

@@ -126,6 +126,7 @@ impl EventChannel {
                     caps: QpCaps::default(),
                     _pd: None,
                     _cq: None,
+                    _recv_cq: None,
                 }),
                 _ => None,
             };
@@ -376,6 +377,7 @@ pub struct CmId {
     // Dropped after the QP is destroyed (in Drop::drop, before the fields).
     _pd: Option<Arc<ProtectionDomain>>,
     _cq: Option<Arc<CompletionQueue>>,
+    _recv_cq: Option<Arc<CompletionQueue>>,
 }
 
 // SAFETY: the id is owned; librdmacm allows calls on an id from any thread,
@@ -408,6 +410,7 @@ impl CmId {
             caps: QpCaps::default(),
             _pd: None,
             _cq: None,
+            _recv_cq: None,
         })
     }
 
@@ -501,14 +504,27 @@ impl CmId {
         cq: &Arc<CompletionQueue>,
         caps: QpCaps,
     ) -> Result<()> {
+        self.create_qp_split(pd, cq, cq, caps)
+    }
+
+    /// [`CmId::create_qp`] with separate send and receive completion queues,
+    /// so a poller can sleep on receives alone while send completions are
+    /// reaped without waking it.
+    pub fn create_qp_split(
+        &mut self,
+        pd: &Arc<ProtectionDomain>,
+        send_cq: &Arc<CompletionQueue>,
+        recv_cq: &Arc<CompletionQueue>,
+        caps: QpCaps,
+    ) -> Result<()> {
         const OP: &str = "rdma_create_qp";
         if self.qp.is_some() {
             return Err(Error::from_errno(OP, libc::EEXIST));
         }
         let mut attr = ffi::ibv_qp_init_attr {
             qp_context: ptr::null_mut(),
-            send_cq: cq.as_ptr(),
-            recv_cq: cq.as_ptr(),
+            send_cq: send_cq.as_ptr(),
+            recv_cq: recv_cq.as_ptr(),
             srq: ptr::null_mut(),
             cap: ffi::ibv_qp_cap {
                 max_send_wr: caps.max_send_wr,
@@ -537,7 +553,8 @@ impl CmId {
             max_inline_data: attr.cap.max_inline_data,
         };
         self._pd = Some(Arc::clone(pd));
-        self._cq = Some(Arc::clone(cq));
+        self._cq = Some(Arc::clone(send_cq));
+        self._recv_cq = Some(Arc::clone(recv_cq));
         Ok(())
     }
 
