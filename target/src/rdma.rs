@@ -716,13 +716,11 @@ impl Driver<'_> {
         reply
             .encode_into(&mut self.send.as_mut_slice()[start..start + HEADER_LEN])
             .map_err(|e| ConnError::Protocol(e.to_string()))?;
-        self.post(SendWr {
-            wr_id: wr::id(wr::SEND, slot as usize),
-            op: SendOp::Send,
-            sge: self.slot_sge(&self.send, start, HEADER_LEN)?,
-            signaled: true,
-            inline: false,
-        })
+        self.post(
+            wr::id(wr::SEND, slot as usize),
+            SendOp::Send,
+            self.slot_sge(&self.send, start, HEADER_LEN)?,
+        )
     }
 
     fn slot_sge(
@@ -735,8 +733,16 @@ impl Driver<'_> {
             .ok_or_else(|| ConnError::Protocol("slot outside its buffer".into()))
     }
 
-    fn post(&mut self, wr: SendWr) -> Result<(), ConnError> {
-        self.id.post_send(&wr)?;
+    /// Post one send-queue request. All are signaled: every completion frees
+    /// a slot or a credit, and the send CQ wakes nobody unless armed.
+    fn post(&mut self, wr_id: u64, op: SendOp, sge: verbs::Sge) -> Result<(), ConnError> {
+        self.id.post_send(&SendWr {
+            wr_id,
+            op,
+            sge,
+            signaled: true,
+            inline: false,
+        })?;
         self.sq_in_flight += 1;
         Ok(())
     }
@@ -812,13 +818,7 @@ impl Driver<'_> {
             }
         }
         let sge = self.slot_sge(&self.send, start, total)?;
-        self.post(SendWr {
-            wr_id: wr::id(wr::SEND, slot as usize),
-            op: SendOp::Send,
-            sge,
-            signaled: true,
-            inline: false,
-        })?;
+        self.post(wr::id(wr::SEND, slot as usize), SendOp::Send, sge)?;
         Ok(Posted::Done)
     }
 
@@ -856,13 +856,7 @@ impl Driver<'_> {
             OutData::None => Ok(Posted::Done),
             OutData::Store { lun, offset, len } => {
                 let sge = self.lun_sge(lun, offset, len)?;
-                self.post(SendWr {
-                    wr_id: wr::id(wr::WRITE_STORE, 0),
-                    op,
-                    sge,
-                    signaled: true,
-                    inline: false,
-                })?;
+                self.post(wr::id(wr::WRITE_STORE, 0), op, sge)?;
                 Ok(Posted::Done)
             }
             OutData::Owned(v) => {
@@ -882,13 +876,7 @@ impl Driver<'_> {
                 let start = slot as usize * DATAIN_SLOT_LEN;
                 self.datain.as_mut_slice()[start..start + v.len()].copy_from_slice(&v);
                 let sge = self.slot_sge(&self.datain, start, v.len())?;
-                self.post(SendWr {
-                    wr_id: wr::id(wr::DATAIN, slot as usize),
-                    op,
-                    sge,
-                    signaled: true,
-                    inline: false,
-                })?;
+                self.post(wr::id(wr::DATAIN, slot as usize), op, sge)?;
                 Ok(Posted::Done)
             }
         }
@@ -931,16 +919,14 @@ impl Driver<'_> {
                 (sge, Some(b))
             }
         };
-        self.post(SendWr {
-            wr_id: wr::id(wr::READ, read_slot),
-            op: SendOp::RdmaRead {
+        self.post(
+            wr::id(wr::READ, read_slot),
+            SendOp::RdmaRead {
                 remote_addr,
                 rkey: stag,
             },
             sge,
-            signaled: true,
-            inline: false,
-        })?;
+        )?;
         self.reads[read_slot] = Some(PendingRead { tag, len, bounce });
         self.reads_in_flight += 1;
         Ok(Posted::Done)
