@@ -788,35 +788,18 @@ impl Driver<'_> {
     }
 
     fn post_pdu(&mut self, pdu: OutPdu) -> Result<Posted, ConnError> {
-        let total = HEADER_LEN + BHS_LEN + pdu.data.len();
-        if total > SEND_SLOT_LEN {
-            return Err(ConnError::Protocol(format!(
-                "{:?} PDU of {total} bytes exceeds the 16 KiB iSER message",
-                pdu.bhs.opcode()
-            )));
-        }
         let Some(slot) = self.free_send.pop() else {
             return Ok(Posted::Blocked(Action::Send(pdu)));
         };
         let start = slot as usize * SEND_SLOT_LEN;
-        let msg = &mut self.send.as_mut_slice()[start..start + total];
-        Header::PLAIN
-            .encode_into(msg)
-            .map_err(|e| ConnError::Protocol(e.to_string()))?;
-        msg[HEADER_LEN..HEADER_LEN + BHS_LEN].copy_from_slice(&pdu.bhs.0);
-        let data = &mut msg[HEADER_LEN + BHS_LEN..];
-        match &pdu.data {
-            OutData::None => {}
-            OutData::Owned(v) => data.copy_from_slice(v),
-            OutData::Store { lun, offset, .. } => {
-                if !self.conn.read_store(*lun, *offset, data) {
-                    // Never send anything in place of LUN bytes.
-                    return Err(ConnError::Protocol(
-                        "PDU names bytes outside the LUN".into(),
-                    ));
-                }
+        let slot_buf = &mut self.send.as_mut_slice()[start..start + SEND_SLOT_LEN];
+        let total = match encode_pdu(&self.conn, &pdu, slot_buf) {
+            Ok(n) => n,
+            Err(e) => {
+                self.free_send.push(slot);
+                return Err(ConnError::Protocol(e));
             }
-        }
+        };
         let sge = self.slot_sge(&self.send, start, total)?;
         self.post(wr::id(wr::SEND, slot as usize), SendOp::Send, sge)?;
         Ok(Posted::Done)
@@ -931,4 +914,32 @@ impl Driver<'_> {
         self.reads_in_flight += 1;
         Ok(Posted::Done)
     }
+}
+
+/// Encode one PDU as an iSER message (header, BHS, unpadded data) into
+/// `out`; returns its length. Errors say why it cannot be sent: larger than
+/// `out` (the 16 KiB iSER message), or LUN bytes that cannot be read — then
+/// nothing must be sent in their place.
+pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, out: &mut [u8]) -> Result<usize, String> {
+    let total = HEADER_LEN + BHS_LEN + pdu.data.len();
+    let Some(msg) = out.get_mut(..total) else {
+        return Err(format!(
+            "{:?} PDU of {total} bytes exceeds the {}-byte iSER message",
+            pdu.bhs.opcode(),
+            out.len()
+        ));
+    };
+    Header::PLAIN.encode_into(msg).map_err(|e| e.to_string())?;
+    msg[HEADER_LEN..HEADER_LEN + BHS_LEN].copy_from_slice(&pdu.bhs.0);
+    let data = &mut msg[HEADER_LEN + BHS_LEN..];
+    match &pdu.data {
+        OutData::None => {}
+        OutData::Owned(v) => data.copy_from_slice(v),
+        OutData::Store { lun, offset, .. } => {
+            if !conn.read_store(*lun, *offset, data) {
+                return Err("PDU names bytes outside the LUN".into());
+            }
+        }
+    }
+    Ok(total)
 }

@@ -143,7 +143,7 @@ fn drain_actions(conn: &mut Connection, wbuf: &mut Vec<u8>) -> bool {
 
 /// Append one PDU to `wbuf`; false (and `wbuf` unchanged) when its LUN data
 /// cannot be read.
-fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) -> bool {
+pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) -> bool {
     let start = wbuf.len();
     wbuf.extend_from_slice(&pdu.bhs.0);
     if pdu.header_digest {

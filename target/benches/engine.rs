@@ -1,0 +1,248 @@
+//! The target's own cost per command, with no transport: decode → iSCSI
+//! engine → SCSI device → store → encoded response, for one 4 KiB WRITE (with
+//! immediate data) and one 4 KiB READ, on the TCP action path (Data-In copied
+//! from the LUN into the send buffer) and the iSER path (the READ's data is an
+//! RDMA WRITE action the HCA would execute; the response is encoded into a
+//! send slot). On real InfiniBand this is added to every ZFS log write.
+//!
+//!     cargo bench -p ramslog-target --bench engine
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Instant;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use ramslog_common::iscsi::{login, text, Bhs, Opcode, BHS_LEN};
+use ramslog_common::iser::{Header, RemoteBuffer, HEADER_LEN};
+use ramslog_target::engine::{Action, ConnInfo, Connection, OutPdu};
+use ramslog_target::portal::{Acl, Limits, Portal, SessionControl, TargetDef};
+use ramslog_target::scsi::{Identity, LuConfig, Readiness, ScsiTarget};
+use ramslog_target::store::{HugePages, Store};
+use ramslog_target::{rdma, tcp};
+
+struct NoControl;
+impl SessionControl for NoControl {
+    fn terminate(&self) {}
+}
+
+const BLOCKS: u32 = 8;
+const LUN_BLOCKS: u32 = 16384;
+
+fn logged_in(iser: bool) -> Connection {
+    let store = Arc::new(Store::new(u64::from(LUN_BLOCKS) * 512, HugePages::Off).expect("store"));
+    let lu = LuConfig {
+        lun: 0,
+        block_size: 512,
+        identity: Identity::generate(),
+        readiness: Readiness::Ready,
+    };
+    let target = TargetDef {
+        name: "iqn.2026-11.org.ramslog:bench".into(),
+        alias: None,
+        scsi: Arc::new(ScsiTarget::new(vec![(lu, store)])),
+        acl: Acl::Any,
+        chap: None,
+        mutual_chap: None,
+    };
+    let portal = Arc::new(Portal::new(
+        vec![target],
+        Limits::default(),
+        vec!["127.0.0.1:3260".parse().expect("addr")],
+    ));
+    let info = ConnInfo {
+        local: "127.0.0.1:3260".parse().expect("addr"),
+        peer: "127.0.0.1:5000".parse().expect("addr"),
+    };
+    let now = Instant::now();
+    let mut conn = if iser {
+        Connection::new_iser(portal, info, Arc::new(NoControl), now, 8192)
+    } else {
+        Connection::new(portal, info, Arc::new(NoControl), now)
+    };
+    let mut keys = Vec::new();
+    for (k, v) in [
+        ("InitiatorName", "iqn.2026-11.org.ramslog:bench-ini"),
+        ("TargetName", "iqn.2026-11.org.ramslog:bench"),
+        ("ImmediateData", "Yes"),
+        ("InitialR2T", "Yes"),
+        ("MaxRecvDataSegmentLength", "262144"),
+    ] {
+        text::encode_pair(&mut keys, k, v);
+    }
+    if iser {
+        text::encode_pair(&mut keys, "RDMAExtensions", "Yes");
+    }
+    let mut l = Bhs::new(Opcode::LoginRequest);
+    l.set_immediate(true)
+        .set_flags(login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE)
+        .set_data_segment_len(keys.len() as u32);
+    conn.handle_pdu(now, &l, &[], &keys);
+    while conn.poll_action().is_some() {}
+    conn
+}
+
+/// The received bytes of one command: [iSER header +] BHS + immediate data.
+struct Wire {
+    bytes: Vec<u8>,
+    bhs_at: usize,
+    cmdsn: u32,
+}
+
+impl Wire {
+    fn new(iser: bool, write: bool) -> Wire {
+        let remote = Some(RemoteBuffer {
+            stag: 0x1234,
+            va: 0x7f00_0000_0000,
+        });
+        let mut bytes = Vec::new();
+        if iser {
+            let h = if write {
+                Header::Control {
+                    write: remote,
+                    read: None,
+                }
+            } else {
+                Header::Control {
+                    write: None,
+                    read: remote,
+                }
+            };
+            bytes.resize(HEADER_LEN, 0);
+            h.encode_into(&mut bytes).expect("header");
+        }
+        let bhs_at = bytes.len();
+        let mut b = Bhs::new(Opcode::ScsiCommand);
+        let cdb = [
+            if write { 0x2a } else { 0x28 },
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            BLOCKS as u8,
+            0,
+        ];
+        b.0[32..42].copy_from_slice(&cdb);
+        b.set_flags(if write { 0xa1 } else { 0xc1 })
+            .set_expected_data_len(BLOCKS * 512)
+            .set_data_segment_len(if write { BLOCKS * 512 } else { 0 });
+        bytes.extend_from_slice(&b.0);
+        if write {
+            bytes.resize(bytes.len() + (BLOCKS * 512) as usize, 0x5a);
+        }
+        Wire {
+            bytes,
+            bhs_at,
+            cmdsn: 0,
+        }
+    }
+
+    /// Give the next command its CmdSN, ITT and LBA, as an initiator would.
+    fn next(&mut self) {
+        let b = &mut self.bytes[self.bhs_at..self.bhs_at + BHS_LEN];
+        b[16..20].copy_from_slice(&self.cmdsn.to_be_bytes());
+        b[24..28].copy_from_slice(&self.cmdsn.to_be_bytes());
+        let lba = (self.cmdsn * BLOCKS) % (LUN_BLOCKS - BLOCKS);
+        b[34..38].copy_from_slice(&lba.to_be_bytes());
+        self.cmdsn = self.cmdsn.wrapping_add(1);
+    }
+}
+
+/// The SCSI status a response PDU carries, if it carries one.
+fn status(p: &OutPdu) -> Option<u8> {
+    let op = p.bhs.opcode();
+    (op == Some(Opcode::ScsiResponse) || (op == Some(Opcode::DataIn) && p.bhs.flags() & 1 != 0))
+        .then_some(p.bhs.0[3])
+}
+
+/// One command the way the TCP driver handles it; returns its SCSI status.
+fn tcp_command(conn: &mut Connection, wire: &Wire, wbuf: &mut Vec<u8>) -> Option<u8> {
+    let now = Instant::now();
+    let Ok(bhs) = Bhs::decode(&wire.bytes[..BHS_LEN]) else {
+        panic!("bad BHS");
+    };
+    conn.handle_pdu(now, &bhs, &[], &wire.bytes[BHS_LEN..]);
+    wbuf.clear();
+    let mut st = None;
+    while let Some(a) = conn.poll_action() {
+        match a {
+            Action::Send(p) => {
+                st = status(&p).or(st);
+                assert!(tcp::encode_pdu(conn, &p, wbuf));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    black_box(&wbuf);
+    st
+}
+
+/// One command the way the iSER driver handles it (the RDMA WRITE of read
+/// data is the HCA's work); returns its SCSI status.
+fn iser_command(conn: &mut Connection, wire: &Wire, slot: &mut [u8]) -> Option<u8> {
+    let now = Instant::now();
+    let Ok(Header::Control { write, read }) = Header::decode(&wire.bytes) else {
+        panic!("bad iSER header");
+    };
+    let mut raw = [0u8; BHS_LEN];
+    raw.copy_from_slice(&wire.bytes[HEADER_LEN..HEADER_LEN + BHS_LEN]);
+    let bhs = Bhs(raw);
+    let data = &wire.bytes[HEADER_LEN + BHS_LEN..];
+    conn.handle_iser_pdu(now, write, read, &bhs, &[], data);
+    let mut st = None;
+    while let Some(a) = conn.poll_action() {
+        match a {
+            Action::Send(p) => {
+                st = status(&p).or(st);
+                black_box(rdma::encode_pdu(conn, &p, slot).expect("encode"));
+            }
+            Action::RdmaWrite { data, .. } => {
+                black_box(data);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    st
+}
+
+fn engine(c: &mut Criterion) {
+    let mut g = c.benchmark_group("4KiB command");
+    g.throughput(Throughput::Elements(1));
+    for (name, write) in [("write", true), ("read", false)] {
+        let mut conn = logged_in(false);
+        let mut wire = Wire::new(false, write);
+        let mut wbuf = Vec::with_capacity(64 * 1024);
+        // The power-on unit attention goes to the first command; the
+        // measured path must be the successful one.
+        wire.next();
+        tcp_command(&mut conn, &wire, &mut wbuf);
+        wire.next();
+        assert_eq!(tcp_command(&mut conn, &wire, &mut wbuf), Some(0));
+        g.bench_function(format!("tcp {name}"), |b| {
+            b.iter(|| {
+                wire.next();
+                tcp_command(&mut conn, &wire, &mut wbuf);
+            })
+        });
+
+        let mut conn = logged_in(true);
+        let mut wire = Wire::new(true, write);
+        let mut slot = vec![0u8; 16 * 1024];
+        wire.next();
+        iser_command(&mut conn, &wire, &mut slot);
+        wire.next();
+        assert_eq!(iser_command(&mut conn, &wire, &mut slot), Some(0));
+        g.bench_function(format!("iser {name}"), |b| {
+            b.iter(|| {
+                wire.next();
+                iser_command(&mut conn, &wire, &mut slot);
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, engine);
+criterion_main!(benches);
