@@ -3,23 +3,17 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use ramslog_common::iscsi::{login, Bhs, Opcode, RESERVED_TAG};
+use ramslog_common::iscsi::{Bhs, Opcode, RESERVED_TAG};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
-use crate::chap;
-use crate::login::{
-    answer_target_offer, chap_answer, decode_keys, encode_keys, get, random_isid, LoginOutcome,
-    LoginParams, Negotiated,
-};
+use crate::exchange::{LoginMachine, LoginStep, TextExchange};
+use crate::login::{random_isid, LoginOutcome, LoginParams, Negotiated};
 use crate::pdu::{Digests, Pdu, PduReader, PduWriter, LOGIN_MAX_DATA};
 use crate::seq::SeqState;
 use crate::Error;
 
 pub const DEFAULT_PORT: u16 = 3260;
-
-/// Upper bound on login round trips in one stage before giving up on the target.
-const MAX_LOGIN_ROUNDS: usize = 16;
 
 pub(crate) type Reader = PduReader<OwnedReadHalf>;
 pub(crate) type Writer = PduWriter<OwnedWriteHalf>;
@@ -50,13 +44,6 @@ pub(crate) struct Parts {
     pub tsih: u16,
     pub cid: u16,
     pub negotiated: Negotiated,
-}
-
-struct LoginReply {
-    transit: bool,
-    nsg: u8,
-    tsih: u16,
-    keys: Vec<(String, String)>,
 }
 
 impl Connection {
@@ -194,201 +181,24 @@ impl Connection {
     /// Full login (RFC 7143 section 6): security stage (AuthMethod None or
     /// CHAP, optionally mutual), operational stage, full feature phase.
     pub async fn login(&mut self, p: &LoginParams) -> Result<LoginOutcome, Error> {
-        p.validate()?;
-        self.isid = p.isid.unwrap_or_else(random_isid);
         self.tsih = p.tsih;
         self.cid = p.cid;
         self.reader.digests = Digests::default();
         self.writer.digests = Digests::default();
         self.reader.max_data_len = LOGIN_MAX_DATA;
         let itt = self.next_itt();
-        if self.seq.next_cmdsn == 0 {
-            self.seq.next_cmdsn = rand::random::<u32>() & 0xffff;
-        }
-        let mut neg = Negotiated::defaults(p.max_recv_data_segment_length);
-        let sec_keys = p.security_keys();
-        let mut first = true;
-
-        // --- security stage ---
-        let mut reply = match &p.chap {
-            None => {
-                let r = self
-                    .login_exchange(
-                        itt,
-                        login::STAGE_SECURITY,
-                        login::STAGE_OPERATIONAL,
-                        true,
-                        &sec_keys,
-                        &mut first,
-                    )
-                    .await?;
-                if let Some(m) = get(&r.keys, "AuthMethod") {
-                    if m != "None" {
-                        return Err(Error::Auth(format!(
-                            "target chose AuthMethod={m} though we offered None"
-                        )));
-                    }
-                }
-                r
-            }
-            Some(chap) => {
-                let r = self
-                    .login_exchange(
-                        itt,
-                        login::STAGE_SECURITY,
-                        login::STAGE_OPERATIONAL,
-                        false,
-                        &sec_keys,
-                        &mut first,
-                    )
-                    .await?;
-                record(&mut neg, p, &r.keys)?;
-                match get(&r.keys, "AuthMethod") {
-                    Some("CHAP") => {}
-                    other => {
-                        return Err(Error::Auth(format!(
-                            "target answered AuthMethod={other:?} to our CHAP"
-                        )))
-                    }
-                }
-                let r = self
-                    .login_exchange(
-                        itt,
-                        login::STAGE_SECURITY,
-                        login::STAGE_OPERATIONAL,
-                        false,
-                        &[("CHAP_A".into(), "5".into())],
-                        &mut first,
-                    )
-                    .await?;
-                record(&mut neg, p, &r.keys)?;
-                if get(&r.keys, "CHAP_A") != Some("5") {
-                    return Err(Error::Auth(format!(
-                        "target answered CHAP_A={:?}, we offered 5 (MD5)",
-                        get(&r.keys, "CHAP_A")
-                    )));
-                }
-                let (id, c) = match (get(&r.keys, "CHAP_I"), get(&r.keys, "CHAP_C")) {
-                    (Some(i), Some(c)) => (i, c),
-                    _ => return Err(Error::Auth("target sent no CHAP_I/CHAP_C".into())),
-                };
-                let (their_challenge, resp) = chap_answer(&chap.initiator, id, c)?;
-                let mut keys = vec![
-                    ("CHAP_N".to_string(), chap.initiator.name.clone()),
-                    ("CHAP_R".to_string(), chap::encode_hex(&resp)),
-                ];
-                let mut mutual = None;
-                if let Some(m) = &chap.mutual {
-                    let our_id: u8 = rand::random();
-                    let mut our_c: [u8; 16] = rand::random();
-                    if our_c[..] == their_challenge[..] {
-                        our_c[0] ^= 0xff;
-                    }
-                    keys.push(("CHAP_I".into(), our_id.to_string()));
-                    keys.push(("CHAP_C".into(), chap::encode_hex(&our_c)));
-                    mutual = Some((m, chap::response(our_id, &m.secret, &our_c)));
-                }
-                let r = self
-                    .login_exchange(
-                        itt,
-                        login::STAGE_SECURITY,
-                        login::STAGE_OPERATIONAL,
-                        true,
-                        &keys,
-                        &mut first,
-                    )
-                    .await?;
-                if let Some((m, expect)) = mutual {
-                    let name = get(&r.keys, "CHAP_N");
-                    let got = get(&r.keys, "CHAP_R");
-                    if name != Some(m.name.as_str()) {
-                        return Err(Error::Auth(format!(
-                            "mutual CHAP: target named itself {name:?}, expected {:?}",
-                            m.name
-                        )));
-                    }
-                    let got = chap::decode_binary(got.unwrap_or(""))
-                        .map_err(|_| Error::Auth("mutual CHAP: no valid CHAP_R".into()))?;
-                    if got[..] != expect[..] {
-                        return Err(Error::Auth("mutual CHAP: target's CHAP_R is wrong".into()));
-                    }
-                }
-                r
+        let (mut m, mut b, mut data) = LoginMachine::start(p, itt, &mut self.seq)?;
+        self.isid = m.isid();
+        let outcome = loop {
+            self.writer.write_pdu(&b, &[], &data).await?;
+            let rsp = self.reader.read_pdu().await?;
+            match m.handle(&rsp.bhs, &rsp.data, &mut self.seq)? {
+                LoginStep::Send(nb, nd) => (b, data) = (nb, nd),
+                LoginStep::Done(o) => break o,
             }
         };
-        let mut rounds = 0;
-        while !reply.transit {
-            record(&mut neg, p, &reply.keys)?;
-            rounds += 1;
-            if rounds > MAX_LOGIN_ROUNDS {
-                return Err(Error::proto("security stage does not end"));
-            }
-            reply = self
-                .login_exchange(
-                    itt,
-                    login::STAGE_SECURITY,
-                    login::STAGE_OPERATIONAL,
-                    true,
-                    &[],
-                    &mut first,
-                )
-                .await?;
-        }
-        record(&mut neg, p, &reply.keys)?;
-        if reply.nsg != login::STAGE_OPERATIONAL {
-            return Err(Error::proto(format!(
-                "target moved to stage {} after the security stage; we asked for 1",
-                reply.nsg
-            )));
-        }
-
-        // --- operational stage ---
-        let mut keys = p.operational_keys();
-        let offered: Vec<String> = keys.iter().map(|(k, _)| k.clone()).collect();
-        let mut answered: Vec<String> = Vec::new();
-        let mut rounds = 0;
-        loop {
-            let r = self
-                .login_exchange(
-                    itt,
-                    login::STAGE_OPERATIONAL,
-                    login::STAGE_FULL_FEATURE,
-                    true,
-                    &keys,
-                    &mut first,
-                )
-                .await?;
-            keys.clear();
-            for (k, v) in &r.keys {
-                if offered.contains(k) || answered.contains(k) {
-                    neg.apply(p, k, v)?;
-                } else if let Some(ans) = answer_target_offer(k, v) {
-                    neg.apply(p, k, &ans)?;
-                    keys.push((k.clone(), ans));
-                    answered.push(k.clone());
-                } else {
-                    neg.apply(p, k, v)?;
-                }
-            }
-            if r.transit && keys.is_empty() {
-                if r.nsg != login::STAGE_FULL_FEATURE {
-                    return Err(Error::proto(format!(
-                        "target ended login in stage {}; we asked for full feature (3)",
-                        r.nsg
-                    )));
-                }
-                self.tsih = r.tsih;
-                break;
-            }
-            rounds += 1;
-            if rounds > MAX_LOGIN_ROUNDS {
-                return Err(Error::proto("operational stage does not end"));
-            }
-        }
-        if self.tsih == 0 {
-            return Err(Error::proto("final login response carries TSIH 0"));
-        }
-        neg.finish()?;
+        let neg = &outcome.negotiated;
+        self.tsih = outcome.tsih;
         self.writer.digests = Digests {
             header: neg.header_digest,
             data: neg.data_digest,
@@ -396,152 +206,7 @@ impl Connection {
         self.reader.digests = self.writer.digests;
         self.reader.max_data_len = neg.max_recv_data_segment_length;
         self.negotiated = Some(neg.clone());
-        Ok(LoginOutcome {
-            tsih: self.tsih,
-            isid: self.isid,
-            negotiated: neg,
-        })
-    }
-
-    /// One login request/response exchange, splitting our text over several
-    /// PDUs (C bit) when it exceeds 8192 bytes and collecting the target's
-    /// continued responses.
-    #[allow(clippy::too_many_arguments)]
-    async fn login_exchange(
-        &mut self,
-        itt: u32,
-        csg: u8,
-        nsg: u8,
-        transit: bool,
-        keys: &[(String, String)],
-        first: &mut bool,
-    ) -> Result<LoginReply, Error> {
-        let text = encode_keys(keys);
-        let chunks: Vec<&[u8]> = if text.is_empty() {
-            vec![&[][..]]
-        } else {
-            text.chunks(LOGIN_MAX_DATA as usize).collect()
-        };
-        let n = chunks.len();
-        let mut last_resp = None;
-        for (i, chunk) in chunks.into_iter().enumerate() {
-            let more = i + 1 < n;
-            let t = transit && !more;
-            let rsp = self.login_pdu(itt, csg, nsg, t, more, chunk, first).await?;
-            if more {
-                if !rsp.data.is_empty() || rsp.bhs.flags() & login::TRANSIT != 0 {
-                    return Err(Error::proto(
-                        "target answered a continued login request with data or T=1",
-                    ));
-                }
-            } else {
-                last_resp = Some(rsp);
-            }
-        }
-        let mut rsp = last_resp.ok_or_else(|| Error::proto("no login response"))?;
-        let mut data = std::mem::take(&mut rsp.data);
-        let mut rounds = 0;
-        while rsp.bhs.flags() & login::CONTINUE != 0 {
-            if rsp.bhs.flags() & login::TRANSIT != 0 {
-                return Err(Error::proto("login response with both C and T set"));
-            }
-            rounds += 1;
-            if data.len() > 1024 * 1024 || rounds > 1024 {
-                return Err(Error::proto("login response continues without end"));
-            }
-            rsp = self
-                .login_pdu(itt, csg, nsg, transit, false, &[], first)
-                .await?;
-            data.extend_from_slice(&rsp.data);
-        }
-        let f = rsp.bhs.flags();
-        let transit_set = f & login::TRANSIT != 0;
-        if transit_set && !transit {
-            return Err(Error::proto(
-                "target set T in a login response though we did not",
-            ));
-        }
-        if transit_set && login::nsg(f) > nsg {
-            return Err(Error::proto(format!(
-                "target's NSG {} is beyond the {} we asked for",
-                login::nsg(f),
-                nsg
-            )));
-        }
-        Ok(LoginReply {
-            transit: transit_set,
-            nsg: login::nsg(f),
-            tsih: rsp.bhs.tsih(),
-            keys: decode_keys(&data)?,
-        })
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn login_pdu(
-        &mut self,
-        itt: u32,
-        csg: u8,
-        nsg: u8,
-        transit: bool,
-        more: bool,
-        data: &[u8],
-        first: &mut bool,
-    ) -> Result<Pdu, Error> {
-        let mut b = Bhs::new(Opcode::LoginRequest);
-        b.set_immediate(true);
-        let mut flags = csg << 2;
-        if transit {
-            flags |= login::TRANSIT | nsg;
-        }
-        if more {
-            flags |= login::CONTINUE;
-        }
-        b.set_flags(flags);
-        b.0[2] = 0; // Version-max
-        b.0[3] = 0; // Version-min
-        b.0[8..14].copy_from_slice(&self.isid);
-        b.set_tsih(self.tsih);
-        b.set_itt(itt);
-        b.set_u16_at(20, self.cid);
-        b.set_cmdsn(self.seq.next_cmdsn);
-        b.set_exp_statsn(if *first { 0 } else { self.seq.exp_statsn });
-        self.writer.write_pdu(&b, &[], data).await?;
-        let rsp = self.reader.read_pdu().await?;
-        if rsp.bhs.opcode() != Some(Opcode::LoginResponse) {
-            return Err(Error::proto(format!(
-                "expected a Login Response, got opcode {:#04x}",
-                rsp.bhs.raw_opcode()
-            )));
-        }
-        let class = rsp.bhs.0[36];
-        let detail = rsp.bhs.0[37];
-        if class != 0 {
-            return Err(Error::LoginFailed { class, detail });
-        }
-        if rsp.bhs.itt() != itt {
-            return Err(Error::proto(format!(
-                "login response ITT {:#x}, expected {itt:#x}",
-                rsp.bhs.itt()
-            )));
-        }
-        if rsp.bhs.0[3] != 0 {
-            return Err(Error::proto(format!(
-                "login response Version-active {}",
-                rsp.bhs.0[3]
-            )));
-        }
-        if rsp.bhs.isid() != self.isid {
-            return Err(Error::proto("login response carries another ISID"));
-        }
-        if login::csg(rsp.bhs.flags()) != csg {
-            return Err(Error::proto(format!(
-                "login response CSG {}, ours is {csg}",
-                login::csg(rsp.bhs.flags())
-            )));
-        }
-        *first = false;
-        self.seq.on_target_pdu(&rsp.bhs);
-        Ok(rsp)
+        Ok(outcome)
     }
 
     // ---------- full feature helpers ----------
@@ -553,16 +218,11 @@ impl Connection {
         &mut self,
         keys: &[(String, String)],
     ) -> Result<Vec<(String, String)>, Error> {
-        let itt = self.next_itt();
-        let mut ttt = RESERVED_TAG;
-        let mut payload = encode_keys(keys);
-        let mut out = Vec::new();
-        for _ in 0..4096 {
-            let mut b = Bhs::new(Opcode::TextRequest);
-            b.set_final(true).set_itt(itt).set_ttt(ttt);
+        let mut x = TextExchange::new(self.next_itt(), keys);
+        loop {
+            let (mut b, payload) = x.request()?;
             self.fill_sn(&mut b, false);
             self.send_pdu(&b, &[], &payload).await?;
-            payload.clear();
             let rsp = loop {
                 let p = self.recv_pdu().await?;
                 match p.bhs.opcode() {
@@ -571,7 +231,7 @@ impl Connection {
                         tracing::info!(event = p.bhs.0[36], "async message during text request")
                     }
                     Some(Opcode::Reject) => return Err(Error::Rejected { reason: p.bhs.0[2] }),
-                    Some(Opcode::TextResponse) if p.bhs.itt() == itt => break p,
+                    Some(Opcode::TextResponse) if p.bhs.itt() == x.itt() => break p,
                     _ => {
                         return Err(Error::proto(format!(
                             "unexpected PDU {:?} during text request",
@@ -580,27 +240,10 @@ impl Connection {
                     }
                 }
             };
-            out.extend_from_slice(&rsp.data);
-            if out.len() > 16 * 1024 * 1024 {
-                return Err(Error::proto("text response without end"));
-            }
-            let f = rsp.bhs.flags();
-            let fin = f & 0x80 != 0;
-            let cont = f & 0x40 != 0;
-            if fin && cont {
-                return Err(Error::proto("text response with both F and C set"));
-            }
-            if fin {
-                return decode_keys(&out);
-            }
-            ttt = rsp.bhs.ttt();
-            if ttt == RESERVED_TAG {
-                return Err(Error::proto(
-                    "text response not final but its TTT is 0xffffffff",
-                ));
+            if let Some(keys) = x.response(&rsp.bhs, &rsp.data)? {
+                return Ok(keys);
             }
         }
-        Err(Error::proto("text exchange does not end"))
     }
 
     /// Answer a NOP-In ping (TTT != 0xffffffff) with a NOP-Out echoing its data.
@@ -644,15 +287,6 @@ impl Connection {
             negotiated,
         })
     }
-}
-
-fn record(neg: &mut Negotiated, p: &LoginParams, keys: &[(String, String)]) -> Result<(), Error> {
-    for (k, v) in keys {
-        if !k.starts_with("CHAP_") && k != "AuthMethod" {
-            neg.apply(p, k, v)?;
-        }
-    }
-    Ok(())
 }
 
 /// NOP-Out answering a target ping: immediate, ITT reserved, TTT echoed.

@@ -34,14 +34,7 @@ impl ScsiResult {
 
     /// Err(Error::Scsi) unless the status is GOOD.
     pub fn check(self) -> Result<ScsiResult, Error> {
-        if self.is_good() {
-            Ok(self)
-        } else {
-            Err(Error::Scsi {
-                status: self.status,
-                sense: self.sense,
-            })
-        }
+        check_status(self.status, self.sense).map(|()| self)
     }
 }
 
@@ -139,43 +132,73 @@ impl DataInAssembler {
 
     /// Complete from a SCSI Response PDU.
     pub fn finish(mut self, bhs: &Bhs, data: &[u8]) -> Result<ScsiResult, Error> {
-        let response = bhs.0[2];
-        if response != 0 {
-            return Err(Error::TargetFailure(response));
-        }
-        let status = bhs.0[3];
-        let residual = residual_of(bhs.flags(), bhs.residual())?;
-        let mut sense = None;
-        let mut sense_raw = Vec::new();
-        if !data.is_empty() {
-            if data.len() < 2 {
-                return Err(Error::proto("SCSI Response data shorter than SenseLength"));
-            }
-            let slen = be16(data, 0) as usize;
-            let raw = data.get(2..2 + slen).ok_or_else(|| {
-                Error::proto(format!(
-                    "SenseLength {slen} exceeds the {} bytes sent",
-                    data.len() - 2
-                ))
-            })?;
-            if slen > 0 {
-                sense = Some(
-                    Sense::decode(raw).map_err(|e| Error::proto(format!("bad sense data: {e}")))?,
-                );
-                sense_raw = raw.to_vec();
-            }
-        }
-        if status == ramslog_common::scsi_wire::status::GOOD {
-            self.check_complete(residual)?;
+        let r = response_status(bhs, data)?;
+        if r.status == ramslog_common::scsi_wire::status::GOOD {
+            self.check_complete(r.residual)?;
         }
         Ok(ScsiResult {
-            status,
-            sense,
-            sense_raw,
+            status: r.status,
+            sense: r.sense,
+            sense_raw: data.get(2..2 + r.sense_len).unwrap_or(&[]).to_vec(),
             data: std::mem::take(&mut self.buf),
-            residual,
+            residual: r.residual,
         })
     }
+}
+
+/// Err(Error::Scsi) unless `status` is GOOD.
+pub(crate) fn check_status(status: u8, sense: Option<Sense>) -> Result<(), Error> {
+    if status == ramslog_common::scsi_wire::status::GOOD {
+        Ok(())
+    } else {
+        Err(Error::Scsi { status, sense })
+    }
+}
+
+/// What a SCSI Response PDU says about its command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ResponseStatus {
+    pub status: u8,
+    pub sense: Option<Sense>,
+    /// Bytes of sense data after the 2-byte SenseLength.
+    pub sense_len: usize,
+    pub residual: Residual,
+}
+
+/// Decode a SCSI Response: iSCSI response code (non-zero is
+/// [`Error::TargetFailure`]), status, sense data, residual.
+pub(crate) fn response_status(bhs: &Bhs, data: &[u8]) -> Result<ResponseStatus, Error> {
+    let response = bhs.0[2];
+    if response != 0 {
+        return Err(Error::TargetFailure(response));
+    }
+    let status = bhs.0[3];
+    let residual = residual_of(bhs.flags(), bhs.residual())?;
+    let mut sense = None;
+    let mut sense_len = 0;
+    if !data.is_empty() {
+        if data.len() < 2 {
+            return Err(Error::proto("SCSI Response data shorter than SenseLength"));
+        }
+        let slen = be16(data, 0) as usize;
+        let raw = data.get(2..2 + slen).ok_or_else(|| {
+            Error::proto(format!(
+                "SenseLength {slen} exceeds the {} bytes sent",
+                data.len() - 2
+            ))
+        })?;
+        if slen > 0 {
+            sense =
+                Some(Sense::decode(raw).map_err(|e| Error::proto(format!("bad sense data: {e}")))?);
+            sense_len = slen;
+        }
+    }
+    Ok(ResponseStatus {
+        status,
+        sense,
+        sense_len,
+        residual,
+    })
 }
 
 fn residual_of(flags: u8, count: u32) -> Result<Residual, Error> {

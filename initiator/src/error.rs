@@ -15,6 +15,9 @@ pub enum Error {
     Closed,
     #[error("timed out waiting for {0}")]
     Timeout(String),
+    /// A verbs or rdma_cm call failed, or a work request completed in error.
+    #[error("RDMA: {0}")]
+    Rdma(String),
 
     // --- the target misbehaved ---
     #[error("protocol violation by the target: {0}")]
@@ -50,6 +53,12 @@ impl From<io::Error> for Error {
         } else {
             Error::Io(Arc::new(e))
         }
+    }
+}
+
+impl From<ramslog_common::verbs::Error> for Error {
+    fn from(e: ramslog_common::verbs::Error) -> Self {
+        Error::Rdma(e.to_string())
     }
 }
 

@@ -1,10 +1,12 @@
 //! Userspace iSCSI initiator on ramslog-common's codecs.
 //!
-//! Two levels:
+//! Three entry points:
 //! - [`Connection`]: one TCP connection, login, and raw PDU send/receive with
 //!   digests and sequence-number bookkeeping. For tests that send hostile input.
 //! - [`Session`]: a logged-in, pipelined session usable from many tasks at once
 //!   (`&self`), with SCSI command helpers. For the bench and data-integrity tests.
+//! - [`iser::IserSession`]: the same over iSER (RDMA), blocking and
+//!   single-threaded, behaving like the Linux or the illumos initiator.
 #![deny(unsafe_code)]
 
 pub mod cdb;
@@ -13,6 +15,8 @@ mod conn;
 pub mod datain;
 mod discovery;
 mod error;
+mod exchange;
+pub mod iser;
 mod login;
 pub mod pdu;
 pub mod seq;
@@ -24,8 +28,8 @@ pub use datain::{Residual, ScsiResult};
 pub use discovery::discover;
 pub use error::Error;
 pub use login::{
-    ChapParams, Credentials, Digest, LoginOutcome, LoginParams, Negotiated, SessionType,
-    DEFAULT_INITIATOR_NAME,
+    ChapParams, Credentials, Digest, LoginDialect, LoginOutcome, LoginParams, Negotiated,
+    SessionType, DEFAULT_INITIATOR_NAME,
 };
 pub use pdu::{Digests, Pdu};
 pub use session::Session;

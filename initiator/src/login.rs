@@ -31,6 +31,22 @@ impl Digest {
     }
 }
 
+/// Which operational key set the initiator offers: the transport's dialect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoginDialect {
+    /// RFC 7143 keys (iSCSI/TCP).
+    #[default]
+    Rfc7143,
+    /// iSER as Linux open-iscsi/ib_iser speaks it (RFC 7145): `RDMAExtensions=Yes`,
+    /// and `InitiatorRecvDataSegmentLength` / `TargetRecvDataSegmentLength`
+    /// instead of MaxRecvDataSegmentLength.
+    IserRdmaExtensions,
+    /// The illumos initiator (`iscsi_make_login_pdu`), over iSER or TCP: no
+    /// iSER keys, its key set in its order, markers declined, and
+    /// DefaultTime2Retain 20.
+    Illumos,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Credentials {
     pub name: String,
@@ -69,6 +85,8 @@ pub struct LoginParams {
     pub immediate_data: bool,
     /// Extra operational keys, sent after the standard ones (tests).
     pub extra_keys: Vec<(String, String)>,
+    /// The operational key set offered.
+    pub dialect: LoginDialect,
 }
 
 impl LoginParams {
@@ -98,6 +116,7 @@ impl LoginParams {
             initial_r2t: false,
             immediate_data: true,
             extra_keys: Vec::new(),
+            dialect: LoginDialect::Rfc7143,
         }
     }
 
@@ -154,7 +173,48 @@ impl LoginParams {
     }
 
     pub(crate) fn operational_keys(&self) -> Vec<(String, String)> {
-        let yn = |b: bool| if b { "Yes" } else { "No" }.to_string();
+        match self.dialect {
+            LoginDialect::Rfc7143 | LoginDialect::IserRdmaExtensions => self.rfc7143_keys(),
+            LoginDialect::Illumos => self.illumos_keys(),
+        }
+    }
+
+    /// What illumos `iscsi_make_login_pdu` offers, in its order.
+    fn illumos_keys(&self) -> Vec<(String, String)> {
+        let mut k: Vec<(String, String)> = vec![
+            ("HeaderDigest".into(), self.header_digest.offer().into()),
+            ("DataDigest".into(), self.data_digest.offer().into()),
+            (
+                "MaxRecvDataSegmentLength".into(),
+                self.max_recv_data_segment_length.to_string(),
+            ),
+            ("DefaultTime2Wait".into(), "2".into()),
+            ("DefaultTime2Retain".into(), "20".into()),
+            ("ErrorRecoveryLevel".into(), "0".into()),
+            ("IFMarker".into(), "No".into()),
+            ("OFMarker".into(), "No".into()),
+        ];
+        if self.session_type == SessionType::Normal {
+            k.extend([
+                ("InitialR2T".into(), yes_no(self.initial_r2t)),
+                ("ImmediateData".into(), yes_no(self.immediate_data)),
+                ("MaxBurstLength".into(), self.max_burst_length.to_string()),
+                (
+                    "FirstBurstLength".into(),
+                    self.first_burst_length.to_string(),
+                ),
+                ("MaxOutstandingR2T".into(), "1".into()),
+                ("MaxConnections".into(), "1".into()),
+                ("DataPDUInOrder".into(), "Yes".into()),
+                ("DataSequenceInOrder".into(), "Yes".into()),
+            ]);
+        }
+        k.extend(self.extra_keys.iter().cloned());
+        k
+    }
+
+    fn rfc7143_keys(&self) -> Vec<(String, String)> {
+        let yn = yes_no;
         let mut k: Vec<(String, String)> = vec![
             ("HeaderDigest".into(), self.header_digest.offer().into()),
             ("DataDigest".into(), self.data_digest.offer().into()),
@@ -166,10 +226,20 @@ impl LoginParams {
                 ("ImmediateData".into(), yn(self.immediate_data)),
             ]);
         }
-        k.push((
-            "MaxRecvDataSegmentLength".into(),
-            self.max_recv_data_segment_length.to_string(),
-        ));
+        if self.dialect == LoginDialect::IserRdmaExtensions {
+            // RFC 7145 7.2: the RDMA-assisted lengths replace MaxRecvDataSegmentLength.
+            let ours = self.max_recv_data_segment_length.to_string();
+            k.extend([
+                ("RDMAExtensions".into(), "Yes".into()),
+                ("InitiatorRecvDataSegmentLength".into(), ours.clone()),
+                ("TargetRecvDataSegmentLength".into(), ours),
+            ]);
+        } else {
+            k.push((
+                "MaxRecvDataSegmentLength".into(),
+                self.max_recv_data_segment_length.to_string(),
+            ));
+        }
         if self.session_type == SessionType::Normal {
             k.extend([
                 ("MaxBurstLength".into(), self.max_burst_length.to_string()),
@@ -196,6 +266,10 @@ impl LoginParams {
     }
 }
 
+fn yes_no(b: bool) -> String {
+    if b { "Yes" } else { "No" }.to_string()
+}
+
 /// The session's operational values, as the target answered them (RFC 7143
 /// defaults where it did not).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -219,6 +293,8 @@ pub struct Negotiated {
     pub error_recovery_level: u32,
     pub target_portal_group_tag: Option<u16>,
     pub target_alias: Option<String>,
+    /// iSER-assisted with RFC 7145 keys (`RDMAExtensions=Yes` agreed).
+    pub rdma_extensions: bool,
     /// Every key=value the target sent during login, in order.
     pub target_keys: Vec<(String, String)>,
 }
@@ -244,6 +320,7 @@ impl Negotiated {
             error_recovery_level: 0,
             target_portal_group_tag: None,
             target_alias: None,
+            rdma_extensions: false,
             target_keys: Vec::new(),
         }
     }
@@ -300,8 +377,15 @@ impl Negotiated {
                 }
                 self.immediate_data = v;
             }
-            "MaxRecvDataSegmentLength" => {
+            "MaxRecvDataSegmentLength" | "TargetRecvDataSegmentLength" => {
                 self.target_max_recv_data_segment_length = at_most(num()?, 16_777_215)?
+            }
+            "RDMAExtensions" => {
+                let v = boolean()?;
+                if v && p.dialect != LoginDialect::IserRdmaExtensions {
+                    return Err(bad()); // AND function: we did not offer Yes
+                }
+                self.rdma_extensions = v;
             }
             "MaxBurstLength" => self.max_burst_length = at_most(num()?, p.max_burst_length)?,
             "FirstBurstLength" => self.first_burst_length = at_most(num()?, p.first_burst_length)?,
@@ -347,6 +431,8 @@ pub(crate) fn answer_target_offer(key: &str, value: &str) -> Option<String> {
         | "TargetAddress"
         | "TargetPortalGroupTag"
         | "MaxRecvDataSegmentLength"
+        | "TargetRecvDataSegmentLength"
+        | "InitiatorRecvDataSegmentLength"
         | "TargetName" => None,
         "HeaderDigest"
         | "DataDigest"
@@ -453,6 +539,40 @@ mod tests {
         let text = encode_keys(&k);
         assert!(text.starts_with(b"HeaderDigest=None\0DataDigest=None\0MaxConnections=1\0"));
         assert_eq!(decode_keys(&text).unwrap(), k);
+
+        // The other dialects: iSER keys instead of MaxRecvDataSegmentLength;
+        // illumos' own set and order, without iSER keys.
+        let mut p = LoginParams::normal("iqn.i", "iqn.t");
+        p.dialect = LoginDialect::IserRdmaExtensions;
+        let k = p.operational_keys();
+        assert_eq!(get(&k, "MaxRecvDataSegmentLength"), None);
+        for key in [
+            "RDMAExtensions",
+            "InitiatorRecvDataSegmentLength",
+            "TargetRecvDataSegmentLength",
+        ] {
+            assert!(get(&k, key).is_some(), "{key}");
+        }
+        p.dialect = LoginDialect::Illumos;
+        let k = p.operational_keys();
+        let names: Vec<&str> = k.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(names.len(), 16);
+        assert_eq!(
+            names[..8],
+            [
+                "HeaderDigest",
+                "DataDigest",
+                "MaxRecvDataSegmentLength",
+                "DefaultTime2Wait",
+                "DefaultTime2Retain",
+                "ErrorRecoveryLevel",
+                "IFMarker",
+                "OFMarker"
+            ]
+        );
+        assert_eq!(names[12..14], ["MaxOutstandingR2T", "MaxConnections"]);
+        p.session_type = SessionType::Discovery;
+        assert_eq!(p.operational_keys().len(), 8);
 
         let d = LoginParams::discovery("iqn.i");
         let names: Vec<String> = d.operational_keys().into_iter().map(|(k, _)| k).collect();

@@ -1,10 +1,11 @@
 //! `iscsi://[user[%password]@]host[:port]/IQN/LUN` and `iser://...` (libiscsi's form).
 
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::str::FromStr;
 
 use crate::conn::DEFAULT_PORT;
+use crate::login::{ChapParams, Credentials, LoginParams};
 use crate::Error;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,12 +98,39 @@ impl TargetUrl {
             .ok_or_else(|| Error::InvalidArgument(format!("{} does not resolve", self.host)))
     }
 
-    /// Err(Unsupported) unless the transport is implemented (TCP only, for now).
+    /// Resolve host and port without an async runtime (for the blocking
+    /// [`crate::iser::IserSession`]).
+    pub fn resolve(&self) -> Result<SocketAddr, Error> {
+        (self.host.as_str(), self.port)
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| Error::InvalidArgument(format!("{} does not resolve", self.host)))
+    }
+
+    /// Login parameters for a Normal session to this URL's target, with the
+    /// URL's CHAP credentials.
+    pub fn login_params(&self, initiator_name: &str) -> LoginParams {
+        let mut p = LoginParams::normal(initiator_name, self.target_name.clone());
+        p.chap = self.chap.as_ref().map(|(user, secret)| ChapParams {
+            initiator: Credentials {
+                name: user.clone(),
+                secret: secret.as_bytes().to_vec(),
+            },
+            mutual: None,
+        });
+        p
+    }
+
+    /// Err(Unsupported) for iser://: [`crate::Session`] and
+    /// [`crate::Connection`] speak iSCSI/TCP; open iser:// URLs with
+    /// [`crate::iser::IserSession::connect`] (see [`TargetUrl::resolve`] and
+    /// [`TargetUrl::login_params`]).
     pub fn require_tcp(&self) -> Result<(), Error> {
         match self.transport {
             Transport::Tcp => Ok(()),
             Transport::Iser => Err(Error::Unsupported(
-                "iser:// transport is not implemented yet in ramslog-initiator; use iscsi://"
+                "iser:// needs the iSER session (ramslog_initiator::iser::IserSession), \
+                 not the TCP one"
                     .into(),
             )),
         }
@@ -154,6 +182,14 @@ mod tests {
         assert_eq!(u.transport, Transport::Iser);
         assert_eq!(u.port, 3260);
         assert!(matches!(u.require_tcp(), Err(Error::Unsupported(_))));
+
+        let u = TargetUrl::parse("iser://bob%pw@127.0.0.1:3262/iqn.x:y/0").unwrap();
+        assert_eq!(u.resolve().unwrap(), "127.0.0.1:3262".parse().unwrap());
+        let p = u.login_params("iqn.i");
+        assert_eq!(p.target_name.as_deref(), Some("iqn.x:y"));
+        let chap = p.chap.unwrap();
+        assert_eq!(chap.initiator.name, "bob");
+        assert_eq!(chap.initiator.secret, b"pw");
 
         let u = TargetUrl::parse("iscsi://bob%s3cret@[::1]:3262/iqn.x:y/7").unwrap();
         assert_eq!(u.host, "::1");

@@ -557,19 +557,11 @@ impl Driver<'_> {
     fn cm_events(&mut self, events: &EventChannel) {
         loop {
             match events.get_event() {
-                Ok(e) => match e.kind {
-                    CmEventKind::Established => tracing::debug!("iSER connection established"),
-                    CmEventKind::Disconnected
-                    | CmEventKind::DeviceRemoval
-                    | CmEventKind::TimewaitExit
-                    | CmEventKind::ConnectError
-                    | CmEventKind::Unreachable
-                    | CmEventKind::Rejected => {
-                        tracing::info!(peer = %self.conn_peer(), "iSER: {:?}", e.kind);
-                        self.peer_gone = true;
-                    }
-                    other => tracing::debug!("iSER connection event {other:?}"),
-                },
+                Ok(e) if e.kind.ends_connection() => {
+                    tracing::info!(peer = %self.conn_peer(), "iSER: {:?}", e.kind);
+                    self.peer_gone = true;
+                }
+                Ok(e) => tracing::debug!("iSER connection event {:?}", e.kind),
                 Err(e) if e.source.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) => {
                     tracing::warn!("iSER: {e}");

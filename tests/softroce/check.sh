@@ -24,7 +24,7 @@ rc=$?
 if [ "$rc" = 3 ]; then echo "softroce: harness returns the script's exit code (3): ok"; else
   echo "softroce: harness returned $rc for a script that exits 3" >&2; tail -20 /tmp/softroce-exit.log >&2; fail=1; fi
 
-for t in selftest.sh lio-baseline.sh "ramslog-open-iscsi.sh tcp" "ramslog-open-iscsi.sh iser"; do
+for t in selftest.sh lio-baseline.sh "ramslog-open-iscsi.sh tcp" "ramslog-open-iscsi.sh iser" iser-initiators.sh; do
   t1=$(date +%s)
   # shellcheck disable=SC2086 # the script and its argument
   if "$HERE/run" "$HERE/"$t; then echo "softroce: $t passed in $(($(date +%s) - t1)) s"; else

@@ -190,6 +190,22 @@ pub enum CmEventKind {
 }
 
 impl CmEventKind {
+    /// The connection (or the attempt to make one) is over.
+    pub fn ends_connection(self) -> bool {
+        use CmEventKind as K;
+        matches!(
+            self,
+            K::AddrError
+                | K::RouteError
+                | K::ConnectError
+                | K::Unreachable
+                | K::Rejected
+                | K::Disconnected
+                | K::DeviceRemoval
+                | K::TimewaitExit
+        )
+    }
+
     fn from_raw(e: u32) -> CmEventKind {
         use ffi::rdma_cm_event_type as t;
         match e {

@@ -1,0 +1,226 @@
+//! The RDMA side of an iSER session: rdma_cm connection setup as each
+//! profile's initiator does it, the queue pair, and the registered receive
+//! and send buffers; one iSCSI PDU per SEND.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ramslog_common::iscsi::Bhs;
+use ramslog_common::iser::{Header, HEADER_LEN};
+use ramslog_common::verbs::{
+    self, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam,
+    EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr,
+};
+
+use super::{IserOptions, IserProfile, EXTRA_SLOTS, HEADERS_LEN, SEND_SLOT_LEN, SEND_WR};
+use crate::Error;
+
+/// Timeout of rdma_cm's address and route resolution, milliseconds.
+const RESOLVE_TIMEOUT_MS: i32 = 5000;
+
+/// The RDMA side: the connection, its queues and its message buffers.
+/// Field order is drop order: the id (and its QP) goes first.
+pub(super) struct Rdma {
+    pub(super) id: CmId,
+    pub(super) events: EventChannel,
+    pub(super) cq: Arc<CompletionQueue>,
+    pub(super) comp: Arc<CompletionChannel>,
+    pub(super) recv: Vec<RegisteredBuffer>,
+    pub(super) reposts: Vec<RecvWr>,
+    pub(super) send: RegisteredBuffer,
+    pub(super) free_send: Vec<usize>,
+    pub(super) pd: Arc<ProtectionDomain>,
+    pub(super) recv_len: usize,
+}
+
+impl Rdma {
+    /// Resolve, create the queues and buffers, connect, wait for Established.
+    pub(super) fn connect(addr: SocketAddr, opts: &IserOptions) -> Result<Rdma, Error> {
+        let deadline = Instant::now() + opts.timeout;
+        let events = EventChannel::new()?;
+        events.set_nonblocking(true)?;
+        let mut id = CmId::new(&events)?;
+        id.resolve_addr(None, addr, RESOLVE_TIMEOUT_MS)?;
+        expect_event(&events, CmEventKind::AddrResolved, deadline)?;
+        id.resolve_route(RESOLVE_TIMEOUT_MS)?;
+        expect_event(&events, CmEventKind::RouteResolved, deadline)?;
+        let dev = id
+            .device()
+            .ok_or_else(|| Error::Rdma(format!("{addr}: no RDMA device after route resolution")))?;
+        let attrs = dev.attrs()?;
+        // Every command may have its response (and a ping) in flight at once.
+        let slots = opts.queue_depth + EXTRA_SLOTS;
+        if slots > attrs.max_qp_wr as usize {
+            return Err(Error::InvalidArgument(format!(
+                "queue depth {} needs {slots} work requests per queue; {} allows {}",
+                opts.queue_depth,
+                dev.name(),
+                attrs.max_qp_wr
+            )));
+        }
+        let (recv_slots, send_slots) = (slots, slots);
+        let pd = ProtectionDomain::new(dev)?;
+        let comp = Arc::new(CompletionChannel::new(dev)?);
+        comp.set_nonblocking(true)?;
+        let cq = CompletionQueue::new(dev, (recv_slots + send_slots) as u32, Some(&comp))?;
+        id.create_qp(
+            &pd,
+            &cq,
+            QpCaps {
+                max_send_wr: send_slots as u32,
+                max_recv_wr: recv_slots as u32,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+        )?;
+        let recv_len = opts.profile.recv_len();
+        let mut recv = Vec::with_capacity(recv_slots);
+        for _ in 0..recv_slots {
+            recv.push(RegisteredBuffer::new(&pd, recv_len, Access::LOCAL_WRITE)?);
+        }
+        let send = RegisteredBuffer::new(&pd, send_slots * SEND_SLOT_LEN, Access::empty())?;
+        let mut rdma = Rdma {
+            id,
+            events,
+            cq,
+            comp,
+            reposts: Vec::with_capacity(recv_slots),
+            recv,
+            send,
+            free_send: (0..send_slots).rev().collect(),
+            pd,
+            recv_len,
+        };
+        for slot in 0..recv_slots {
+            rdma.queue_recv(slot)?;
+        }
+        rdma.flush_reposts()?;
+        let private = opts.profile.private_data();
+        let param = match opts.profile {
+            // iser_route_handler: the target may read from us as much as the
+            // device allows; we issue one RDMA READ at a time (never, in fact).
+            IserProfile::Linux => ConnParam {
+                private_data: &private,
+                responder_resources: attrs.max_qp_rd_atom.min(255) as u8,
+                initiator_depth: 1,
+                retry_count: 7,
+                rnr_retry_count: 6,
+            },
+            // iser_ib_open_rc_channel: oc_rdma_ra_in/out = 4, path retry and
+            // RNR retry 2.
+            IserProfile::Illumos => ConnParam {
+                private_data: &private,
+                responder_resources: 4,
+                initiator_depth: 4,
+                retry_count: 2,
+                rnr_retry_count: 2,
+            },
+        };
+        rdma.id.connect(&param)?;
+        expect_event(&rdma.events, CmEventKind::Established, deadline)?;
+        Ok(rdma)
+    }
+
+    pub(super) fn queue_recv(&mut self, slot: usize) -> Result<(), Error> {
+        let sge = self.recv[slot]
+            .sge(0, self.recv_len as u32)
+            .ok_or_else(|| Error::Rdma("receive slot outside its buffer".into()))?;
+        self.reposts.push(RecvWr {
+            wr_id: slot as u64,
+            sge,
+        });
+        Ok(())
+    }
+
+    pub(super) fn flush_reposts(&mut self) -> Result<(), Error> {
+        if !self.reposts.is_empty() {
+            self.id.post_recv(&self.reposts)?;
+            self.reposts.clear();
+        }
+        Ok(())
+    }
+
+    /// SEND one PDU from a free slot (the caller made sure there is one):
+    /// iSER header, BHS (lengths filled in), data unpadded.
+    pub(super) fn post_pdu(
+        &mut self,
+        header: &Header,
+        bhs: &Bhs,
+        data: &[u8],
+    ) -> Result<(), Error> {
+        let total = HEADERS_LEN + data.len();
+        if total > SEND_SLOT_LEN {
+            return Err(Error::InvalidArgument(format!(
+                "a {total}-byte iSER message exceeds the {SEND_SLOT_LEN}-byte send buffer"
+            )));
+        }
+        let slot = self
+            .free_send
+            .pop()
+            .ok_or_else(|| Error::Rdma("no free send slot".into()))?;
+        let start = slot * SEND_SLOT_LEN;
+        let msg = &mut self.send.as_mut_slice()[start..start + total];
+        header
+            .encode_into(msg)
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let mut b = *bhs;
+        b.0[4] = 0; // no AHS
+        b.set_data_segment_len(data.len() as u32);
+        msg[HEADER_LEN..HEADERS_LEN].copy_from_slice(&b.0);
+        msg[HEADERS_LEN..].copy_from_slice(data);
+        let sge = self
+            .send
+            .sge(start, total as u32)
+            .ok_or_else(|| Error::Rdma("send slot outside its buffer".into()))?;
+        let r = self.id.post_send(&SendWr {
+            wr_id: SEND_WR | slot as u64,
+            op: SendOp::Send,
+            sge,
+            signaled: true,
+            inline: false,
+        });
+        if let Err(e) = r {
+            self.free_send.push(slot);
+            return Err(e.into());
+        }
+        Ok(())
+    }
+}
+
+/// Wait for `want` on a (non-blocking) event channel.
+pub(super) fn expect_event(
+    events: &EventChannel,
+    want: CmEventKind,
+    deadline: Instant,
+) -> Result<CmEvent, Error> {
+    loop {
+        match events.get_event() {
+            Ok(e) if e.kind == want => return Ok(e),
+            Ok(e) if e.kind == CmEventKind::Rejected => {
+                return Err(Error::Rdma(format!(
+                    "the target rejected the connection (reason {}) waiting for {want:?}",
+                    e.status
+                )))
+            }
+            Ok(e) if e.kind.ends_connection() => {
+                let os = std::io::Error::from_raw_os_error(e.status.saturating_abs());
+                return Err(Error::Rdma(format!(
+                    "{:?} (status {}: {os}) waiting for {want:?}",
+                    e.kind, e.status
+                )));
+            }
+            Ok(e) => tracing::debug!("rdma_cm event {:?} while waiting for {want:?}", e.kind),
+            Err(e) if e.is_would_block() => {
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(Error::Timeout(format!("the rdma_cm event {want:?}")));
+                }
+                let mut ready = [false];
+                verbs::wait_readable(&[events.fd()], Some(deadline - now), &mut ready)?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}

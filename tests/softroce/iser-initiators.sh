@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# ramslog-target against ramslog-initiator's iSER transport in both initiator
+# profiles: `illumos` (56-byte CM private data with 0xC0 in byte 3 and
+# garbage after it, no iSER login keys, 16 KiB receive buffers, 4 RDMA READ
+# credits, RNR retry 2) and `linux` (ib_iser private data, RDMAExtensions=Yes,
+# I/T RDSL, ImmediateData=Yes, 128-byte full-feature receives). For each:
+# login and the negotiated keys, write/SYNCHRONIZE CACHE/read-verify over
+# 512 B..256 KiB at random LBAs, pipelined I/O, idle > 5 s with the idle
+# NOP-Out ping, target NOP-In pings answered, SendTargets over an iSER
+# discovery session, logout. Then an initiator SIGKILLed mid-transfer: its
+# connection alone ends and a new session works. Client and server share one
+# rxe address (rxe cannot connect across its two devices in one namespace).
+#
+# Build first (on the host):
+#   cargo build -j1 -p ramslog-target -p ramslog-tests --bin ramslog-target --bin iser-initiator-check
+# Run:  tests/softroce/run tests/softroce/iser-initiators.sh [SECONDS]
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+RESULTS=${RESULTS:-$REPO/build/softroce/results}
+SECS=${1:-5}
+. "$HERE/lib/rxe.sh"
+IQN=iqn.2026-11.org.ramslog:iser-initiators
+# The target pings after this many idle seconds; the check waits for one.
+NOP_INTERVAL=8
+
+# The newer of build/release/NAME and build/debug/NAME.
+pick() {
+  local b best=
+  for b in "$REPO/build/release/$1" "$REPO/build/debug/$1"; do
+    [ -x "$b" ] || continue
+    if [ -z "$best" ] || [ "$b" -nt "$best" ]; then best=$b; fi
+  done
+  [ -n "$best" ] && echo "$best"
+}
+BIN=${RAMSLOG_TARGET_BIN:-$(pick ramslog-target)} || { echo "build ramslog-target first"; exit 1; }
+CHECK=${ISER_CHECK_BIN:-$(pick iser-initiator-check)} ||
+  { echo "build the check first: cargo build -j1 -p ramslog-tests --bin iser-initiator-check"; exit 1; }
+step() { echo; echo "== $*"; }
+TARGET_PID=
+LOG=$RESULTS/ramslog-target-iser-initiators.log
+
+cleanup() {
+  [ -n "$TARGET_PID" ] && stop_pid "$TARGET_PID"
+  rxe_down
+}
+
+step "network: rxe on a veth pair"
+rxe_up
+trap cleanup EXIT
+ibv_devices
+
+step "ramslog-target on $RXE_ADDR_A:3260 ($BIN)"
+mkdir -p "$RESULTS"
+# Spin budget 0: busy polling on emulated CPUs starves rxe and the initiator.
+"$BIN" --size 256M --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --ephemeral \
+  --allow "iqn.2026-11.org.ramslog:check-illumos" --allow "iqn.2026-11.org.ramslog:check-linux" \
+  --nop-interval "$NOP_INTERVAL" --iser-spin 0 >"$LOG" 2>&1 &
+TARGET_PID=$!
+ready=0
+for _ in $(seq 1 150); do
+  grep -q "iSER listening on $RXE_ADDR_A:3260" "$LOG" 2>/dev/null && { ready=1; break; }
+  kill -0 "$TARGET_PID" 2>/dev/null || break
+  sleep 0.2
+done
+if [ "$ready" != 1 ]; then
+  echo "ramslog-target is not listening for iSER on $RXE_ADDR_A:3260"
+  cat "$LOG"
+  exit 1
+fi
+grep "iSER listening" "$LOG"
+
+fail=0
+for profile in illumos linux; do
+  step "iser-initiator-check --profile $profile"
+  if timeout 600 "$CHECK" --profile "$profile" --target "$RXE_ADDR_A:3260" --iqn "$IQN" \
+    --seconds "$SECS" --target-nop-interval "$NOP_INTERVAL"; then
+    :
+  else
+    echo "iser-initiator-check --profile $profile FAILED (exit $?)"
+    fail=1
+  fi
+  kill -0 "$TARGET_PID" 2>/dev/null || { echo "ramslog-target died"; fail=1; break; }
+done
+
+if [ "$fail" = 0 ]; then
+  step "an initiator killed mid-transfer: its connection ends, the target keeps serving"
+  closed_before=$(grep -c "iSER connection closed" "$LOG" || true)
+  "$CHECK" --profile linux --target "$RXE_ADDR_A:3260" --iqn "$IQN" --seconds 60 >/tmp/victim.log 2>&1 &
+  victim=$!
+  # Into the write/read-verify loop, then SIGKILL: no logout, I/O in flight.
+  for _ in $(seq 1 100); do grep -q "login" /tmp/victim.log 2>/dev/null && break; sleep 0.2; done
+  sleep 3
+  kill -9 "$victim"; wait "$victim" 2>/dev/null || true
+  closed=0
+  for _ in $(seq 1 100); do
+    [ "$(grep -c "iSER connection closed" "$LOG")" -gt "$closed_before" ] && { closed=1; break; }
+    sleep 0.2
+  done
+  kill -0 "$TARGET_PID" 2>/dev/null || { echo "ramslog-target died with its initiator"; fail=1; }
+  [ "$closed" = 1 ] || { echo "the target did not close the killed initiator's connection"; fail=1; }
+  grep -A3 "iSER connection accepted" "$LOG" | tail -4
+  if [ "$fail" = 0 ] && timeout 600 "$CHECK" --profile illumos --target "$RXE_ADDR_A:3260" --iqn "$IQN" --seconds 2; then
+    echo "a new session works after the crash"
+  else
+    echo "no working session after an initiator crash"; fail=1
+  fi
+fi
+
+step "target log (iSER lines)"
+grep -E "iSER|session|WARN|ERROR" "$LOG" | tail -60 || true
+if [ "$fail" != 0 ]; then
+  echo
+  echo "full target log: $LOG"
+  tail -40 "$LOG"
+  exit 1
+fi
+echo "ISER INITIATORS PASSED"
