@@ -1,22 +1,33 @@
-//! rdma-bench: latency instrument for ramslog and its peers.
+//! rdma-bench: the latency instrument for ramslog and its peers.
+//!
+//! `lat` measures one workload against one LUN, `compare` the same workload
+//! against several targets interleaved in rounds, `sweep` block sizes ×
+//! queue depths, `floor` the transport alone (against `floor-server`).
 #![deny(unsafe_code)]
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod machine;
+mod plot;
+mod report;
+mod runner;
+mod softroce;
+
+use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
-use hdrhistogram::Histogram;
-use ramslog_initiator::{LoginParams, Session, TargetUrl, DEFAULT_INITIATOR_NAME};
-use rand::{Rng, SeedableRng};
+use clap::{Args, Parser, Subcommand};
+use ramslog_initiator::{TargetUrl, DEFAULT_INITIATOR_NAME};
 use serde::Serialize;
+
+use machine::Machine;
+use report::{row, table, Sample, Summary, TABLE_HEAD};
+use runner::{ConnectOptions, Pattern, Progress, TargetInfo, Until, Workload};
 
 #[derive(Parser)]
 #[command(
     name = "rdma-bench",
     version,
-    about = "Latency instrument for ramslog and its peers"
+    about = "Latency instrument for ramslog and its peers (iSCSI/TCP and iSER)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -25,37 +36,67 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Latency of one I/O pattern against an iSCSI LUN.
+    /// Latency of one workload against one LUN.
     Lat(LatArgs),
+    /// The same workload against several targets, interleaved in rounds so
+    /// that machine drift hits all alike; ratios to the first.
+    Compare(CompareArgs),
+    /// Block size × queue depth grid against one LUN.
+    Sweep(SweepArgs),
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-enum Pattern {
-    /// WRITE (16), sequential LBAs.
-    Write,
-    /// WRITE (16) with FUA, sequential LBAs.
-    Fua,
-    /// WRITE (16) then SYNCHRONIZE CACHE (10), timed as a pair (the ZFS log pattern).
-    Zil,
-    /// READ (16), sequential LBAs.
-    Read,
-    /// READ (16), random LBAs.
-    Randread,
-}
-
-#[derive(clap::Args)]
-struct LatArgs {
-    /// iscsi://host[:port]/IQN/LUN
-    url: String,
+#[derive(Args, Clone)]
+struct WorkloadArgs {
     /// Bytes per I/O (a multiple of the LUN's block size).
     #[arg(long, default_value_t = 4096)]
     bs: u32,
-    /// Outstanding I/Os (concurrent tasks on one session).
+    /// I/Os in flight.
     #[arg(long, default_value_t = 1)]
     qd: u32,
     #[arg(long, value_enum, default_value_t = Pattern::Write)]
     pattern: Pattern,
+}
+
+#[derive(Args, Clone)]
+struct SessionArgs {
+    #[arg(long, default_value = DEFAULT_INITIATOR_NAME)]
+    initiator_name: String,
+    /// iSER: empty completion-queue polls before sleeping (0 on SoftRoCE or
+    /// shared CPUs, where spinning starves the peer).
+    #[arg(long, default_value_t = 1_000_000)]
+    spin: u32,
+}
+
+impl SessionArgs {
+    fn options(&self) -> ConnectOptions {
+        ConnectOptions {
+            initiator_name: self.initiator_name.clone(),
+            spin: self.spin,
+        }
+    }
+}
+
+#[derive(Args, Clone)]
+struct OutputArgs {
+    /// Print one JSON object (with machine, kernel, transport, negotiated
+    /// parameters and versions) instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Also draw the latency percentile curve(s) into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// No progress line.
+    #[arg(long)]
+    quiet: bool,
+}
+
+#[derive(Args)]
+struct LatArgs {
+    /// iscsi://host[:port]/IQN/LUN or iser://host[:port]/IQN/LUN (not with --softroce).
+    #[arg(required_unless_present = "softroce")]
+    url: Option<String>,
+    #[command(flatten)]
+    workload: WorkloadArgs,
     /// Measure for this many seconds (default 10 unless --count).
     #[arg(long, conflicts_with = "count")]
     time: Option<f64>,
@@ -65,249 +106,357 @@ struct LatArgs {
     /// Unrecorded warm-up, seconds.
     #[arg(long, default_value_t = 1.0)]
     warmup: f64,
-    #[arg(long, default_value = DEFAULT_INITIATOR_NAME)]
-    initiator_name: String,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    session: SessionArgs,
+    #[command(flatten)]
+    out: OutputArgs,
+    /// Demo on a host with rdma_rxe: create an rxe device on NETDEV, start a
+    /// ramslog-target on its IPv4 address, measure over iSER, tear both down.
+    #[arg(long, value_name = "NETDEV", conflicts_with = "url")]
+    softroce: Option<String>,
+}
+
+#[derive(Args)]
+struct CompareArgs {
+    /// Targets, the first is the reference for ratios.
+    #[arg(required = true, num_args = 2..)]
+    urls: Vec<String>,
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    /// Seconds of measurement per target, split over the rounds.
+    #[arg(long, default_value_t = 10.0)]
+    time: f64,
+    /// Rounds: each target runs time/rounds per round, in turn.
+    #[arg(long, default_value_t = 5)]
+    rounds: u32,
+    /// Unrecorded warm-up per target, seconds.
+    #[arg(long, default_value_t = 1.0)]
+    warmup: f64,
+    #[command(flatten)]
+    session: SessionArgs,
+    #[command(flatten)]
+    out: OutputArgs,
+}
+
+#[derive(Args)]
+struct SweepArgs {
+    url: String,
+    #[arg(long, value_enum, default_value_t = Pattern::Write)]
+    pattern: Pattern,
+    /// Block sizes (K and M suffixes allowed).
+    #[arg(long, value_delimiter = ',', default_value = "512,4K,16K,64K,256K,1M", value_parser = parse_size)]
+    bs: Vec<u32>,
+    /// Queue depths.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    qd: Vec<u32>,
+    /// Seconds per cell.
+    #[arg(long, default_value_t = 2.0)]
+    time: f64,
+    /// Unrecorded warm-up per cell, seconds.
+    #[arg(long, default_value_t = 0.3)]
+    warmup: f64,
+    #[command(flatten)]
+    session: SessionArgs,
+    #[command(flatten)]
+    out: OutputArgs,
+}
+
+fn parse_size(s: &str) -> Result<u32, String> {
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1024),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1024 * 1024),
+        _ => (s, 1),
+    };
+    num.parse::<u32>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .filter(|n| *n > 0)
+        .ok_or_else(|| format!("'{s}' is not a block size: use e.g. 512, 4K or 1M"))
+}
+
+fn seconds(s: f64, what: &str) -> Result<Duration> {
+    if !s.is_finite() || s < 0.0 {
+        bail!("{what} must be a non-negative number of seconds");
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+fn describe(w: &Workload) -> String {
+    let bs = if w.bs % (1024 * 1024) == 0 {
+        format!("{} MiB", w.bs / (1024 * 1024))
+    } else if w.bs % 1024 == 0 {
+        format!("{} KiB", w.bs / 1024)
+    } else {
+        format!("{} B", w.bs)
+    };
+    format!("{bs} {:?} QD{}", w.pattern, w.qd).replace("Zil", "zil (WRITE + SYNC CACHE)")
+}
+
+#[derive(Serialize)]
+struct TargetResult {
+    target: TargetInfo,
+    summary: Summary,
+    /// Ratios to the first target: p50 latency and IOPS.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p50_ratio: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    iops_ratio: Option<f64>,
 }
 
 #[derive(Serialize)]
 struct Report {
-    url: String,
-    pattern: Pattern,
-    bs: u32,
-    qd: u32,
-    ios: u64,
-    secs: f64,
-    iops: f64,
-    mb_per_s: f64,
-    lat_us: Lat,
+    command: &'static str,
+    machine: Machine,
+    workload: Workload,
+    rounds: u32,
+    results: Vec<TargetResult>,
 }
 
-#[derive(Serialize)]
-struct Lat {
-    min: f64,
-    mean: f64,
-    p50: f64,
-    p90: f64,
-    p99: f64,
-    p99_9: f64,
-    max: f64,
-}
-
-struct Lun {
-    session: Session,
-    lun: u64,
-    bs: u32,
-    blocks_per_io: u32,
-    slots: u64,
-    pattern: Pattern,
-    payload: Vec<u8>,
-    next_slot: AtomicU64,
-}
-
-impl Lun {
-    async fn one(&self, rng: &mut impl Rng) -> Result<()> {
-        let slot = match self.pattern {
-            Pattern::Randread => rng.gen_range(0..self.slots),
-            _ => self.next_slot.fetch_add(1, Ordering::Relaxed) % self.slots,
+/// Print the table (or JSON) and draw the plot of one or more targets.
+fn emit(
+    command: &'static str,
+    w: Workload,
+    rounds: u32,
+    targets: &[(TargetInfo, Sample)],
+    out: &OutputArgs,
+) -> Result<()> {
+    let first = targets.first().map(|(_, s)| s.summary(w.bs));
+    let results: Vec<TargetResult> = targets
+        .iter()
+        .enumerate()
+        .map(|(i, (info, s))| {
+            let summary = s.summary(w.bs);
+            let ratios = (i > 0).then_some(()).and(first).map(|f| {
+                (
+                    summary.lat_us.p50 / f.lat_us.p50.max(1e-9),
+                    summary.iops / f.iops.max(1e-9),
+                )
+            });
+            TargetResult {
+                target: info.clone(),
+                summary,
+                p50_ratio: ratios.map(|r| r.0),
+                iops_ratio: ratios.map(|r| r.1),
+            }
+        })
+        .collect();
+    if let Some(path) = &out.plot {
+        let curves: Vec<plot::Curve> = targets
+            .iter()
+            .map(|(info, s)| plot::Curve {
+                label: format!("{} ({})", info.url, info.transport),
+                points: report::percentile_curve(&s.hist),
+            })
+            .collect();
+        plot::write_svg(path, &describe(&w), &curves)
+            .with_context(|| format!("plot {}", path.display()))?;
+    }
+    if out.json {
+        let r = Report {
+            command,
+            machine: Machine::here(),
+            workload: w,
+            rounds,
+            results,
         };
-        let lba = slot * u64::from(self.blocks_per_io);
-        let s = &self.session;
-        match self.pattern {
-            Pattern::Write => s.write(self.lun, lba, &self.payload, false).await?,
-            Pattern::Fua => s.write(self.lun, lba, &self.payload, true).await?,
-            Pattern::Zil => {
-                s.write(self.lun, lba, &self.payload, false).await?;
-                s.sync_cache(self.lun).await?;
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!("{}", describe(&w));
+    let mut head = vec!["target"];
+    head.extend(TABLE_HEAD);
+    let many = results.len() > 1;
+    if many {
+        head.extend(["p50 ratio", "IOPS ratio"]);
+    }
+    let rows: Vec<Vec<String>> = results
+        .iter()
+        .map(|r| {
+            let mut v = vec![format!("{} ({})", r.target.url, r.target.transport)];
+            v.extend(row(&r.summary));
+            if many {
+                v.push(r.p50_ratio.map_or("1.00".into(), |x| format!("{x:.2}")));
+                v.push(r.iops_ratio.map_or("1.00".into(), |x| format!("{x:.2}")));
             }
-            Pattern::Read | Pattern::Randread => {
-                s.read(self.lun, lba, self.blocks_per_io, self.bs).await?;
-            }
-        }
-        Ok(())
-    }
-}
-
-fn new_hist() -> Result<Histogram<u64>> {
-    // ns, 1 ns .. 100 s, 3 significant digits.
-    Ok(Histogram::new_with_bounds(1, 100_000_000_000, 3)?)
-}
-
-/// Run `qd` workers until `deadline` or until `budget` I/Os are claimed.
-async fn run(
-    lun: &Arc<Lun>,
-    qd: u32,
-    deadline: Option<Instant>,
-    budget: Option<u64>,
-) -> Result<(Histogram<u64>, u64, Duration)> {
-    let remaining = Arc::new(AtomicU64::new(budget.unwrap_or(u64::MAX)));
-    let stop = Arc::new(AtomicBool::new(false));
-    let start = Instant::now();
-    let mut workers = Vec::new();
-    for _ in 0..qd {
-        let lun = lun.clone();
-        let remaining = remaining.clone();
-        let stop = stop.clone();
-        workers.push(tokio::spawn(async move {
-            let mut h = new_hist()?;
-            let mut rng = rand::rngs::StdRng::from_entropy();
-            loop {
-                if stop.load(Ordering::Relaxed) || deadline.is_some_and(|d| Instant::now() >= d) {
-                    break;
-                }
-                if remaining
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| r.checked_sub(1))
-                    .is_err()
-                {
-                    break;
-                }
-                let t = Instant::now();
-                if let Err(e) = lun.one(&mut rng).await {
-                    stop.store(true, Ordering::Relaxed);
-                    return Err(e);
-                }
-                h.saturating_record(t.elapsed().as_nanos().max(1) as u64);
-            }
-            Ok::<_, anyhow::Error>(h)
-        }));
-    }
-    let mut total = new_hist()?;
-    let mut first_err = None;
-    for w in workers {
-        match w.await.context("worker panicked")? {
-            Ok(h) => total.add(&h)?,
-            Err(e) => {
-                first_err.get_or_insert(e);
-            }
-        }
-    }
-    let elapsed = start.elapsed();
-    if let Some(e) = first_err {
-        return Err(e);
-    }
-    let n = total.len();
-    Ok((total, n, elapsed))
-}
-
-async fn lat(a: LatArgs) -> Result<()> {
-    let url = TargetUrl::parse(&a.url)?;
-    url.require_tcp()?;
-    if a.qd == 0 {
-        bail!("--qd must be at least 1");
-    }
-    let addr = url.socket_addr().await?;
-    let mut params = LoginParams::normal(a.initiator_name.clone(), url.target_name.clone());
-    if let Some((user, secret)) = &url.chap {
-        params.chap = Some(ramslog_initiator::ChapParams {
-            initiator: ramslog_initiator::Credentials {
-                name: user.clone(),
-                secret: secret.clone().into_bytes(),
-            },
-            mutual: None,
-        });
-    }
-    let session = Session::login(addr, params)
-        .await
-        .with_context(|| format!("login to {url}"))?;
-    // A new I_T nexus starts with a unit attention (power on / reset): clear it.
-    for _ in 0..8 {
-        let r = session
-            .test_unit_ready(url.lun)
-            .await
-            .context("TEST UNIT READY")?;
-        match r.sense {
-            Some(s) if r.status == 0x02 && s.key == 0x06 => continue,
-            _ => break,
-        }
-    }
-    let (last_lba, block) = session
-        .read_capacity16(url.lun)
-        .await
-        .context("READ CAPACITY (16)")?;
-    if a.bs == 0 || a.bs % block != 0 {
-        bail!(
-            "--bs {} is not a multiple of the LUN's {block}-byte blocks",
-            a.bs
-        );
-    }
-    let blocks_per_io = a.bs / block;
-    let slots = (last_lba + 1) / u64::from(blocks_per_io);
-    if slots == 0 {
-        bail!("LUN smaller than one I/O");
-    }
-    let mut payload = vec![0u8; a.bs as usize];
-    rand::thread_rng().fill(&mut payload[..]);
-    let lun = Arc::new(Lun {
-        session,
-        lun: url.lun,
-        bs: block,
-        blocks_per_io,
-        slots,
-        pattern: a.pattern,
-        payload,
-        next_slot: AtomicU64::new(0),
-    });
-
-    if a.warmup > 0.0 {
-        let d = Instant::now() + Duration::from_secs_f64(a.warmup);
-        run(&lun, a.qd, Some(d), None).await.context("warm-up")?;
-    }
-    let (deadline, budget) = match (a.time, a.count) {
-        (_, Some(n)) => (None, Some(n)),
-        (t, None) => (
-            Some(Instant::now() + Duration::from_secs_f64(t.unwrap_or(10.0))),
-            None,
-        ),
-    };
-    let (h, ios, elapsed) = run(&lun, a.qd, deadline, budget).await?;
-    let secs = elapsed.as_secs_f64();
-    let us = |ns: u64| ns as f64 / 1000.0;
-    let report = Report {
-        url: url.to_string(),
-        pattern: a.pattern,
-        bs: a.bs,
-        qd: a.qd,
-        ios,
-        secs,
-        iops: ios as f64 / secs,
-        mb_per_s: ios as f64 * f64::from(a.bs) / secs / 1e6,
-        lat_us: Lat {
-            min: us(h.min()),
-            mean: h.mean() / 1000.0,
-            p50: us(h.value_at_quantile(0.50)),
-            p90: us(h.value_at_quantile(0.90)),
-            p99: us(h.value_at_quantile(0.99)),
-            p99_9: us(h.value_at_quantile(0.999)),
-            max: us(h.max()),
-        },
-    };
-    if a.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        print_table(&report);
-    }
-    if let Ok(lun) = Arc::try_unwrap(lun) {
-        let _ = lun.session.logout().await;
-    }
+            v
+        })
+        .collect();
+    print!("{}", table(&head, &rows));
     Ok(())
 }
 
-fn print_table(r: &Report) {
-    println!(
-        "{} pattern={:?} bs={} qd={}: {} I/Os in {:.2} s",
-        r.url, r.pattern, r.bs, r.qd, r.ios, r.secs
-    );
-    println!(
-        "{:>10} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
-        "IOPS", "MB/s", "min µs", "p50 µs", "p90 µs", "p99 µs", "p99.9 µs", "max µs"
-    );
-    let l = &r.lat_us;
-    println!(
-        "{:>10.0} {:>9.1} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3}",
-        r.iops, r.mb_per_s, l.min, l.p50, l.p90, l.p99, l.p99_9, l.max
-    );
+fn lat(a: LatArgs) -> Result<()> {
+    if let Some(netdev) = &a.softroce {
+        return softroce::demo(netdev, &a.session.initiator_name, |url| lat_on(&a, url));
+    }
+    let url = a.url.as_deref().unwrap_or_default();
+    lat_on(&a, url)
+}
+
+fn lat_on(a: &LatArgs, url: &str) -> Result<()> {
+    let url = TargetUrl::parse(url)?;
+    let w = Workload {
+        pattern: a.workload.pattern,
+        bs: a.workload.bs,
+        qd: a.workload.qd,
+    };
+    let mut r = runner::connect(&url, w, &a.session.options())?;
+    let quiet = a.out.quiet || a.out.json;
+    if a.warmup > 0.0 {
+        let until = Until::Time(seconds(a.warmup, "--warmup")?);
+        r.run(until, &Progress::new("warm-up", until, true))
+            .context("warm-up")?;
+    }
+    let until = match (a.time, a.count) {
+        (_, Some(n)) => Until::Count(n),
+        (t, None) => Until::Time(seconds(t.unwrap_or(10.0), "--time")?),
+    };
+    let sample = r.run(until, &Progress::new(url.to_string(), until, quiet))?;
+    let info = r.info().clone();
+    r.close();
+    emit("lat", w, 1, &[(info, sample)], &a.out)
+}
+
+fn compare(a: CompareArgs) -> Result<()> {
+    let w = Workload {
+        pattern: a.workload.pattern,
+        bs: a.workload.bs,
+        qd: a.workload.qd,
+    };
+    if a.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let o = a.session.options();
+    let mut runners = Vec::new();
+    for u in &a.urls {
+        let url = TargetUrl::parse(u)?;
+        runners.push(runner::connect(&url, w, &o)?);
+    }
+    let quiet = a.out.quiet || a.out.json;
+    if a.warmup > 0.0 {
+        let until = Until::Time(seconds(a.warmup, "--warmup")?);
+        for r in &mut runners {
+            r.run(until, &Progress::new("warm-up", until, true))
+                .with_context(|| format!("warm-up of {}", r.info().url))?;
+        }
+    }
+    let per_round = Until::Time(seconds(a.time / f64::from(a.rounds), "--time")?);
+    let mut samples = Vec::new();
+    for _ in &runners {
+        samples.push(Sample::empty()?);
+    }
+    for round in 0..a.rounds {
+        for (r, total) in runners.iter_mut().zip(samples.iter_mut()) {
+            let label = format!("round {}/{} {}", round + 1, a.rounds, r.info().url);
+            let s = r.run(per_round, &Progress::new(label, per_round, quiet))?;
+            total.merge(&s)?;
+        }
+    }
+    let mut targets = Vec::new();
+    for (r, s) in runners.into_iter().zip(samples) {
+        targets.push((r.info().clone(), s));
+        r.close();
+    }
+    emit("compare", w, a.rounds, &targets, &a.out)
+}
+
+#[derive(Serialize)]
+struct SweepCell {
+    bs: u32,
+    qd: u32,
+    summary: Summary,
+}
+
+#[derive(Serialize)]
+struct SweepReport {
+    command: &'static str,
+    machine: Machine,
+    target: Option<TargetInfo>,
+    pattern: Pattern,
+    cells: Vec<SweepCell>,
+}
+
+fn sweep(a: SweepArgs) -> Result<()> {
+    let url = TargetUrl::parse(&a.url)?;
+    let o = a.session.options();
+    let quiet = a.out.quiet || a.out.json;
+    let mut cells = Vec::new();
+    let mut info = None;
+    let mut curves = Vec::new();
+    for &bs in &a.bs {
+        for &qd in &a.qd {
+            let w = Workload {
+                pattern: a.pattern,
+                bs,
+                qd,
+            };
+            let mut r = runner::connect(&url, w, &o)?;
+            if a.warmup > 0.0 {
+                let until = Until::Time(seconds(a.warmup, "--warmup")?);
+                r.run(until, &Progress::new("warm-up", until, true))?;
+            }
+            let until = Until::Time(seconds(a.time, "--time")?);
+            let s = r.run(until, &Progress::new(describe(&w), until, quiet))?;
+            info.get_or_insert_with(|| r.info().clone());
+            r.close();
+            if !quiet {
+                let l = s.summary(bs);
+                eprintln!(
+                    "{:>8} QD{:<3} {:>9.0} IOPS {:>9.1} MB/s  p50 {:>9.1} µs  p99 {:>9.1} µs",
+                    bs, qd, l.iops, l.mb_per_s, l.lat_us.p50, l.lat_us.p99
+                );
+            }
+            curves.push(plot::Curve {
+                label: format!(
+                    "{} QD{qd}",
+                    describe(&w)
+                        .split(' ')
+                        .take(2)
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                ),
+                points: report::percentile_curve(&s.hist),
+            });
+            cells.push(SweepCell {
+                bs,
+                qd,
+                summary: s.summary(bs),
+            });
+        }
+    }
+    if let Some(path) = &a.out.plot {
+        plot::write_svg(path, &format!("sweep {:?} {}", a.pattern, url), &curves)?;
+    }
+    if a.out.json {
+        let r = SweepReport {
+            command: "sweep",
+            machine: Machine::here(),
+            target: info,
+            pattern: a.pattern,
+            cells,
+        };
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!("sweep {:?} {url}", a.pattern);
+    let head = ["bs", "QD", "IOPS", "MB/s", "p50 µs", "p99 µs", "p99.9 µs"];
+    let rows: Vec<Vec<String>> = cells
+        .iter()
+        .map(|c| {
+            let l = &c.summary.lat_us;
+            vec![
+                c.bs.to_string(),
+                c.qd.to_string(),
+                format!("{:.0}", c.summary.iops),
+                format!("{:.1}", c.summary.mb_per_s),
+                format!("{:.1}", l.p50),
+                format!("{:.1}", l.p99),
+                format!("{:.1}", l.p99_9),
+            ]
+        })
+        .collect();
+    print!("{}", table(&head, &rows));
+    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -318,14 +467,34 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        match cli.cmd {
-            Cmd::Lat(a) => lat(a).await,
-        }
-    })
+    match Cli::parse().cmd {
+        Cmd::Lat(a) => lat(a),
+        Cmd::Compare(a) => compare(a),
+        Cmd::Sweep(a) => sweep(a),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512"), Ok(512));
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("1M"), Ok(1 << 20));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("8192M").is_err());
+    }
+
+    #[test]
+    fn workload_titles() {
+        let w = Workload {
+            pattern: Pattern::Fua,
+            bs: 4096,
+            qd: 1,
+        };
+        assert_eq!(describe(&w), "4 KiB Fua QD1");
+    }
 }
