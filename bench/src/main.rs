@@ -5,6 +5,7 @@
 //! queue depths, `floor` the transport alone (against `floor-server`).
 #![deny(unsafe_code)]
 
+mod floor;
 mod machine;
 mod plot;
 mod report;
@@ -43,6 +44,10 @@ enum Cmd {
     Compare(CompareArgs),
     /// Block size × queue depth grid against one LUN.
     Sweep(SweepArgs),
+    /// The transport floor without SCSI, against `rdma-bench floor-server`.
+    Floor(floor::FloorArgs),
+    /// Serve `rdma-bench floor` clients (TCP, and rdma_cm on the same port).
+    FloorServer(floor::FloorServerArgs),
 }
 
 #[derive(Args, Clone)]
@@ -471,6 +476,8 @@ fn main() -> Result<()> {
         Cmd::Lat(a) => lat(a),
         Cmd::Compare(a) => compare(a),
         Cmd::Sweep(a) => sweep(a),
+        Cmd::Floor(a) => floor::run_client(&a),
+        Cmd::FloorServer(a) => floor::serve(&a),
     }
 }
 

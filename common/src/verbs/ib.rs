@@ -359,6 +359,18 @@ impl Mapping {
             NonNull::new(p.cast::<u8>()).ok_or_else(|| Error::from_errno("mmap", libc::EIO))?;
         Ok(Mapping { ptr, len })
     }
+
+    /// The byte at `offset` by a volatile load, `None` past the end.
+    fn load_volatile(&self, offset: usize) -> Option<u8> {
+        if offset >= self.len {
+            return None;
+        }
+        // SAFETY: offset < len, so the byte is inside the live mapping, and
+        // initialised (zero-filled at creation). A volatile read through a
+        // raw pointer makes no Rust reference, so the HCA may write the byte
+        // concurrently (the value read is then the old or the new one).
+        Some(unsafe { self.ptr.as_ptr().add(offset).read_volatile() })
+    }
 }
 
 impl Drop for Mapping {
@@ -414,6 +426,16 @@ impl RegisteredBuffer {
     /// synchronisation with the HCA (e.g. volatile reads).
     pub fn as_ptr(&self) -> *mut u8 {
         self.mem.ptr.as_ptr()
+    }
+
+    /// The byte at `offset`, read with a volatile load (`None` past the
+    /// end): for polling a byte the peer RDMA-WRITEs while the region is
+    /// open to it, as perftest's ib_write_lat polls the last byte of its
+    /// buffer. Makes no Rust reference into the memory, so it is sound while
+    /// the HCA writes it; it orders nothing else (look at the rest of the
+    /// buffer only after a completion or another synchronisation).
+    pub fn load_volatile(&self, offset: usize) -> Option<u8> {
+        self.mem.load_volatile(offset)
     }
 
     pub fn addr(&self) -> u64 {
@@ -988,4 +1010,22 @@ pub(crate) fn post_recv(
         posted += n;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mapping_load_volatile() {
+        let m = Mapping::new(4096).unwrap();
+        assert_eq!(m.load_volatile(0), Some(0));
+        assert_eq!(m.load_volatile(4095), Some(0));
+        assert_eq!(m.load_volatile(4096), None);
+        assert_eq!(m.load_volatile(usize::MAX), None);
+        // SAFETY: writing one byte inside the mapping we own; no reference
+        // into it exists.
+        unsafe { m.ptr.as_ptr().add(4095).write_volatile(0xa5) };
+        assert_eq!(m.load_volatile(4095), Some(0xa5));
+    }
 }

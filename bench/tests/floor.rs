@@ -1,0 +1,210 @@
+//! `rdma-bench floor` against `rdma-bench floor-server --no-rdma` over
+//! 127.0.0.1, both the real binary: the TCP floor's JSON, a server that
+//! outlives clients leaving mid-run, and the errors a user sees.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, ChildStderr, Command, Output, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_rdma-bench");
+
+/// A floor-server on a port the kernel picks; killed on drop.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    _stderr: std::thread::JoinHandle<()>,
+}
+
+impl Server {
+    fn start() -> Server {
+        let mut child = Command::new(BIN)
+            .args(["floor-server", "--listen", "127.0.0.1:0", "--no-rdma"])
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start rdma-bench floor-server");
+        let stderr: ChildStderr = child.stderr.take().expect("stderr");
+        let mut lines = BufReader::new(stderr).lines();
+        let addr = loop {
+            let line = lines
+                .next()
+                .expect("floor-server exited before listening")
+                .expect("read floor-server stderr");
+            if let Some(rest) = line.strip_prefix("floor-server: listening on ") {
+                let a = rest.split_whitespace().next().expect("address");
+                break a.parse().expect("listen address");
+            }
+        };
+        // Keep draining stderr so the server never blocks on it.
+        let drain = std::thread::spawn(move || for _ in lines.by_ref() {});
+        Server {
+            child,
+            addr,
+            _stderr: drain,
+        }
+    }
+
+    fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn floor(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .arg("floor")
+        .args(args)
+        .output()
+        .expect("run rdma-bench floor")
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "rdma-bench floor failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+#[test]
+fn tcp_floor_json() {
+    let s = Server::start();
+    let addr = s.addr.to_string();
+    let out = floor(&[&addr, "--transport", "tcp", "--count", "2000", "--json"]);
+    let v = json_of(&out);
+    assert_eq!(v["transport"], "tcp");
+    assert_eq!(v["bs"], 4096);
+    assert_eq!(v["addr"], addr);
+    let samples = v["samples"].as_array().expect("samples");
+    assert_eq!(samples.len(), 1);
+    let t = &samples[0];
+    assert_eq!(t["shape"], "tcp 48+bs/48");
+    assert_eq!(t["half_rtt"], false);
+    assert_eq!(t["ios"], 2000);
+    let lat = &t["lat_us"];
+    let p50 = lat["p50"].as_f64().expect("p50");
+    assert!(p50 > 0.0, "{lat}");
+    assert!(lat["min"].as_f64().unwrap() <= p50);
+    assert!(lat["p99"].as_f64().unwrap() >= p50);
+    assert!(lat["max"].as_f64().unwrap() >= lat["p99"].as_f64().unwrap());
+    assert!(t["iops"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn tcp_floor_table_and_time() {
+    let s = Server::start();
+    let out = floor(&[
+        &s.addr.to_string(),
+        "--bs",
+        "512",
+        "--time",
+        "0.3",
+        "--warmup",
+        "0.1",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("bs=512"), "{text}");
+    assert!(text.contains("p50 µs"), "{text}");
+    assert!(text.contains("tcp 48+bs/48"), "{text}");
+}
+
+#[test]
+fn server_survives_clients_that_leave_mid_run() {
+    let mut s = Server::start();
+    // Mid-message: a header announcing 4 KiB, 100 bytes of it, gone.
+    let mut hdr = [0u8; 48];
+    hdr[..4].copy_from_slice(b"RSLF");
+    hdr[4] = 1;
+    hdr[5] = 1;
+    hdr[12..16].copy_from_slice(&4096u32.to_be_bytes());
+    let mut c = TcpStream::connect(s.addr).unwrap();
+    c.write_all(&hdr).unwrap();
+    c.write_all(&[7u8; 100]).unwrap();
+    drop(c);
+    // Garbage.
+    let mut c = TcpStream::connect(s.addr).unwrap();
+    c.write_all(b"GET / HTTP/1.0\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx")
+        .unwrap();
+    drop(c);
+    // A real client killed while measuring.
+    let mut victim = Command::new(BIN)
+        .args([
+            "floor",
+            &s.addr.to_string(),
+            "--time",
+            "30",
+            "--warmup",
+            "0",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    assert!(s.alive(), "floor-server died");
+    let v = json_of(&floor(&[
+        &s.addr.to_string(),
+        "--count",
+        "200",
+        "--warmup",
+        "0",
+        "--json",
+    ]));
+    assert_eq!(v["samples"][0]["ios"], 200);
+    assert!(s.alive());
+}
+
+#[test]
+fn clear_errors() {
+    // No server.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let out = floor(&[&format!("127.0.0.1:{port}"), "--count", "1"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot connect to a floor-server"), "{err}");
+    // Bad arguments.
+    let out = floor(&["127.0.0.1:1", "--bs", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--bs"));
+    // RDMA where there is none: a clear message, never a hang.
+    if ramslog_has_no_rdma() {
+        let out = floor(&["127.0.0.1:1", "--transport", "rdma", "--count", "1"]);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("no RDMA device"), "{err}");
+        let out = Command::new(BIN)
+            .args(["floor-server", "--listen", "127.0.0.1:0"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--no-rdma"), "{err}");
+    }
+}
+
+/// No RDMA device visible (this project's build machines).
+fn ramslog_has_no_rdma() -> bool {
+    !std::path::Path::new("/dev/infiniband/rdma_cm").exists()
+}
