@@ -474,9 +474,10 @@ impl Driver<'_> {
     ) -> Result<(), ConnError> {
         let mut wcs = [WorkCompletion::default(); 32];
         let mut empty_polls = 0u32;
-        // The clock is read once per wake-up and every 32 rounds while busy
-        // or spinning, not every round: under emulation (HPET) it is a
-        // syscall, and the timers here are seconds long.
+        // The clock is read every 32 rounds and after a sleep that timed
+        // out, not per I/O: with an HPET clocksource (the TCG lab) every read
+        // is a syscall, and the timers here are seconds long, so `now` may
+        // lag by a few rounds' sleeps (each at most MAX_SLEEP).
         let mut now = Instant::now();
         let mut rounds = 0u32;
         loop {
@@ -541,7 +542,9 @@ impl Driver<'_> {
                 self.cm_events(events);
             }
             empty_polls = 0;
-            now = Instant::now();
+            if !ready[0] && !ready[1] {
+                now = Instant::now();
+            }
         }
     }
 
