@@ -129,9 +129,7 @@ fn limits(a: &FloorArgs) -> Result<(Limit, Duration)> {
     Ok((limit, warmup))
 }
 
-fn new_hist() -> Result<Histogram<u64>> {
-    Ok(Histogram::new_with_bounds(1, 100_000_000_000, 3)?)
-}
+use crate::report::{new_hist, Summary};
 
 /// Warm up, then run `op` (which returns the ns to record) until the
 /// limit; wall-clock seconds of the measured part.
@@ -204,6 +202,33 @@ pub fn measure(args: &FloorArgs) -> Result<Vec<FloorSample>> {
     }
 }
 
+/// One shape only (what `lat --floor` and `compare --floor` subtract): the
+/// shape a target's write path has on this transport.
+pub fn measure_shape(args: &FloorArgs, shape: &'static str) -> Result<FloorSample> {
+    let (limit, warmup) = limits(args)?;
+    match (args.transport, shape) {
+        (FloorTransport::Tcp, SHAPE_TCP) => {
+            let mut c = tcp::Client::connect(args.addr, args.bs)?;
+            drive(SHAPE_TCP, false, limit, warmup, || {
+                let t = Instant::now();
+                c.round_trip()?;
+                Ok(elapsed_ns(t))
+            })
+        }
+        (FloorTransport::Rdma, SHAPE_RDMA_SEND | SHAPE_RDMA_SEND_READ) => {
+            let mut c = rdma::Client::connect(args.addr, args.bs, args.spin)?;
+            let s = if shape == SHAPE_RDMA_SEND {
+                drive(shape, false, limit, warmup, || c.send_block())?
+            } else {
+                drive(shape, false, limit, warmup, || c.send_read())?
+            };
+            c.close();
+            Ok(s)
+        }
+        _ => bail!("no floor shape {shape:?} over {:?}", args.transport),
+    }
+}
+
 fn elapsed_ns(t: Instant) -> u64 {
     u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
@@ -259,39 +284,11 @@ pub fn run_client(args: &FloorArgs) -> Result<()> {
 }
 
 #[derive(Serialize)]
-struct Lat {
-    min: f64,
-    mean: f64,
-    p50: f64,
-    p90: f64,
-    p99: f64,
-    p99_9: f64,
-    max: f64,
-}
-
-impl Lat {
-    fn of(h: &Histogram<u64>) -> Lat {
-        let us = |ns: u64| ns as f64 / 1000.0;
-        Lat {
-            min: us(h.min()),
-            mean: h.mean() / 1000.0,
-            p50: us(h.value_at_quantile(0.50)),
-            p90: us(h.value_at_quantile(0.90)),
-            p99: us(h.value_at_quantile(0.99)),
-            p99_9: us(h.value_at_quantile(0.999)),
-            max: us(h.max()),
-        }
-    }
-}
-
-#[derive(Serialize)]
 struct SampleJson {
     shape: &'static str,
     half_rtt: bool,
-    ios: u64,
-    secs: f64,
-    iops: f64,
-    lat_us: Lat,
+    #[serde(flatten)]
+    summary: Summary,
 }
 
 #[derive(Serialize)]
@@ -303,17 +300,15 @@ struct FloorJson {
     samples: Vec<SampleJson>,
 }
 
-fn iops(s: &FloorSample) -> f64 {
-    if s.secs > 0.0 {
-        s.ios as f64 / s.secs
-    } else {
-        0.0
+impl FloorSample {
+    pub fn summary(&self, bs: u32) -> Summary {
+        Summary::of(&self.hist, self.ios, self.secs, bs)
     }
 }
 
 /// The JSON `floor --json` prints: `{addr, transport, bs, spin, samples:
-/// [{shape, half_rtt, ios, secs, iops, lat_us: {min, mean, p50, p90, p99,
-/// p99_9, max}}]}`.
+/// [{shape, half_rtt, ios, secs, iops, mb_per_s, lat_us: {min, mean, p50,
+/// p90, p99, p99_9, max}}]}`.
 pub fn to_json(args: &FloorArgs, samples: &[FloorSample]) -> serde_json::Value {
     let j = FloorJson {
         addr: args.addr,
@@ -325,10 +320,7 @@ pub fn to_json(args: &FloorArgs, samples: &[FloorSample]) -> serde_json::Value {
             .map(|s| SampleJson {
                 shape: s.shape,
                 half_rtt: s.half_rtt,
-                ios: s.ios,
-                secs: s.secs,
-                iops: iops(s),
-                lat_us: Lat::of(&s.hist),
+                summary: s.summary(args.bs),
             })
             .collect(),
     };
@@ -347,38 +339,21 @@ fn table(args: &FloorArgs, samples: &[FloorSample]) -> String {
         "transport floor: {} over {transport}, bs={} qd=1",
         args.addr, args.bs
     );
-    let _ = writeln!(
-        o,
-        "{:<28} {:>9} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-        "shape",
-        "I/Os",
-        "secs",
-        "IOPS",
-        "min µs",
-        "p50 µs",
-        "p90 µs",
-        "p99 µs",
-        "p99.9 µs",
-        "max µs"
-    );
-    for s in samples {
-        let l = Lat::of(&s.hist);
-        let name = format!("{}{}", s.shape, if s.half_rtt { " *" } else { "" });
-        let _ = writeln!(
-            o,
-            "{:<28} {:>9} {:>6.2} {:>9.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2}",
-            name,
-            s.ios,
-            s.secs,
-            iops(s),
-            l.min,
-            l.p50,
-            l.p90,
-            l.p99,
-            l.p99_9,
-            l.max
-        );
-    }
+    let mut head = vec!["shape", "I/Os", "secs"];
+    head.extend(crate::report::TABLE_HEAD);
+    let rows: Vec<Vec<String>> = samples
+        .iter()
+        .map(|s| {
+            let mut r = vec![
+                format!("{}{}", s.shape, if s.half_rtt { " *" } else { "" }),
+                s.ios.to_string(),
+                format!("{:.2}", s.secs),
+            ];
+            r.extend(crate::report::row(&s.summary(args.bs)));
+            r
+        })
+        .collect();
+    o.push_str(&crate::report::table(&head, &rows));
     if samples.iter().any(|s| s.half_rtt) {
         let _ = writeln!(
             o,

@@ -12,12 +12,13 @@ mod report;
 mod runner;
 mod softroce;
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use ramslog_initiator::{TargetUrl, DEFAULT_INITIATOR_NAME};
+use ramslog_initiator::{TargetUrl, Transport, DEFAULT_INITIATOR_NAME};
 use serde::Serialize;
 
 use machine::Machine;
@@ -82,6 +83,15 @@ impl SessionArgs {
 }
 
 #[derive(Args, Clone)]
+struct FloorOpt {
+    /// Also measure the transport floor against this `rdma-bench
+    /// floor-server` in the same run (write patterns), and report
+    /// "target adds = measured − floor" at the median.
+    #[arg(long, value_name = "ADDR:PORT")]
+    floor: Option<SocketAddr>,
+}
+
+#[derive(Args, Clone)]
 struct OutputArgs {
     /// Print one JSON object (with machine, kernel, transport, negotiated
     /// parameters and versions) instead of a table.
@@ -114,6 +124,8 @@ struct LatArgs {
     #[command(flatten)]
     session: SessionArgs,
     #[command(flatten)]
+    floor: FloorOpt,
+    #[command(flatten)]
     out: OutputArgs,
     /// Demo on a host with rdma_rxe: create an rxe device on NETDEV, start a
     /// ramslog-target on its IPv4 address, measure over iSER, tear both down.
@@ -139,6 +151,8 @@ struct CompareArgs {
     warmup: f64,
     #[command(flatten)]
     session: SessionArgs,
+    #[command(flatten)]
+    floor: FloorOpt,
     #[command(flatten)]
     out: OutputArgs,
 }
@@ -206,6 +220,24 @@ struct TargetResult {
     p50_ratio: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     iops_ratio: Option<f64>,
+    /// Median latency above the transport floor measured in the same run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    target_adds_us: Option<f64>,
+}
+
+/// A transport floor measured in the same run.
+struct Floor {
+    transport: Transport,
+    args: floor::FloorArgs,
+    shape: &'static str,
+    sample: Sample,
+}
+
+#[derive(Serialize)]
+struct FloorResult {
+    addr: SocketAddr,
+    shape: &'static str,
+    summary: Summary,
 }
 
 #[derive(Serialize)]
@@ -215,6 +247,80 @@ struct Report {
     workload: Workload,
     rounds: u32,
     results: Vec<TargetResult>,
+    floors: Vec<FloorResult>,
+}
+
+/// The floor shape a target's write takes on `transport` (reads, whose data
+/// comes back, have none): immediate data up to 8 KiB, the iSER targets'
+/// receive size; beyond it the block is RDMA-read.
+fn floor_shape(
+    transport: Transport,
+    w: &Workload,
+) -> Option<(floor::FloorTransport, &'static str)> {
+    if !matches!(w.pattern, Pattern::Write | Pattern::Fua) || w.qd != 1 {
+        return None;
+    }
+    Some(match transport {
+        Transport::Tcp => (floor::FloorTransport::Tcp, floor::SHAPE_TCP),
+        Transport::Iser if w.bs <= 8192 => (floor::FloorTransport::Rdma, floor::SHAPE_RDMA_SEND),
+        Transport::Iser => (floor::FloorTransport::Rdma, floor::SHAPE_RDMA_SEND_READ),
+    })
+}
+
+/// Floors to measure for these targets, one per transport.
+fn floors_for(
+    opt: &FloorOpt,
+    transports: &[Transport],
+    w: &Workload,
+    spin: u32,
+) -> Result<Vec<Floor>> {
+    let Some(addr) = opt.floor else {
+        return Ok(Vec::new());
+    };
+    let mut v: Vec<Floor> = Vec::new();
+    for &t in transports {
+        if v.iter().any(|f| f.transport == t) {
+            continue;
+        }
+        let Some((ft, shape)) = floor_shape(t, w) else {
+            eprintln!(
+                "rdma-bench: no floor for {:?} at QD{}: the floor is the shape of a QD1 write",
+                w.pattern, w.qd
+            );
+            continue;
+        };
+        v.push(Floor {
+            transport: t,
+            args: floor::FloorArgs {
+                addr,
+                transport: ft,
+                bs: w.bs,
+                time: Some(1.0),
+                count: None,
+                warmup: 0.2,
+                spin,
+                json: false,
+            },
+            shape,
+            sample: Sample::empty()?,
+        });
+    }
+    Ok(v)
+}
+
+/// Measure each floor for `d` and add it to what it has.
+fn measure_floors(floors: &mut [Floor], d: Duration) -> Result<()> {
+    for f in floors {
+        f.args.time = Some(d.as_secs_f64().max(0.1));
+        let s = floor::measure_shape(&f.args, f.shape)
+            .with_context(|| format!("transport floor against {}", f.args.addr))?;
+        f.sample.merge(&Sample {
+            hist: s.hist,
+            ios: s.ios,
+            secs: s.secs,
+        })?;
+    }
+    Ok(())
 }
 
 /// Print the table (or JSON) and draw the plot of one or more targets.
@@ -222,14 +328,15 @@ fn emit(
     command: &'static str,
     w: Workload,
     rounds: u32,
-    targets: &[(TargetInfo, Sample)],
+    targets: &[(TargetInfo, Transport, Sample)],
+    floors: &[Floor],
     out: &OutputArgs,
 ) -> Result<()> {
-    let first = targets.first().map(|(_, s)| s.summary(w.bs));
+    let first = targets.first().map(|(_, _, s)| s.summary(w.bs));
     let results: Vec<TargetResult> = targets
         .iter()
         .enumerate()
-        .map(|(i, (info, s))| {
+        .map(|(i, (info, transport, s))| {
             let summary = s.summary(w.bs);
             let ratios = (i > 0).then_some(()).and(first).map(|f| {
                 (
@@ -237,22 +344,37 @@ fn emit(
                     summary.iops / f.iops.max(1e-9),
                 )
             });
+            let floor = floors.iter().find(|f| f.transport == *transport);
             TargetResult {
                 target: info.clone(),
                 summary,
                 p50_ratio: ratios.map(|r| r.0),
                 iops_ratio: ratios.map(|r| r.1),
+                target_adds_us: floor
+                    .map(|f| summary.lat_us.p50 - f.sample.summary(w.bs).lat_us.p50),
             }
         })
         .collect();
+    let floor_results: Vec<FloorResult> = floors
+        .iter()
+        .map(|f| FloorResult {
+            addr: f.args.addr,
+            shape: f.shape,
+            summary: f.sample.summary(w.bs),
+        })
+        .collect();
     if let Some(path) = &out.plot {
-        let curves: Vec<plot::Curve> = targets
+        let mut curves: Vec<plot::Curve> = targets
             .iter()
-            .map(|(info, s)| plot::Curve {
+            .map(|(info, _, s)| plot::Curve {
                 label: format!("{} ({})", info.url, info.transport),
                 points: report::percentile_curve(&s.hist),
             })
             .collect();
+        curves.extend(floors.iter().map(|f| plot::Curve {
+            label: format!("floor: {}", f.shape),
+            points: report::percentile_curve(&f.sample.hist),
+        }));
         plot::write_svg(path, &describe(&w), &curves)
             .with_context(|| format!("plot {}", path.display()))?;
     }
@@ -263,6 +385,7 @@ fn emit(
             workload: w,
             rounds,
             results,
+            floors: floor_results,
         };
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
@@ -274,7 +397,10 @@ fn emit(
     if many {
         head.extend(["p50 ratio", "IOPS ratio"]);
     }
-    let rows: Vec<Vec<String>> = results
+    if !floors.is_empty() {
+        head.push("adds µs");
+    }
+    let mut rows: Vec<Vec<String>> = results
         .iter()
         .map(|r| {
             let mut v = vec![format!("{} ({})", r.target.url, r.target.transport)];
@@ -283,10 +409,26 @@ fn emit(
                 v.push(r.p50_ratio.map_or("1.00".into(), |x| format!("{x:.2}")));
                 v.push(r.iops_ratio.map_or("1.00".into(), |x| format!("{x:.2}")));
             }
+            if !floors.is_empty() {
+                v.push(r.target_adds_us.map_or("-".into(), |x| format!("{x:.1}")));
+            }
             v
         })
         .collect();
+    for f in &floor_results {
+        let mut v = vec![format!("floor: {} ({})", f.shape, f.addr)];
+        v.extend(row(&f.summary));
+        while v.len() < head.len() {
+            v.push(String::new());
+        }
+        rows.push(v);
+    }
     print!("{}", table(&head, &rows));
+    if !floors.is_empty() {
+        println!(
+            "adds µs: the target's median latency above the transport floor measured in this run"
+        );
+    }
     Ok(())
 }
 
@@ -306,6 +448,7 @@ fn lat_on(a: &LatArgs, url: &str) -> Result<()> {
         qd: a.workload.qd,
     };
     let mut r = runner::connect(&url, w, &a.session.options())?;
+    let mut floors = floors_for(&a.floor, &[url.transport], &w, a.session.spin)?;
     let quiet = a.out.quiet || a.out.json;
     if a.warmup > 0.0 {
         let until = Until::Time(seconds(a.warmup, "--warmup")?);
@@ -319,7 +462,19 @@ fn lat_on(a: &LatArgs, url: &str) -> Result<()> {
     let sample = r.run(until, &Progress::new(url.to_string(), until, quiet))?;
     let info = r.info().clone();
     r.close();
-    emit("lat", w, 1, &[(info, sample)], &a.out)
+    let floor_time = match until {
+        Until::Time(d) => d.min(Duration::from_secs(5)),
+        Until::Count(_) => Duration::from_secs(2),
+    };
+    measure_floors(&mut floors, floor_time)?;
+    emit(
+        "lat",
+        w,
+        1,
+        &[(info, url.transport, sample)],
+        &floors,
+        &a.out,
+    )
 }
 
 fn compare(a: CompareArgs) -> Result<()> {
@@ -333,10 +488,13 @@ fn compare(a: CompareArgs) -> Result<()> {
     }
     let o = a.session.options();
     let mut runners = Vec::new();
+    let mut transports = Vec::new();
     for u in &a.urls {
         let url = TargetUrl::parse(u)?;
         runners.push(runner::connect(&url, w, &o)?);
+        transports.push(url.transport);
     }
+    let mut floors = floors_for(&a.floor, &transports, &w, a.session.spin)?;
     let quiet = a.out.quiet || a.out.json;
     if a.warmup > 0.0 {
         let until = Until::Time(seconds(a.warmup, "--warmup")?);
@@ -356,13 +514,16 @@ fn compare(a: CompareArgs) -> Result<()> {
             let s = r.run(per_round, &Progress::new(label, per_round, quiet))?;
             total.merge(&s)?;
         }
+        if let Until::Time(d) = per_round {
+            measure_floors(&mut floors, d)?;
+        }
     }
     let mut targets = Vec::new();
-    for (r, s) in runners.into_iter().zip(samples) {
-        targets.push((r.info().clone(), s));
+    for ((r, s), t) in runners.into_iter().zip(samples).zip(transports) {
+        targets.push((r.info().clone(), t, s));
         r.close();
     }
-    emit("compare", w, a.rounds, &targets, &a.out)
+    emit("compare", w, a.rounds, &targets, &floors, &a.out)
 }
 
 #[derive(Serialize)]

@@ -208,3 +208,104 @@ fn clear_errors() {
 fn ramslog_has_no_rdma() -> bool {
     !std::path::Path::new("/dev/infiniband/rdma_cm").exists()
 }
+
+fn json(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON")
+}
+
+#[test]
+fn lat_and_compare_report_what_the_target_adds() {
+    let s = Server::start();
+    let floor = s.addr.to_string();
+    let t = ramslog_tests::TargetProcess::start();
+    let u = ramslog_tests::TargetProcess::start();
+    let run = |args: &[&str]| {
+        Command::new(BIN)
+            .args(args)
+            .output()
+            .expect("run rdma-bench")
+    };
+
+    let v = json(&run(&[
+        "lat",
+        &t.url(0),
+        "--pattern",
+        "fua",
+        "--count",
+        "300",
+        "--warmup",
+        "0",
+        "--floor",
+        &floor,
+        "--json",
+    ]));
+    let f = &v["floors"][0];
+    assert_eq!(f["shape"], "tcp 48+bs/48");
+    assert!(f["summary"]["ios"].as_u64().unwrap() > 0);
+    let p50 = |x: &Value| x["summary"]["lat_us"]["p50"].as_f64().unwrap();
+    let adds = v["results"][0]["target_adds_us"].as_f64().unwrap();
+    assert!((adds - (p50(&v["results"][0]) - p50(f))).abs() < 1e-6);
+
+    let v = json(&run(&[
+        "compare",
+        &t.url(0),
+        &u.url(0),
+        "--time",
+        "1",
+        "--rounds",
+        "2",
+        "--warmup",
+        "0",
+        "--floor",
+        &floor,
+        "--json",
+    ]));
+    assert_eq!(
+        v["floors"].as_array().unwrap().len(),
+        1,
+        "one floor per transport"
+    );
+    for r in v["results"].as_array().unwrap() {
+        assert!(r["target_adds_us"].is_f64());
+    }
+
+    let out = run(&[
+        "lat",
+        &t.url(0),
+        "--count",
+        "100",
+        "--warmup",
+        "0",
+        "--floor",
+        &floor,
+    ]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("adds µs") && text.contains("floor: tcp 48+bs/48"),
+        "{text}"
+    );
+
+    // Reads have no floor shape: said, not invented.
+    let out = run(&[
+        "lat",
+        &t.url(0),
+        "--pattern",
+        "read",
+        "--count",
+        "100",
+        "--warmup",
+        "0",
+        "--floor",
+        &floor,
+        "--json",
+    ]);
+    let v = json(&out);
+    assert!(v["floors"].as_array().unwrap().is_empty());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no floor for Read"));
+}
