@@ -1194,11 +1194,13 @@ impl IserSession {
                 .and_then(|b| Bhs::decode(b).map_err(|e| Error::proto(e.to_string())))?;
             let data_start = HEADERS_LEN + bhs.total_ahs_len();
             let data_len = bhs.data_segment_len() as usize;
-            if data_start + data_len != len {
+            // One PDU per message; the data segment may carry its iSCSI pad
+            // to 4 bytes (LIO's isert sends it, ib_iser accepts it).
+            let pdu_len = data_start + data_len;
+            if pdu_len > len || len > ramslog_common::iscsi::padded(pdu_len) {
                 return Err(Error::proto(format!(
-                    "a {len}-byte message carries a PDU of {} bytes (opcode {:#04x}; iSER sends \
-                     the data segment unpadded, one PDU per message)",
-                    data_start + data_len,
+                    "a {len}-byte message carries a PDU of {pdu_len} bytes (opcode {:#04x}; \
+                     iSER sends one PDU per message)",
                     bhs.raw_opcode()
                 )));
             }
@@ -1214,7 +1216,7 @@ impl IserSession {
                     bhs.raw_opcode()
                 )));
             }
-            let data = &msg[data_start..];
+            let data = &msg[data_start..pdu_len];
             (bhs, classify(&bhs, data)?)
         };
         if self.full_feature {
