@@ -47,5 +47,5 @@ tests/fuzz.sh "${FUZZ_SECONDS:-20}"
 
 step "SoftRoCE lab: real rxe RDMA (in a qemu guest unless this kernel has rdma_rxe)"
 # Lab measurements compare targets side by side, so the daemon runs optimised.
-cargo build -j2 --release -p ramslog-target
+cargo build -j2 --release -p ramslog-target -p rdma-bench
 tests/softroce/check.sh

@@ -53,8 +53,8 @@ enum Cmd {
 
 #[derive(Args, Clone)]
 struct WorkloadArgs {
-    /// Bytes per I/O (a multiple of the LUN's block size).
-    #[arg(long, default_value_t = 4096)]
+    /// Bytes per I/O, a multiple of the LUN's block size (K and M suffixes allowed).
+    #[arg(long, default_value = "4K", value_parser = parse_size)]
     bs: u32,
     /// I/Os in flight.
     #[arg(long, default_value_t = 1)]
@@ -434,7 +434,7 @@ fn emit(
 
 fn lat(a: LatArgs) -> Result<()> {
     if let Some(netdev) = &a.softroce {
-        return softroce::demo(netdev, &a.session.initiator_name, |url| lat_on(&a, url));
+        return softroce::demo(netdev, &a.session.initiator_name);
     }
     let url = a.url.as_deref().unwrap_or_default();
     lat_on(&a, url)

@@ -493,10 +493,13 @@ impl Runner for IserRunner {
                 for slot in slots.iter_mut() {
                     if matches!(slot, Slot::Idle) && budget > 0 {
                         budget -= 1;
+                        // Before submitting: submit may wait for a send slot
+                        // and reap completions meanwhile.
+                        let start = Instant::now();
                         let tag = self.submit_io()?;
                         *slot = Slot::Busy {
                             tag,
-                            start: Instant::now(),
+                            start,
                             then_sync: self.w.pattern == Pattern::Zil,
                         };
                         in_flight += 1;

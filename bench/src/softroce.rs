@@ -55,6 +55,24 @@ fn target_binary() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("ramslog-target"))
 }
 
+/// This command line without `--softroce NETDEV`, with `url` as the
+/// target: what the measuring child process runs.
+fn child_args(url: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if a == "--softroce" {
+            args.next();
+        } else if !a.starts_with("--softroce=") {
+            out.push(a);
+        }
+    }
+    if let Some(i) = out.iter().position(|a| a == "lat") {
+        out.insert(i + 1, url.to_string());
+    }
+    out
+}
+
 /// Everything the demo set up; dropping it tears it down.
 struct Demo {
     rxe: Option<String>,
@@ -75,11 +93,10 @@ impl Drop for Demo {
     }
 }
 
-pub fn demo(
-    netdev: &str,
-    initiator_name: &str,
-    measure: impl FnOnce(&str) -> Result<()>,
-) -> Result<()> {
+/// The measurement runs in a child process: librdmacm keeps every device
+/// it opened open until its process exits, and the rxe device can only be
+/// deleted once nobody holds it.
+pub fn demo(netdev: &str, initiator_name: &str) -> Result<()> {
     sh("modprobe", &["rdma_rxe"]).context(
         "this kernel cannot load rdma_rxe (SoftRoCE); --softroce needs it and root \
          (on machines without it, use tests/softroce/run)",
@@ -143,7 +160,15 @@ pub fn demo(
     // Keep draining its log so it never blocks on a full pipe.
     std::thread::spawn(move || for _ in rx {});
     eprintln!("rdma-bench: ramslog-target serving {IQN} on {listen} over iSER");
-    measure(&format!("iser://{listen}/{IQN}/0"))
+    let me = std::env::current_exe().context("cannot find this program to run the measurement")?;
+    let status = Command::new(me)
+        .args(child_args(&format!("iser://{listen}/{IQN}/0")))
+        .status()
+        .context("cannot start the measurement")?;
+    if !status.success() {
+        bail!("the measurement failed ({status})");
+    }
+    Ok(())
 }
 
 #[cfg(test)]

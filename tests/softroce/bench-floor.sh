@@ -18,17 +18,9 @@ RESULTS=${RESULTS:-$REPO/build/softroce/results}
 SECS=${1:-2}
 BS=${2:-4096}
 . "$HERE/lib/rxe.sh"
+. "$HERE/lib/bin.sh"
 
-# The newer of build/release/NAME and build/debug/NAME.
-pick() {
-  local b best=
-  for b in "$REPO/build/release/$1" "$REPO/build/debug/$1"; do
-    [ -x "$b" ] || continue
-    if [ -z "$best" ] || [ "$b" -nt "$best" ]; then best=$b; fi
-  done
-  [ -n "$best" ] && echo "$best"
-}
-BIN=${RDMA_BENCH_BIN:-$(pick rdma-bench)} || { echo "build rdma-bench first: cargo build -j1 -p rdma-bench"; exit 1; }
+BIN=${RDMA_BENCH_BIN:-$(pick_bin rdma-bench)} || { echo "build rdma-bench first: cargo build -j1 -p rdma-bench"; exit 1; }
 step() { echo; echo "== $*"; }
 SERVER_PID=
 LOG=$RESULTS/floor-server.log

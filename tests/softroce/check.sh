@@ -2,7 +2,8 @@
 # The SoftRoCE tier of the README test command: harness exit-code check, lab
 # self-test, LIO iSER peer baseline, ramslog-target with the Linux kernel
 # initiator over TCP and over iSER, ramslog-initiator's iSER transport
-# (Linux and illumos profiles). Each boots its own guest (or runs on this
+# (Linux and illumos profiles), rdma-bench over rxe (floor, ramslog vs LIO,
+# --softroce). Each boots its own guest (or runs on this
 # host when its kernel has rdma_rxe).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -24,7 +25,7 @@ rc=$?
 if [ "$rc" = 3 ]; then echo "softroce: harness returns the script's exit code (3): ok"; else
   echo "softroce: harness returned $rc for a script that exits 3" >&2; tail -20 /tmp/softroce-exit.log >&2; fail=1; fi
 
-for t in selftest.sh lio-baseline.sh "ramslog-open-iscsi.sh tcp" "ramslog-open-iscsi.sh iser" iser-initiators.sh; do
+for t in selftest.sh lio-baseline.sh "ramslog-open-iscsi.sh tcp" "ramslog-open-iscsi.sh iser" iser-initiators.sh bench-floor.sh bench-iser.sh; do
   t1=$(date +%s)
   # shellcheck disable=SC2086 # the script and its argument
   if "$HERE/run" "$HERE/"$t; then echo "softroce: $t passed in $(($(date +%s) - t1)) s"; else

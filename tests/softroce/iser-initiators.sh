@@ -20,21 +20,13 @@ REPO=$(cd "$HERE/../.." && pwd)
 RESULTS=${RESULTS:-$REPO/build/softroce/results}
 SECS=${1:-5}
 . "$HERE/lib/rxe.sh"
+. "$HERE/lib/bin.sh"
 IQN=iqn.2026-11.org.ramslog:iser-initiators
 # The target pings after this many idle seconds; the check waits for one.
 NOP_INTERVAL=8
 
-# The newer of build/release/NAME and build/debug/NAME.
-pick() {
-  local b best=
-  for b in "$REPO/build/release/$1" "$REPO/build/debug/$1"; do
-    [ -x "$b" ] || continue
-    if [ -z "$best" ] || [ "$b" -nt "$best" ]; then best=$b; fi
-  done
-  [ -n "$best" ] && echo "$best"
-}
-BIN=${RAMSLOG_TARGET_BIN:-$(pick ramslog-target)} || { echo "build ramslog-target first"; exit 1; }
-CHECK=${ISER_CHECK_BIN:-$(pick iser-initiator-check)} ||
+BIN=${RAMSLOG_TARGET_BIN:-$(pick_bin ramslog-target)} || { echo "build ramslog-target first"; exit 1; }
+CHECK=${ISER_CHECK_BIN:-$(pick_bin iser-initiator-check)} ||
   { echo "build the check first: cargo build -j1 -p ramslog-tests --bin iser-initiator-check"; exit 1; }
 step() { echo; echo "== $*"; }
 TARGET_PID=

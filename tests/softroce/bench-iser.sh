@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# rdma-bench over SoftRoCE, one guest boot:
+#   1. the RDMA transport floor (rdma-bench floor against floor-server),
+#   2. rdma-bench compare: ramslog-target vs LIO (kernel target, RAM LUN),
+#      both over iSER, 4 KiB writes at QD1 interleaved in rounds (plain
+#      WRITE: what Linux sends to a write-through LUN, and LIO refuses FUA
+#      unless its write cache is on), with the floor
+#      measured in the same run: table, JSON and the SVG percentile plot,
+#   3. lat over iSER at QD8 (pipelining through registered buffers),
+#   4. the one-command demo: rdma-bench lat --softroce NETDEV on a fresh veth
+#      pair (rxe device + ramslog-target created and torn down by rdma-bench).
+# Everything on one rxe address (rxe cannot connect across its two devices
+# in one namespace); LIO on port 3261. Results: $RESULTS/bench-iser-*.
+#
+#   tests/softroce/run tests/softroce/bench-iser.sh [SECONDS]
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+RESULTS=${RESULTS:-$REPO/build/softroce/results}
+BENCH_SECS=${1:-10}
+. "$HERE/lib/rxe.sh"
+. "$HERE/lib/bin.sh"
+. "$HERE/lio-baseline.sh"
+BENCH=$(pick_bin rdma-bench) || { echo "build rdma-bench first"; exit 1; }
+TARGET=$(pick_bin ramslog-target) || { echo "build ramslog-target first"; exit 1; }
+IQN=iqn.2026-11.org.ramslog:bench
+LIO_IQN=iqn.2026-11.org.ramslog.lab:lio-bench
+INI=iqn.2026-11.org.ramslog:rdma-bench
+step() { echo; echo "== $*"; }
+PIDS=()
+cleanup() {
+  local p
+  for p in "${PIDS[@]}"; do stop_pid "$p"; done
+  # LIO is left configured: the guest is thrown away.
+  ip link del rsb-x 2>/dev/null || true
+  rxe_down
+}
+wait_for() { # FILE TEXT
+  for _ in $(seq 1 150); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.2; done
+  echo "timed out waiting for '$2' in $1"; cat "$1"; return 1
+}
+mkdir -p "$RESULTS"
+
+step "rxe up; floor-server, ramslog-target and LIO on $RXE_ADDR_A (bench $BENCH)"
+rxe_up
+trap cleanup EXIT
+"$BENCH" floor-server --listen "$RXE_ADDR_A:7470" --spin 0 2>"$RESULTS/bench-floor-server.log" &
+PIDS+=($!)
+"$TARGET" --size 256M --ephemeral --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --allow "$INI" \
+  --iser-spin 0 >"$RESULTS/bench-ramslog-target.log" 2>&1 &
+PIDS+=($!)
+lio_export "$LIO_IQN" "$RXE_ADDR_A" rdbench iser 3261
+wait_for "$RESULTS/bench-floor-server.log" "listening on"
+wait_for "$RESULTS/bench-ramslog-target.log" "iSER listening on $RXE_ADDR_A:3260"
+
+step "transport floor over rdma (spin 0: sleeping on the completion channel)"
+"$BENCH" floor "$RXE_ADDR_A:7470" --transport rdma --time 2 --spin 0
+
+step "compare over iSER: ramslog-target vs LIO, 4 KiB write QD1, ${BENCH_SECS} s each in 5 rounds, floor in the same run"
+"$BENCH" compare "iser://$RXE_ADDR_A:3260/$IQN/0" "iser://$RXE_ADDR_A:3261/$LIO_IQN/0" \
+  --pattern write --qd 1 --time "$BENCH_SECS" --rounds 5 --warmup 1 --spin 0 --initiator-name "$INI" \
+  --floor "$RXE_ADDR_A:7470" --quiet --plot "$RESULTS/bench-iser-write-qd1.svg" --json \
+  >"$RESULTS/bench-iser-write-qd1.json"
+python3 - "$RESULTS/bench-iser-write-qd1.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+print(f"{'target':<58} {'IOPS':>7} {'p50 us':>8} {'p99 us':>8} {'ratio':>6} {'adds us':>8}")
+for r in j["results"]:
+    s = r["summary"]; l = s["lat_us"]
+    print(f"{r['target']['url'] + ' (' + r['target']['product'] + ')':<58} {s['iops']:>7.0f} {l['p50']:>8.1f} {l['p99']:>8.1f} "
+          f"{r.get('p50_ratio') or 1.0:>6.2f} {r.get('target_adds_us', float('nan')):>8.1f}")
+for f in j["floors"]:
+    l = f["summary"]["lat_us"]
+    print(f"{'floor: ' + f['shape']:<58} {f['summary']['iops']:>7.0f} {l['p50']:>8.1f} {l['p99']:>8.1f}")
+assert len(j["results"]) == 2 and all(r["summary"]["ios"] > 0 for r in j["results"])
+assert j["floors"] and j["floors"][0]["summary"]["ios"] > 0
+PY
+[ -s "$RESULTS/bench-iser-write-qd1.svg" ]
+
+step "lat over iSER, 64 KiB writes at QD8 (RDMA READ of the rest after 8 KiB immediate data)"
+"$BENCH" lat "iser://$RXE_ADDR_A:3260/$IQN/0" --bs 64K --qd 8 --pattern write --time 3 --warmup 0.5 \
+  --spin 0 --initiator-name "$INI" --quiet
+
+step "rdma-bench lat --softroce: its own rxe device and ramslog-target on a fresh veth"
+ip link add rsb-x type veth peer name rsb-y
+ip addr add 10.98.0.1/24 dev rsb-x
+ip link set rsb-x up; ip link set rsb-y up
+"$BENCH" lat --softroce rsb-x --time 2 --warmup 0.5 --spin 0 --pattern fua --quiet
+if rdma link show | grep -q "rsb-rsb-x"; then echo "the demo left its rxe device behind"; exit 1; fi
+if pgrep -f "softroce-demo" >/dev/null; then echo "the demo left its target running"; exit 1; fi
+echo "BENCH ISER PASSED"
