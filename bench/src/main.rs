@@ -278,10 +278,12 @@ fn floors_for(
         return Ok(Vec::new());
     };
     let mut v: Vec<Floor> = Vec::new();
+    let mut seen = Vec::new();
     for &t in transports {
-        if v.iter().any(|f| f.transport == t) {
+        if seen.contains(&t) {
             continue;
         }
+        seen.push(t);
         let Some((ft, shape)) = floor_shape(t, w) else {
             eprintln!(
                 "rdma-bench: no floor for {:?} at QD{}: the floor is the shape of a QD1 write",
