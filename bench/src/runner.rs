@@ -164,6 +164,13 @@ fn geometry(w: Workload, last_lba: u64, block: u32) -> Result<(u32, u64)> {
     Ok((blocks_per_io, slots))
 }
 
+/// CHECK CONDITION with UNIT ATTENTION: what every new session's first
+/// commands get (power on, reset, inquiry data changed) until they are read.
+fn is_unit_attention(status: u8, sense_key: Option<u8>) -> bool {
+    status == ramslog_common::scsi_wire::status::CHECK_CONDITION
+        && sense_key == Some(ramslog_common::scsi_wire::sense_key::UNIT_ATTENTION)
+}
+
 fn random_payload(len: u32) -> Vec<u8> {
     let mut v = vec![0u8; len as usize];
     rand::thread_rng().fill(&mut v[..]);
@@ -232,9 +239,8 @@ impl TcpRunner {
                     .test_unit_ready(url.lun)
                     .await
                     .context("TEST UNIT READY")?;
-                match r.sense {
-                    Some(s) if r.status == 0x02 && s.key == 0x06 => continue,
-                    _ => break,
+                if !is_unit_attention(r.status, r.sense.map(|s| s.key)) {
+                    break;
                 }
             }
             let (last_lba, block) = session
@@ -413,13 +419,13 @@ impl IserRunner {
         opts.idle_ping = None;
         let mut session = IserSession::connect_url(url, &o.initiator_name, &opts)
             .with_context(|| format!("login to {url}"))?;
+        // A new I_T nexus starts with a unit attention: clear it.
         for _ in 0..8 {
             let r = session
                 .test_unit_ready(url.lun)
                 .context("TEST UNIT READY")?;
-            match r.sense {
-                Some(s) if r.status == 0x02 && s.key == 0x06 => continue,
-                _ => break,
+            if !is_unit_attention(r.status, r.sense.map(|s| s.key)) {
+                break;
             }
         }
         let (last_lba, block) = session

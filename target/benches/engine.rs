@@ -8,77 +8,28 @@
 //!     cargo bench -p ramslog-target --bench engine
 
 use std::hint::black_box;
-use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use ramslog_common::iscsi::{login, text, Bhs, Opcode, BHS_LEN};
+use ramslog_common::iscsi::{Bhs, Opcode, BHS_LEN};
 use ramslog_common::iser::{Header, RemoteBuffer, HEADER_LEN};
-use ramslog_target::engine::{Action, ConnInfo, Connection, OutPdu};
-use ramslog_target::portal::{Acl, Limits, Portal, SessionControl, TargetDef};
-use ramslog_target::scsi::{Identity, LuConfig, Readiness, ScsiTarget};
-use ramslog_target::store::{HugePages, Store};
-use ramslog_target::{rdma, tcp};
-
-struct NoControl;
-impl SessionControl for NoControl {
-    fn terminate(&self) {}
-}
+use ramslog_target::engine::{Action, Connection, OutPdu};
+use ramslog_target::{rdma, tcp, testkit};
 
 const BLOCKS: u32 = 8;
 const LUN_BLOCKS: u32 = 16384;
 
 fn logged_in(iser: bool) -> Connection {
-    let store = Arc::new(Store::new(u64::from(LUN_BLOCKS) * 512, HugePages::Off).expect("store"));
-    let lu = LuConfig {
-        lun: 0,
-        block_size: 512,
-        identity: Identity::generate(),
-        readiness: Readiness::Ready,
-    };
-    let target = TargetDef {
-        name: "iqn.2026-11.org.ramslog:bench".into(),
-        alias: None,
-        scsi: Arc::new(ScsiTarget::new(vec![(lu, store)])),
-        acl: Acl::Any,
-        chap: None,
-        mutual_chap: None,
-    };
-    let portal = Arc::new(Portal::new(
-        vec![target],
-        Limits::default(),
-        vec!["127.0.0.1:3260".parse().expect("addr")],
-    ));
-    let info = ConnInfo {
-        local: "127.0.0.1:3260".parse().expect("addr"),
-        peer: "127.0.0.1:5000".parse().expect("addr"),
-    };
-    let now = Instant::now();
-    let mut conn = if iser {
-        Connection::new_iser(portal, info, Arc::new(NoControl), now, 8192)
-    } else {
-        Connection::new(portal, info, Arc::new(NoControl), now)
-    };
-    let mut keys = Vec::new();
-    for (k, v) in [
-        ("InitiatorName", "iqn.2026-11.org.ramslog:bench-ini"),
-        ("TargetName", "iqn.2026-11.org.ramslog:bench"),
+    let portal = testkit::ram_portal("iqn.2026-11.org.ramslog:bench", u64::from(LUN_BLOCKS) * 512);
+    let mut keys = vec![
         ("ImmediateData", "Yes"),
         ("InitialR2T", "Yes"),
         ("MaxRecvDataSegmentLength", "262144"),
-    ] {
-        text::encode_pair(&mut keys, k, v);
-    }
+    ];
     if iser {
-        text::encode_pair(&mut keys, "RDMAExtensions", "Yes");
+        keys.push(("RDMAExtensions", "Yes"));
     }
-    let mut l = Bhs::new(Opcode::LoginRequest);
-    l.set_immediate(true)
-        .set_flags(login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE)
-        .set_data_segment_len(keys.len() as u32);
-    conn.handle_pdu(now, &l, &[], &keys);
-    while conn.poll_action().is_some() {}
-    conn
+    testkit::logged_in(portal, iser.then_some(8192), &keys, Instant::now())
 }
 
 /// The received bytes of one command: [iSER header +] BHS + immediate data.

@@ -15,3 +15,4 @@ pub mod scsi;
 pub mod state;
 pub mod store;
 pub mod tcp;
+pub mod testkit;

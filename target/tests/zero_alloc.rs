@@ -5,15 +5,12 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::Instant;
 
-use ramslog_common::iscsi::{login, text, Bhs, Opcode};
+use ramslog_common::iscsi::{Bhs, Opcode};
 use ramslog_common::iser::RemoteBuffer;
-use ramslog_target::engine::{Action, ConnInfo, Connection, OutData, ReadDest};
-use ramslog_target::portal::{Acl, Limits, Portal, SessionControl, TargetDef};
-use ramslog_target::scsi::{Identity, LuConfig, Readiness, ScsiTarget};
-use ramslog_target::store::{HugePages, Store};
+use ramslog_target::engine::{Action, Connection, OutData, ReadDest};
+use ramslog_target::testkit;
 
 struct Counting;
 static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
@@ -38,11 +35,6 @@ unsafe impl GlobalAlloc for Counting {
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
-
-struct NoControl;
-impl SessionControl for NoControl {
-    fn terminate(&self) {}
-}
 
 /// Drain the engine's actions without allocating (completing RDMA READs as
 /// the HCA would); returns (PDUs, SCSI status of the last response).
@@ -81,56 +73,17 @@ fn zero_allocations_per_io_after_warm_up() {
 }
 
 fn io_loop(iser: bool) {
-    let store = Arc::new(Store::new(8 << 20, HugePages::Off).expect("store"));
-    let lu = LuConfig {
-        lun: 0,
-        block_size: 512,
-        identity: Identity::generate(),
-        readiness: Readiness::Ready,
-    };
-    let target = TargetDef {
-        name: "iqn.2026-11.org.ramslog:alloc".into(),
-        alias: None,
-        scsi: Arc::new(ScsiTarget::new(vec![(lu, store)])),
-        acl: Acl::Any,
-        chap: None,
-        mutual_chap: None,
-    };
-    let portal = Arc::new(Portal::new(
-        vec![target],
-        Limits::default(),
-        vec!["127.0.0.1:3260".parse().expect("addr")],
-    ));
-    let info = ConnInfo {
-        local: "127.0.0.1:3260".parse().expect("addr"),
-        peer: "127.0.0.1:5000".parse().expect("addr"),
-    };
     let now = Instant::now();
-    let mut conn = if iser {
-        Connection::new_iser(portal, info, Arc::new(NoControl), now, 8192)
-    } else {
-        Connection::new(portal, info, Arc::new(NoControl), now)
-    };
-
-    let mut keys = Vec::new();
-    for (k, v) in [
-        ("InitiatorName", "iqn.2026-11.org.ramslog:alloc-test"),
-        ("TargetName", "iqn.2026-11.org.ramslog:alloc"),
+    let portal = testkit::ram_portal("iqn.2026-11.org.ramslog:alloc", 8 << 20);
+    let mut keys = vec![
         ("ImmediateData", "Yes"),
         ("InitialR2T", "No"),
         ("MaxRecvDataSegmentLength", "262144"),
-    ] {
-        text::encode_pair(&mut keys, k, v);
-    }
+    ];
     if iser {
-        text::encode_pair(&mut keys, "RDMAExtensions", "Yes");
+        keys.push(("RDMAExtensions", "Yes"));
     }
-    let mut l = Bhs::new(Opcode::LoginRequest);
-    l.set_immediate(true)
-        .set_flags(login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE)
-        .set_data_segment_len(keys.len() as u32);
-    conn.handle_pdu(now, &l, &[], &keys);
-    assert_eq!(drain(&mut conn, now).0, 1);
+    let mut conn = testkit::logged_in(portal, iser.then_some(8192), &keys, now);
 
     let data = vec![0x5au8; 4096];
     let mut cmdsn = 0u32;
