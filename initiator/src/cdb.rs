@@ -2,6 +2,9 @@
 
 pub const TEST_UNIT_READY: u8 = 0x00;
 pub const INQUIRY: u8 = 0x12;
+pub const READ_CAPACITY_10: u8 = 0x25;
+pub const READ_10: u8 = 0x28;
+pub const WRITE_10: u8 = 0x2a;
 pub const SYNCHRONIZE_CACHE_10: u8 = 0x35;
 pub const READ_16: u8 = 0x88;
 pub const WRITE_16: u8 = 0x8a;
@@ -16,6 +19,40 @@ pub fn test_unit_ready() -> [u8; 6] {
 pub fn inquiry(evpd: bool, page: u8, alloc: u16) -> [u8; 6] {
     let a = alloc.to_be_bytes();
     [INQUIRY, evpd as u8, page, a[0], a[1], 0]
+}
+
+/// READ (10): what illumos sd sends below LBA 2^32 and 65536 blocks.
+/// `None` when the LBA or length does not fit.
+pub fn read10(lba: u64, blocks: u32) -> Option<[u8; 10]> {
+    rw10(READ_10, lba, blocks, false)
+}
+
+/// WRITE (10), optionally with FUA; `None` when the LBA or length does not fit.
+pub fn write10(lba: u64, blocks: u32, fua: bool) -> Option<[u8; 10]> {
+    rw10(WRITE_10, lba, blocks, fua)
+}
+
+fn rw10(op: u8, lba: u64, blocks: u32, fua: bool) -> Option<[u8; 10]> {
+    let lba = u32::try_from(lba).ok()?;
+    let blocks = u16::try_from(blocks).ok()?;
+    let l = lba.to_be_bytes();
+    let n = blocks.to_be_bytes();
+    Some([
+        op,
+        if fua { 0x08 } else { 0 },
+        l[0],
+        l[1],
+        l[2],
+        l[3],
+        0,
+        n[0],
+        n[1],
+        0,
+    ])
+}
+
+pub fn read_capacity10() -> [u8; 10] {
+    [READ_CAPACITY_10, 0, 0, 0, 0, 0, 0, 0, 0, 0]
 }
 
 pub fn read16(lba: u64, blocks: u32) -> [u8; 16] {
@@ -71,5 +108,13 @@ mod tests {
         assert_eq!(inquiry(true, 0x83, 255), [0x12, 1, 0x83, 0, 255, 0]);
         assert_eq!(read_capacity16(32)[13], 32);
         assert_eq!(report_luns(4096)[8], 0x10);
+        assert_eq!(
+            write10(0x0102_0304, 0x0506, true),
+            Some([0x2a, 0x08, 1, 2, 3, 4, 0, 5, 6, 0])
+        );
+        assert_eq!(read10(7, 1).map(|c| c[0]), Some(0x28));
+        assert_eq!(write10(1 << 32, 1, false), None);
+        assert_eq!(read10(0, 65536), None);
+        assert_eq!(read_capacity10()[0], 0x25);
     }
 }
