@@ -1049,7 +1049,11 @@ impl IserSession {
                 continue;
             }
             spins = 0;
-            self.rdma.cq.req_notify()?;
+            self.rdma.recv_cq.req_notify()?;
+            let send_armed = self.rdma.free_send.is_empty();
+            if send_armed {
+                self.rdma.send_cq.req_notify()?;
+            }
             if self.poll_once()? > 0 {
                 return Ok(());
             }
@@ -1058,7 +1062,10 @@ impl IserSession {
             let mut ready = [false; 2];
             verbs::wait_readable(&fds, Some(wake.saturating_duration_since(now)), &mut ready)?;
             if ready[0] {
-                self.rdma.comp.consume_event(&self.rdma.cq)?;
+                // At most one event per armed queue is pending.
+                if self.rdma.comp.consume_event(&self.rdma.recv_cq)? && send_armed {
+                    self.rdma.comp.consume_event(&self.rdma.recv_cq)?;
+                }
             }
             if ready[1] {
                 self.cm_events()?;
@@ -1118,11 +1125,20 @@ impl IserSession {
 
     fn reap(&mut self) -> Result<usize, Error> {
         let mut wcs = [WorkCompletion::default(); 16];
-        let n = self.rdma.cq.poll(&mut wcs)?;
-        for wc in &wcs[..n] {
-            self.completion(wc)?;
+        let mut total = 0;
+        for recv in [true, false] {
+            let cq = if recv {
+                &self.rdma.recv_cq
+            } else {
+                &self.rdma.send_cq
+            };
+            let n = cq.poll(&mut wcs)?;
+            for wc in &wcs[..n] {
+                self.completion(wc)?;
+            }
+            total += n;
         }
-        Ok(n)
+        Ok(total)
     }
 
     fn completion(&mut self, wc: &WorkCompletion) -> Result<(), Error> {

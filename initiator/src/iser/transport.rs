@@ -24,7 +24,11 @@ const RESOLVE_TIMEOUT_MS: i32 = 5000;
 pub(super) struct Rdma {
     pub(super) id: CmId,
     pub(super) events: EventChannel,
-    pub(super) cq: Arc<CompletionQueue>,
+    /// Receives: always armed before sleeping.
+    pub(super) recv_cq: Arc<CompletionQueue>,
+    /// Send completions only free send slots: reaped in passing, armed only
+    /// when a slot is needed, so a command's SEND does not cost a wake-up.
+    pub(super) send_cq: Arc<CompletionQueue>,
     pub(super) comp: Arc<CompletionChannel>,
     pub(super) recv: Vec<RegisteredBuffer>,
     pub(super) reposts: Vec<RecvWr>,
@@ -63,10 +67,12 @@ impl Rdma {
         let pd = ProtectionDomain::new(dev)?;
         let comp = Arc::new(CompletionChannel::new(dev)?);
         comp.set_nonblocking(true)?;
-        let cq = CompletionQueue::new(dev, (recv_slots + send_slots) as u32, Some(&comp))?;
-        id.create_qp(
+        let recv_cq = CompletionQueue::new(dev, recv_slots as u32, Some(&comp))?;
+        let send_cq = CompletionQueue::new(dev, send_slots as u32, Some(&comp))?;
+        id.create_qp_split(
             &pd,
-            &cq,
+            &send_cq,
+            &recv_cq,
             QpCaps {
                 max_send_wr: send_slots as u32,
                 max_recv_wr: recv_slots as u32,
@@ -84,7 +90,8 @@ impl Rdma {
         let mut rdma = Rdma {
             id,
             events,
-            cq,
+            recv_cq,
+            send_cq,
             comp,
             reposts: Vec::with_capacity(recv_slots),
             recv,
