@@ -809,18 +809,15 @@ impl Driver<'_> {
     }
 
     fn lun_sge(&self, lun: u64, offset: u64, len: u32) -> Result<verbs::Sge, ConnError> {
-        let store = self
-            .conn
+        self.conn
             .scsi_target()
             .and_then(|s| s.lu(lun))
-            .map(|lu| lu.store().clone());
-        store
-            .and_then(|store| {
+            .and_then(|lu| {
                 self.regions
                     .iter()
-                    .find(|r| Arc::ptr_eq(r.store(), &store))
-                    .and_then(|r| r.sge(offset, len))
+                    .find(|r| Arc::ptr_eq(r.store(), lu.store()))
             })
+            .and_then(|r| r.sge(offset, len))
             .ok_or_else(|| {
                 ConnError::Protocol(format!(
                     "RDMA names LUN {lun} bytes {offset}+{len} outside a registered LUN"
