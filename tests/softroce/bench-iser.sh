@@ -20,7 +20,7 @@ RESULTS=${RESULTS:-$REPO/build/softroce/results}
 BENCH_SECS=${1:-10}
 . "$HERE/lib/rxe.sh"
 . "$HERE/lib/bin.sh"
-. "$HERE/lio-baseline.sh"
+. "$HERE/lib/lio.sh"
 BENCH=$(pick_bin rdma-bench) || { echo "build rdma-bench first"; exit 1; }
 TARGET=$(pick_bin ramslog-target) || { echo "build ramslog-target first"; exit 1; }
 IQN=iqn.2026-11.org.ramslog:bench

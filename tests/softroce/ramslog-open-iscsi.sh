@@ -18,7 +18,7 @@ SECS=${FIO_SECONDS:-15}
 . "$HERE/lib/rxe.sh"
 . "$HERE/lib/iscsi.sh"
 . "$HERE/lib/fio.sh"
-. "$HERE/lio-baseline.sh"
+. "$HERE/lib/lio.sh"
 IQN=iqn.2026-11.org.ramslog:lab
 LIO_IQN=iqn.2026-11.org.ramslog.lab:lio-$TRANSPORT
 # open-iscsi's iface: `iser` is built in; `default` is TCP.
