@@ -3,8 +3,9 @@
 # self-test, LIO iSER peer baseline, ramslog-target with the Linux kernel
 # initiator over TCP and over iSER, ramslog-initiator's iSER transport
 # (Linux and illumos profiles), rdma-bench over rxe (floor, ramslog vs LIO,
-# --softroce). Each boots its own guest (or runs on this
-# host when its kernel has rdma_rxe).
+# --softroce), and the ZFS end to end (zfs/run: pool with a mirrored log on two
+# ramslog boxes, failures and recovery). Each boots its own guest (or runs on
+# this host when its kernel has rdma_rxe).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 if ! command -v qemu-system-x86_64 >/dev/null && [ "$(id -u)" != 0 ]; then
@@ -31,5 +32,8 @@ for t in selftest.sh lio-baseline.sh "ramslog-open-iscsi.sh tcp" "ramslog-open-i
   if "$HERE/run" "$HERE/"$t; then echo "softroce: $t passed in $(($(date +%s) - t1)) s"; else
     echo "softroce: $t FAILED" >&2; fail=1; fi
 done
+t1=$(date +%s)
+if "$HERE/zfs/run"; then echo "softroce: zfs/run passed in $(($(date +%s) - t1)) s"; else
+  echo "softroce: zfs/run FAILED" >&2; fail=1; fi
 echo "softroce: total $(($(date +%s) - t0)) s"
 exit $fail

@@ -1,0 +1,366 @@
+#!/usr/bin/env bash
+# tests/softroce/zfs/scenario.sh — the user's scenario end to end, run where
+# SoftRoCE exists (tests/softroce/run boots the guest; tests/softroce/zfs/run
+# prepares the modules first): OpenZFS pool on a slow disk whose log is a
+# mirror of two ramslog-target "boxes" (one process per rxe address, 256 MiB
+# LUN each) reached by open-iscsi over iSER, with udev for stable names.
+#
+#   a. sync writes (fio 4 KiB + fsync, QD1, sync=always): no log, LIO mirrored
+#      log, ramslog mirrored log; `zpool iostat -v` shows the log taking them.
+#      Contrast: LIO's half recreated empty under the same serial.
+#   b. export / import: ONLINE, files verified.
+#   c. SIGKILL box B, restart it at once (content lost): open-iscsi reconnects
+#      to the same /dev/sdX, ZFS must treat that half as failed, sync writes go
+#      on without an error.
+#   d. accept-empty + zpool replace: ONLINE, no data errors.
+#   e. both boxes lost: export, import -m; files from before the last
+#      completed `zpool sync` intact; the sync writes only the log held are
+#      gone, and ZFS says the log is missing.
+# Every step asserts states and data; speed is reported, never asserted.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+SOFTROCE=$(cd "$HERE/.." && pwd)
+REPO=$(cd "$HERE/../../.." && pwd)
+RESULTS=${RESULTS:-$REPO/build/softroce/results/zfs}
+SECS=${FIO_SECONDS:-15}
+SLOW_MS=${SLOW_MS:-20}
+. "$SOFTROCE/lib/rxe.sh"
+. "$SOFTROCE/lib/iscsi.sh"
+. "$SOFTROCE/lib/fio.sh"
+. "$SOFTROCE/lib/bin.sh"
+. "$SOFTROCE/lib/lio.sh"
+KREL=$(uname -r)
+MODS=${RAMSLOG_ZFS_CACHE:-$REPO/build/softroce/zfs}/modules/$KREL
+BIN=$(pick_bin ramslog-target) || { echo "build ramslog-target first (cargo build --release)"; exit 1; }
+POOL=tank
+DS=$POOL/sync
+IQN_A=iqn.2026-11.org.ramslog:box-a
+IQN_B=iqn.2026-11.org.ramslog:box-b
+LIO_A=iqn.2026-11.org.ramslog.lab:lio-a
+LIO_B=iqn.2026-11.org.ramslog.lab:lio-b
+LIO_SERIAL_A=ramslog-lab-lio-a
+LIO_SERIAL_B=ramslog-lab-lio-b
+# libzfs waits up to 30 s per device for udev to call it initialised; the
+# names used here are created before any import, so do not wait.
+export ZPOOL_IMPORT_UDEV_TIMEOUT_MS=${ZPOOL_IMPORT_UDEV_TIMEOUT_MS:-3000}
+FAILED_STATES='REMOVED|FAULTED|UNAVAIL'
+mkdir -p "$RESULTS"
+rm -f "$RESULTS"/*.json
+
+step() { echo; echo "===== [$(cut -d' ' -f1 /proc/uptime) s] $*"; }
+fail() { echo "FAILED: $*"; zpool status -P "$POOL" 2>/dev/null || true; exit 1; }
+# x CMD...: show the exact command, then run it.
+x() { echo "# $*"; "$@"; }
+
+declare -A TARGET_PID
+# start_box NAME ADDR IQN: one ramslog-target "box" on its own rxe address.
+start_box() {
+  local name=$1 addr=$2 iqn=$3 log i
+  log=$RESULTS/ramslog-$name-$(date +%s%N).log
+  "$BIN" --size 256M --listen "$addr:3260" --target-name "$iqn" --allow "$INITIATOR" \
+    --state-dir "/tmp/ramslog-$name" --iser-spin 0 >"$log" 2>&1 &
+  TARGET_PID[$name]=$!
+  for i in $(seq 1 100); do
+    grep -q "iSER listening on $addr:3260" "$log" && { echo "box $name: ramslog-target pid ${TARGET_PID[$name]} on $addr:3260 ($log)"; return 0; }
+    kill -0 "${TARGET_PID[$name]}" 2>/dev/null || break
+    sleep 0.2
+  done
+  cat "$log"
+  fail "ramslog-target $name did not start"
+}
+kill_box() {
+  kill -9 "${TARGET_PID[$1]}"
+  wait "${TARGET_PID[$1]}" 2>/dev/null || true
+  echo "box $1: SIGKILLed"
+}
+box_status() { "$BIN" status --state-dir "/tmp/ramslog-$1"; }
+# Wait until open-iscsi has logged in again by itself.
+wait_reconnect() {
+  local i
+  for i in $(seq 1 90); do
+    box_status "$1" | grep -q "sessions: 1" && return 0
+    sleep 1
+  done
+  box_status "$1"
+  fail "open-iscsi did not reconnect to box $1"
+}
+
+login() { # IQN ADDR:PORT
+  timeout 90 iscsiadm -m discovery -t sendtargets -p "$2" -I iser >/dev/null
+  timeout 90 iscsiadm -m node -T "$1" -p "$2" -I iser --login >/dev/null
+}
+# The stable name of the LUN behind an iSCSI target, as udev made it.
+by_path() { # ADDR:PORT IQN
+  local p=/dev/disk/by-path/ip-$1-iscsi-$2-lun-0 i
+  for i in $(seq 1 50); do
+    [ -b "$p" ] && { echo "$p"; return 0; }
+    sleep 0.2
+  done
+  fail "udev made no $p"
+}
+
+# State of the log vdev whose path starts with $1 (zpool status -P), or "" .
+vdev_state() {
+  zpool status -P "$POOL" | awk -v p="$1" 'index($0, p) { print $2; exit }'
+}
+wait_vdev_state() { # PATH-PREFIX REGEX SECONDS [writer-file]
+  local i s
+  for i in $(seq 1 "$3"); do
+    s=$(vdev_state "$1")
+    [[ "$s" =~ ^($2)$ ]] && { echo "$1: $s"; return 0; }
+    # Keep sync writes coming: ZFS notices a failed device on I/O.
+    [ -n "${4:-}" ] && date >>"$4"
+    sleep 1
+  done
+  fail "$1 is '$s' after $3 s, expected $2"
+}
+pool_health() { zpool list -H -o health "$POOL"; }
+
+# Sync writes with the lab's job, on a file of the sync=always dataset.
+zfs_fio() { # NAME SECONDS
+  FIO_SYNC_FLAGS="--fsync=1 --size=128M" fio_sync_qd1 "$1" "/$DS/fio.dat" "$2" "$RESULTS"
+}
+# Writes the disk behind a device name has completed (the block layer's count).
+disk_writes() { awk '{ print $5 }' "/sys/block/$(basename "$(readlink -f "$1")")/stat"; }
+
+write_files() { # PREFIX COUNT : random 256 KiB files, their sha256 in $RESULTS/PREFIX.sha256
+  local i
+  for i in $(seq 1 "$2"); do
+    head -c 262144 /dev/urandom >"/$DS/$1-$i"
+  done
+  (cd "/$DS" && sha256sum "$1"-*) >"$RESULTS/$1.sha256"
+}
+verify_files() { # PREFIX
+  (cd "/$DS" && sha256sum --quiet -c "$RESULTS/$1.sha256") || fail "files $1-* do not read back as written"
+  echo "files $1-*: $(wc -l <"$RESULTS/$1.sha256") verified"
+}
+
+cleanup() {
+  set +e
+  zpool export "$POOL" 2>/dev/null
+  local n
+  for n in "${!TARGET_PID[@]}"; do stop_pid "${TARGET_PID[$n]}"; done
+  iscsid_stop
+  [ -n "${UDEVD_PID:-}" ] && stop_pid "$UDEVD_PID"
+  rxe_down
+}
+
+# ---------------------------------------------------------------------------
+step "OpenZFS modules for $KREL from $MODS"
+[ -f "$MODS/.key" ] || fail "no OpenZFS modules for $KREL: run tests/softroce/zfs/prepare.sh on the host"
+echo "built for: $(cat "$MODS/.key")"
+KERNEL_KEY=$(cat "${RAMSLOG_SOFTROCE_CACHE:-$REPO/build/softroce/cache}/kernel.key")
+case "$(cat "$MODS/.key")" in
+  "$KERNEL_KEY zfs "*) ;;
+  *) fail "the modules were built for '$(cat "$MODS/.key")', this guest boots '$KERNEL_KEY': run tests/softroce/zfs/prepare.sh" ;;
+esac
+[ "$(modinfo -F vermagic "$MODS/zfs.ko" | cut -d' ' -f1)" = "$KREL" ] || fail "zfs.ko is not built for $KREL"
+loaded() { awk -v m="$1" '$1 == m { f = 1 } END { exit !f }' /proc/modules; }
+load_module() { # NAME: its dependencies first, ours by insmod, the kernel's by modprobe
+  local m=$1 d
+  loaded "$m" && return 0
+  if [ -f "$MODS/$m.ko" ]; then
+    for d in $(modinfo -F depends "$MODS/$m.ko" | tr ',' ' '); do load_module "$d"; done
+    if [ "$m" = zfs ]; then insmod "$MODS/$m.ko" zfs_arc_max=$((512 << 20)); else insmod "$MODS/$m.ko"; fi
+  else
+    modprobe "$m"
+  fi
+}
+load_module zfs
+echo "zfs $(cat /sys/module/zfs/version) loaded; userland $(zfs version | head -1)"
+
+step "udev (zpool labels whole disks through it; /dev/disk/by-path names)"
+/lib/systemd/systemd-udevd --resolve-names=never >/tmp/udevd.log 2>&1 &
+UDEVD_PID=$!
+udevadm trigger --action=add --subsystem-match=block --subsystem-match=misc
+timeout 60 udevadm settle
+
+step "pool $POOL on a slow disk: dm-delay, writes +$SLOW_MS ms, over a 1 GiB brd"
+modprobe brd rd_nr=1 rd_size=1048576
+modprobe dm-delay
+echo "0 $(blockdev --getsz /dev/ram0) delay /dev/ram0 0 0 /dev/ram0 0 $SLOW_MS" | dmsetup create --noudevsync slowdisk
+timeout 60 udevadm settle
+dmsetup mknodes slowdisk
+x zpool create -f -o ashift=12 -O compression=off -O atime=off -m "/$POOL" "$POOL" /dev/mapper/slowdisk
+x zfs create -o recordsize=4k "$DS"
+dd if=/dev/zero of="/$DS/fio.dat" bs=1M count=128 status=none
+zpool sync "$POOL"
+x zfs set sync=always "$DS"
+
+step "a1. sync writes, no log device (${SECS} s)"
+zfs_fio zfs-nolog "$SECS"
+
+step "network: rxe on two addresses, one per box; iscsid"
+rxe_up
+iscsid_start
+trap cleanup EXIT
+INITIATOR=$(sed -n 's/^InitiatorName=//p' /etc/iscsi/initiatorname.iscsi)
+echo "initiator $INITIATOR; ramslog-target $BIN"
+
+step "LIO mirrored log for comparison: two rd_mcp LUNs, $RXE_ADDR_A:3261 and $RXE_ADDR_B:3261"
+lio_export "$LIO_A" "$RXE_ADDR_A" lioa iser 3261 "$LIO_SERIAL_A"
+lio_export "$LIO_B" "$RXE_ADDR_B" liob iser 3261 "$LIO_SERIAL_B"
+login "$LIO_A" "$RXE_ADDR_A:3261"
+login "$LIO_B" "$RXE_ADDR_B:3261"
+timeout 60 udevadm settle
+LIO_LOG_A=$(by_path "$RXE_ADDR_A:3261" "$LIO_A")
+LIO_LOG_B=$(by_path "$RXE_ADDR_B:3261" "$LIO_B")
+x zpool add "$POOL" log mirror "$LIO_LOG_A" "$LIO_LOG_B"
+step "a2. sync writes, LIO mirrored log (${SECS} s)"
+zfs_fio zfs-lio-log "$SECS"
+
+step "contrast: LIO's half B recreated empty under the same serial while sync writes run"
+zfs_fio zfs-lio-recreated 20 >/tmp/fio-lio-recreated.txt 2>&1 &
+fio_pid=$!
+sleep 5
+lio_remove "$LIO_B" "$RXE_ADDR_B" liob 3261
+lio_export "$LIO_B" "$RXE_ADDR_B" liob iser 3261 "$LIO_SERIAL_B"
+echo "LIO $LIO_B: rd_mcp recreated, empty, serial $LIO_SERIAL_B"
+wait "$fio_pid" && cat /tmp/fio-lio-recreated.txt || { cat /tmp/fio-lio-recreated.txt; fail "sync writes failed while LIO half B was recreated"; }
+date >>"/$DS/after-lio-recreate"
+sleep 2
+echo "--- zpool status after LIO half B came back empty (the contrast for step c) ---"
+zpool status -P "$POOL" | tee "$RESULTS/status-lio-recreated.txt"
+echo "LIO half B is '$(vdev_state "$LIO_LOG_B")' although its content is gone"
+x zpool remove "$POOL" "$(zpool status -P "$POOL" | awk '/^\tlogs/ { l = 1; next } l && $1 ~ /^mirror-/ { print $1; exit }')"
+for i in $(seq 1 30); do zpool status -P "$POOL" | grep -q "$LIO_LOG_A" || break; sleep 1; done
+timeout 60 iscsiadm -m node -T "$LIO_A" -p "$RXE_ADDR_A:3261" --logout >/dev/null
+timeout 60 iscsiadm -m node -T "$LIO_B" -p "$RXE_ADDR_B:3261" --logout >/dev/null
+lio_remove "$LIO_A" "$RXE_ADDR_A" lioa 3261
+lio_remove "$LIO_B" "$RXE_ADDR_B" liob 3261
+
+step "two ramslog boxes: $IQN_A on $RXE_ADDR_A, $IQN_B on $RXE_ADDR_B"
+rm -rf /tmp/ramslog-a /tmp/ramslog-b
+start_box a "$RXE_ADDR_A" "$IQN_A"
+start_box b "$RXE_ADDR_B" "$IQN_B"
+login "$IQN_A" "$RXE_ADDR_A:3260"
+login "$IQN_B" "$RXE_ADDR_B:3260"
+for t in "$IQN_A" "$IQN_B"; do
+  iscsiadm -m session -P1 | awk -v t="$t" '$1 == "Target:" { c = ($2 == t) } c && /Iface Transport/' | grep -q iser ||
+    fail "session to $t is not over iSER"
+done
+timeout 60 udevadm settle
+LOG_A=$(by_path "$RXE_ADDR_A:3260" "$IQN_A")
+LOG_B=$(by_path "$RXE_ADDR_B:3260" "$IQN_B")
+SD_B=$(readlink -f "$LOG_B")
+echo "log halves: $LOG_A -> $(readlink -f "$LOG_A"), $LOG_B -> $SD_B"
+x zpool add "$POOL" log mirror "$LOG_A" "$LOG_B"
+x zpool status -P "$POOL"
+
+step "a3. sync writes, ramslog mirrored log (${SECS} s), zpool iostat -v sampled"
+writes_a=$(disk_writes "$LOG_A")
+writes_b=$(disk_writes "$LOG_B")
+zpool iostat -v "$POOL" 5 $((SECS / 5 + 1)) >"$RESULTS/iostat-ramslog-log.txt" 2>&1 &
+iostat_pid=$!
+zfs_fio zfs-ramslog-log "$SECS"
+wait "$iostat_pid" || true
+cat "$RESULTS/iostat-ramslog-log.txt"
+ios=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["ios"])' "$RESULTS/zfs-ramslog-log.json")
+writes_a=$(($(disk_writes "$LOG_A") - writes_a))
+writes_b=$(($(disk_writes "$LOG_B") - writes_b))
+echo "fio made $ios sync writes; log half A took $writes_a writes, half B $writes_b"
+[ $((writes_a * 10)) -ge $((ios * 9)) ] && [ $((writes_b * 10)) -ge $((ios * 9)) ] || fail "the log halves did not take every sync write"
+
+python3 - "$RESULTS" "$SLOW_MS" <<'PY' | tee "$RESULTS/step-a.txt"
+import json, os, sys
+rows = [(label, json.load(open(os.path.join(sys.argv[1], name + ".json"))))
+        for label, name in (("no log", "zfs-nolog"), ("LIO mirrored log", "zfs-lio-log"),
+                            ("ramslog mirrored log", "zfs-ramslog-log"))]
+print("sync writes on the pool (4 KiB + fsync, QD1, sync=always; pool disk +%s ms writes; one boot)" % sys.argv[2])
+print("| log | IOPS | p50 us | p99 us |")
+print("|---|---|---|---|")
+for label, r in rows:
+    print("| %s | %.0f | %.0f | %.0f |" % (label, r["iops"], r["p50_us"], r["p99_us"]))
+none, lio, ram = (r["iops"] for _, r in rows)
+print("ramslog log / no log: %.2fx IOPS (goal >= 3); ramslog log / LIO log: %.2fx IOPS (goal >= 1)" % (ram / none, ram / lio))
+PY
+
+step "b. export / import: ONLINE, data verified"
+write_files before-export 16
+zpool sync "$POOL"
+x timeout 300 zpool export "$POOL"
+x zpool import "$POOL"
+x zpool status -P "$POOL"
+[ "$(pool_health)" = ONLINE ] || fail "pool is $(pool_health) after import"
+[ "$(vdev_state "$LOG_A")" = ONLINE ] && [ "$(vdev_state "$LOG_B")" = ONLINE ] || fail "log halves not ONLINE after import"
+verify_files before-export
+
+step "c. SIGKILL box B and restart it at once (its content is gone) while sync writes run"
+zfs_fio zfs-one-half-lost 40 >/tmp/fio-half-lost.txt 2>&1 &
+fio_pid=$!
+sleep 5
+kill_box b
+start_box b "$RXE_ADDR_B" "$IQN_B"
+grep -h "content did not survive" "$RESULTS"/ramslog-b-*.log | tail -1
+wait_reconnect b
+[ "$(iscsi_disk "$IQN_B")" = "$SD_B" ] || fail "box B came back as $(iscsi_disk "$IQN_B"), not $SD_B"
+echo "open-iscsi reconnected by itself; $LOG_B is still $SD_B"
+box_status b
+wait "$fio_pid" || { cat /tmp/fio-half-lost.txt; fail "sync writes returned an error while one log half was lost"; }
+cat /tmp/fio-half-lost.txt
+wait_vdev_state "$LOG_B" "$FAILED_STATES" 120 "/$DS/writer-c"
+[ "$(vdev_state "$LOG_A")" = ONLINE ] || fail "log half A is $(vdev_state "$LOG_A")"
+echo "sync writes on one half:"
+zfs_fio zfs-degraded 5
+echo "--- zpool status, step c ---"
+zpool status -P "$POOL" | tee "$RESULTS/status-c.txt"
+dmesg | grep -iE "${SD_B#/dev/}.*(not ready|intervention)" | tail -2 || true
+
+step "d. admin: ramslog-target accept-empty, then zpool replace"
+x "$BIN" accept-empty "$IQN_B" 0 --state-dir /tmp/ramslog-b
+box_status b | grep -qE "  ready$" || fail "box B is not ready after accept-empty"
+OLD_GUID=$(zpool status -gP "$POOL" | awk '/^\tlogs/ { l = 1; next } l && $2 ~ /^(REMOVED|FAULTED|UNAVAIL)$/ { print $1; exit }')
+[ -n "$OLD_GUID" ] || fail "no failed log vdev to replace"
+# The failed half may still hold the disk's partitions; the new label needs them re-read.
+for i in $(seq 1 10); do blockdev --rereadpt "$SD_B" 2>/dev/null && break; sleep 1; done
+timeout 60 udevadm settle
+x zpool replace "$POOL" "$OLD_GUID" "$LOG_B"
+for i in $(seq 1 60); do zpool status "$POOL" | grep -q "replacing" || break; sleep 1; done
+wait_vdev_state "$LOG_B" ONLINE 30
+x zpool clear "$POOL"
+echo "--- zpool status, step d ---"
+zpool status -P "$POOL" | tee "$RESULTS/status-d.txt"
+[ "$(pool_health)" = ONLINE ] || fail "pool is $(pool_health) after replace"
+grep -q "errors: No known data errors" "$RESULTS/status-d.txt" || fail "data errors after replace"
+verify_files before-export
+
+step "e. both boxes lost"
+write_files committed 16
+x zpool sync "$POOL"
+# From here on no transaction group reaches the pool disk, as if the host had
+# crashed: what is written next exists only in the log.
+x zpool freeze "$POOL"
+head -c 262144 /dev/urandom >/tmp/log-only
+dd if=/tmp/log-only of="/$DS/log-only" bs=4k oflag=sync status=none
+echo "log-only: 256 KiB written with O_SYNC after the freeze (acknowledged from the log)"
+kill_box a
+kill_box b
+start_box a "$RXE_ADDR_A" "$IQN_A"
+start_box b "$RXE_ADDR_B" "$IQN_B"
+wait_reconnect a
+wait_reconnect b
+date >>"/$DS/after-both-lost" || true
+sleep 5
+echo "--- zpool status with both log halves lost ---"
+zpool status -P "$POOL" | tee "$RESULTS/status-e-lost.txt"
+x timeout 300 zpool export "$POOL"
+echo "--- zpool import (scan) ---"
+zpool import 2>&1 | tee "$RESULTS/import-scan-e.txt" || true
+if zpool import "$POOL" >"$RESULTS/import-e.txt" 2>&1; then
+  cat "$RESULTS/import-e.txt"
+  fail "the pool imported without -m although its whole log is gone (an empty log would have been replayed)"
+fi
+cat "$RESULTS/import-e.txt"
+grep -qiE "log|-m" "$RESULTS/import-e.txt" || fail "zpool import did not name the missing log"
+x zpool import -m "$POOL"
+echo "--- zpool status, step e (imported with -m) ---"
+zpool status -P "$POOL" | tee "$RESULTS/status-e.txt"
+grep -qE "$FAILED_STATES" "$RESULTS/status-e.txt" || fail "zpool status does not report the missing log"
+verify_files before-export
+verify_files committed
+if [ -f "/$DS/log-only" ] && cmp -s /tmp/log-only "/$DS/log-only"; then
+  fail "log-only came back although the only copy was in the lost log"
+fi
+echo "log-only: $( [ -f "/$DS/log-only" ] && echo "$(stat -c %s "/$DS/log-only") bytes, not the written data" || echo "absent"): lost with both log halves, as documented"
+x zpool destroy "$POOL"
+echo "ZFS SCENARIO PASSED"
