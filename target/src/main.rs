@@ -103,32 +103,32 @@ fn main() -> ExitCode {
 async fn status(s: SocketArgs) -> Result<(), String> {
     match control::request(&s.path(), &Request::Status).await? {
         Reply::Status(st) => {
-            println!(
-                "state directory: {}",
+            let mut out = format!(
+                "state directory: {}\n",
                 st.state_dir.as_deref().unwrap_or("(none: --ephemeral)")
             );
             for t in &st.targets {
-                println!("target {}", t.name);
+                out += &format!("target {}\n", t.name);
                 for l in &t.luns {
                     let state = if l.ready {
                         "ready"
                     } else {
                         "NOT READY: content lost, run accept-empty"
                     };
-                    println!(
-                        "  LUN {}  {} bytes, {}-byte blocks  naa.{}  serial {}  {}",
+                    out += &format!(
+                        "  LUN {}  {} bytes, {}-byte blocks  naa.{}  serial {}  {}\n",
                         l.lun, l.size, l.block_size, l.naa, l.serial, state
                     );
                 }
             }
-            println!("sessions: {}", st.sessions.len());
+            out += &format!("sessions: {}\n", st.sessions.len());
             for s in &st.sessions {
-                println!(
-                    "  {} isid {} tsih {} from {} -> {}",
+                out += &format!(
+                    "  {} isid {} tsih {} from {} -> {}\n",
                     s.initiator, s.isid, s.tsih, s.peer, s.target
                 );
             }
-            Ok(())
+            print_stdout(&out)
         }
         Reply::Error(e) => Err(e),
         other => Err(format!("unexpected reply: {other:?}")),
@@ -142,12 +142,24 @@ async fn accept_empty(target: String, lun: u64, s: SocketArgs) -> Result<(), Str
             lun,
             naa,
             serial,
-        } => {
-            println!("{target} LUN {lun} accepted as empty: new identity naa.{naa} serial {serial}; it is ready");
-            Ok(())
-        }
+        } => print_stdout(&format!(
+            "{target} LUN {lun} accepted as empty: new identity naa.{naa} serial {serial}; it is ready\n"
+        )),
         Reply::Error(e) => Err(e),
         other => Err(format!("unexpected reply: {other:?}")),
+    }
+}
+
+/// Subcommand output goes to scripts (`status | grep -q ready`): a reader
+/// that stops early is not an error, and nothing may panic on it.
+fn print_stdout(text: &str) -> Result<(), String> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(format!("cannot write to standard output: {e}"))
+        }
+        _ => Ok(()),
     }
 }
 

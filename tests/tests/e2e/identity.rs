@@ -123,3 +123,29 @@ async fn status_without_a_daemon_names_the_fix() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is it running?"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_into_a_closed_pipe_is_not_a_crash() {
+    let dir = std::env::temp_dir().join(format!("ramslog-e2e-pipe-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let t = TargetProcess::start_with(TargetOptions {
+        ephemeral: false,
+        state_dir: Some(dir.clone()),
+        ..Default::default()
+    });
+    // `status | grep -q ready`: the reader is gone before the status is written.
+    let mut child = Command::new(target_binary())
+        .args(["status", "--state-dir"])
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run ramslog-target status");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait for status");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "status failed: {stderr}");
+    assert!(!stderr.contains("panicked"), "status panicked: {stderr}");
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
