@@ -5,9 +5,10 @@
 # mirror of two ramslog-target "boxes" (one process per rxe address, 256 MiB
 # LUN each) reached by open-iscsi over iSER, with udev for stable names.
 #
-#   a. sync writes (fio 4 KiB + fsync, QD1, sync=always): no log, ramslog
-#      mirrored log, LIO mirrored log, ramslog again; `zpool iostat -v` and the
-#      disks' counters show the log taking them.
+#   a. sync writes (fio 4 KiB + fsync, QD1, sync=always): no log, then
+#      ramslog's and LIO's mirrored logs in turns (ZFS_ROUNDS, default 2:
+#      ramslog, LIO, ramslog, LIO, ramslog); `zpool iostat -v` and the disks' counters show
+#      the log taking them. ZFS_STOP_AFTER=a ends there (measuring only).
 #      Contrast: LIO's half recreated empty under the same serial.
 #   b. export / import: ONLINE, files verified.
 #   c. SIGKILL box B, restart it at once (content lost): open-iscsi reconnects
@@ -25,6 +26,7 @@ REPO=$(cd "$HERE/../../.." && pwd)
 RESULTS=${RESULTS:-$REPO/build/softroce/results/zfs}
 SECS=${FIO_SECONDS:-15}
 SLOW_MS=${SLOW_MS:-20}
+ROUNDS=${ZFS_ROUNDS:-2}
 . "$SOFTROCE/lib/rxe.sh"
 . "$SOFTROCE/lib/iscsi.sh"
 . "$SOFTROCE/lib/fio.sh"
@@ -224,13 +226,12 @@ echo "log halves: $LOG_A -> $(readlink -f "$LOG_A"), $LOG_B -> $SD_B"
 x zpool add "$POOL" log mirror "$LOG_A" "$LOG_B"
 x zpool status -P "$POOL"
 
+# ramslog's mirrored log and LIO's take turns, ramslog first and last, so
+# neither has the advantage of running last: R, L, R, L, R (ZFS_ROUNDS=2).
 step "a2. sync writes, ramslog mirrored log (${SECS} s)"
-zfs_fio zfs-ramslog-log "$SECS"
-# The log mirror gives way to LIO's for a3, then comes back for a4, so
-# neither target has the advantage of running last.
-remove_log "$LOG_A"
+zfs_fio zfs-ramslog-log-1 "$SECS"
 
-step "a3. LIO mirrored log for comparison: two rd_mcp LUNs, $RXE_ADDR_A:3261 and $RXE_ADDR_B:3261"
+step "LIO for comparison: two rd_mcp LUNs, $RXE_ADDR_A:3261 and $RXE_ADDR_B:3261"
 lio_export "$LIO_A" "$RXE_ADDR_A" lioa iser 3261 "$LIO_SERIAL_A"
 lio_export "$LIO_B" "$RXE_ADDR_B" liob iser 3261 "$LIO_SERIAL_B"
 login "$LIO_A" "$RXE_ADDR_A:3261"
@@ -238,58 +239,67 @@ login "$LIO_B" "$RXE_ADDR_B:3261"
 timeout 60 udevadm settle
 LIO_LOG_A=$(by_path "$RXE_ADDR_A:3261" "$LIO_A")
 LIO_LOG_B=$(by_path "$RXE_ADDR_B:3261" "$LIO_B")
-x zpool add "$POOL" log mirror "$LIO_LOG_A" "$LIO_LOG_B"
-zfs_fio zfs-lio-log "$SECS"
+for round in $(seq 1 "$ROUNDS"); do
+  step "a3. round $round/$ROUNDS: sync writes, LIO mirrored log (${SECS} s)"
+  remove_log "$LOG_A"
+  x zpool add "$POOL" log mirror "$LIO_LOG_A" "$LIO_LOG_B"
+  zfs_fio "zfs-lio-log-$round" "$SECS"
+  if [ "$round" = "$ROUNDS" ]; then
+    step "contrast: LIO's half B recreated empty under the same serial while sync writes run"
+    zfs_fio zfs-lio-recreated 20 >/tmp/fio-lio-recreated.txt 2>&1 &
+    fio_pid=$!
+    sleep 5
+    lio_remove "$LIO_B" "$RXE_ADDR_B" liob 3261
+    lio_export "$LIO_B" "$RXE_ADDR_B" liob iser 3261 "$LIO_SERIAL_B"
+    echo "LIO $LIO_B: rd_mcp recreated, empty, serial $LIO_SERIAL_B"
+    wait "$fio_pid" && cat /tmp/fio-lio-recreated.txt || { cat /tmp/fio-lio-recreated.txt; fail "sync writes failed while LIO half B was recreated"; }
+    date >>"/$DS/after-lio-recreate"
+    sleep 2
+    echo "--- zpool status after LIO half B came back empty (the contrast for step c) ---"
+    zpool status -P "$POOL" | tee "$RESULTS/status-lio-recreated.txt"
+    echo "LIO half B is '$(vdev_state "$LIO_LOG_B")' although its content is gone"
+  fi
+  remove_log "$LIO_LOG_A"
 
-step "contrast: LIO's half B recreated empty under the same serial while sync writes run"
-zfs_fio zfs-lio-recreated 20 >/tmp/fio-lio-recreated.txt 2>&1 &
-fio_pid=$!
-sleep 5
-lio_remove "$LIO_B" "$RXE_ADDR_B" liob 3261
-lio_export "$LIO_B" "$RXE_ADDR_B" liob iser 3261 "$LIO_SERIAL_B"
-echo "LIO $LIO_B: rd_mcp recreated, empty, serial $LIO_SERIAL_B"
-wait "$fio_pid" && cat /tmp/fio-lio-recreated.txt || { cat /tmp/fio-lio-recreated.txt; fail "sync writes failed while LIO half B was recreated"; }
-date >>"/$DS/after-lio-recreate"
-sleep 2
-echo "--- zpool status after LIO half B came back empty (the contrast for step c) ---"
-zpool status -P "$POOL" | tee "$RESULTS/status-lio-recreated.txt"
-echo "LIO half B is '$(vdev_state "$LIO_LOG_B")' although its content is gone"
-remove_log "$LIO_LOG_A"
+  step "a4. round $round/$ROUNDS: the ramslog mirrored log again (${SECS} s), zpool iostat -v sampled"
+  x zpool add "$POOL" log mirror "$LOG_A" "$LOG_B"
+  writes_a=$(disk_writes "$LOG_A")
+  writes_b=$(disk_writes "$LOG_B")
+  zpool iostat -v "$POOL" 5 $((SECS / 5 + 1)) >"$RESULTS/iostat-ramslog-log.txt" 2>&1 &
+  iostat_pid=$!
+  zfs_fio "zfs-ramslog-log-$((round + 1))" "$SECS"
+  wait "$iostat_pid" || true
+  cat "$RESULTS/iostat-ramslog-log.txt"
+  ios=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["ios"])' "$RESULTS/zfs-ramslog-log-$((round + 1)).json")
+  writes_a=$(($(disk_writes "$LOG_A") - writes_a))
+  writes_b=$(($(disk_writes "$LOG_B") - writes_b))
+  echo "fio made $ios sync writes; log half A took $writes_a writes, half B $writes_b"
+  [ $((writes_a * 10)) -ge $((ios * 9)) ] && [ $((writes_b * 10)) -ge $((ios * 9)) ] || fail "the log halves did not take every sync write"
+done
 timeout 60 iscsiadm -m node -T "$LIO_A" -p "$RXE_ADDR_A:3261" --logout >/dev/null
 timeout 60 iscsiadm -m node -T "$LIO_B" -p "$RXE_ADDR_B:3261" --logout >/dev/null
 lio_remove "$LIO_A" "$RXE_ADDR_A" lioa 3261
 lio_remove "$LIO_B" "$RXE_ADDR_B" liob 3261
 
-step "a4. the ramslog mirrored log again (${SECS} s), zpool iostat -v sampled"
-x zpool add "$POOL" log mirror "$LOG_A" "$LOG_B"
-writes_a=$(disk_writes "$LOG_A")
-writes_b=$(disk_writes "$LOG_B")
-zpool iostat -v "$POOL" 5 $((SECS / 5 + 1)) >"$RESULTS/iostat-ramslog-log.txt" 2>&1 &
-iostat_pid=$!
-zfs_fio zfs-ramslog-log-2 "$SECS"
-wait "$iostat_pid" || true
-cat "$RESULTS/iostat-ramslog-log.txt"
-ios=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["ios"])' "$RESULTS/zfs-ramslog-log-2.json")
-writes_a=$(($(disk_writes "$LOG_A") - writes_a))
-writes_b=$(($(disk_writes "$LOG_B") - writes_b))
-echo "fio made $ios sync writes; log half A took $writes_a writes, half B $writes_b"
-[ $((writes_a * 10)) -ge $((ios * 9)) ] && [ $((writes_b * 10)) -ge $((ios * 9)) ] || fail "the log halves did not take every sync write"
-
-python3 - "$RESULTS" "$SLOW_MS" <<'PY' | tee "$RESULTS/step-a.txt"
+python3 - "$RESULTS" "$SLOW_MS" "$ROUNDS" <<'PY' | tee "$RESULTS/step-a.txt"
 import json, os, sys
-runs = {name: json.load(open(os.path.join(sys.argv[1], name + ".json")))
-        for name in ("zfs-nolog", "zfs-ramslog-log", "zfs-lio-log", "zfs-ramslog-log-2")}
-print("sync writes on the pool (4 KiB + fsync, QD1, sync=always; pool disk +%s ms writes; one boot, in this order)" % sys.argv[2])
+out, slow, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+load = lambda name: json.load(open(os.path.join(out, name + ".json")))
+order = [("no log", "zfs-nolog"), ("ramslog mirrored log", "zfs-ramslog-log-1")]
+for r in range(1, rounds + 1):
+    order += [("LIO mirrored log", "zfs-lio-log-%d" % r), ("ramslog mirrored log", "zfs-ramslog-log-%d" % (r + 1))]
+print("sync writes on the pool (4 KiB + fsync, QD1, sync=always; pool disk +%s ms writes; one boot, in this order)" % slow)
 print("| log | IOPS | p50 us | p99 us |")
 print("|---|---|---|---|")
-for label, name in (("no log", "zfs-nolog"), ("ramslog mirrored log", "zfs-ramslog-log"),
-                    ("LIO mirrored log", "zfs-lio-log"), ("ramslog mirrored log, again", "zfs-ramslog-log-2")):
-    r = runs[name]
+runs = [(label, load(name)) for label, name in order]
+for label, r in runs:
     print("| %s | %.0f | %.0f | %.0f |" % (label, r["iops"], r["p50_us"], r["p99_us"]))
-ram = (runs["zfs-ramslog-log"]["iops"] + runs["zfs-ramslog-log-2"]["iops"]) / 2
-print("ramslog log (mean of both runs) / no log: %.2fx IOPS (goal >= 3); / LIO log: %.2fx IOPS (goal >= 1)"
-      % (ram / runs["zfs-nolog"]["iops"], ram / runs["zfs-lio-log"]["iops"]))
+mean = lambda label: sum(r["iops"] for l, r in runs if l == label) / sum(1 for l, _ in runs if l == label)
+ram, lio, none = mean("ramslog mirrored log"), mean("LIO mirrored log"), mean("no log")
+print("mean IOPS: ramslog log %.0f, LIO log %.0f, no log %.0f" % (ram, lio, none))
+print("ramslog log / no log: %.2fx IOPS (goal >= 3); ramslog log / LIO log: %.2fx IOPS (goal >= 1)" % (ram / none, ram / lio))
 PY
+[ "${ZFS_STOP_AFTER:-}" = a ] && { echo "ZFS SCENARIO: stopped after step a (ZFS_STOP_AFTER=a)"; exit 0; }
 
 step "b. export / import: ONLINE, data verified"
 write_files before-export 16
