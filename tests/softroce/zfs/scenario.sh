@@ -43,8 +43,9 @@ LIO_A=iqn.2026-11.org.ramslog.lab:lio-a
 LIO_B=iqn.2026-11.org.ramslog.lab:lio-b
 LIO_SERIAL_A=ramslog-lab-lio-a
 LIO_SERIAL_B=ramslog-lab-lio-b
-# libzfs waits up to 30 s per device for udev to call it initialised; the
-# names used here are created before any import, so do not wait.
+# libzfs waits up to 30 s per device for udev to call it initialised, and
+# udev never does for some (brd, dm) here; the names used exist before any
+# import, so a short wait is enough.
 export ZPOOL_IMPORT_UDEV_TIMEOUT_MS=${ZPOOL_IMPORT_UDEV_TIMEOUT_MS:-3000}
 FAILED_STATES='REMOVED|FAULTED|UNAVAIL'
 mkdir -p "$RESULTS"
