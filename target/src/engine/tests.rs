@@ -1104,3 +1104,5 @@ fn iser_linux_full_feature_data_stays_within_128_bytes() {
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::NopIn));
     assert!(r[0].data.len() <= 128);
 }
+
+mod trust;

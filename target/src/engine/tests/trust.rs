@@ -1,0 +1,550 @@
+//! Regression tests for the trust defects: GOOD only with every byte in
+//! place, no way around CHAP, no discovery session ending a normal one, and
+//! liveness pings that really fire.
+
+use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+
+const LUN_BYTES: u64 = 1 << 20;
+
+/// Every byte of the LUN, read through the engine.
+fn lun_bytes(h: &Harness) -> Vec<u8> {
+    let mut v = vec![0u8; LUN_BYTES as usize];
+    assert!(h.conn.read_store(0, 0, &mut v));
+    v
+}
+
+fn harness_with_limits(limits: Limits) -> Harness {
+    Harness::new(portal_sized(LUN_BYTES, limits, None, None, Acl::Any))
+}
+
+fn data_out(itt: u32, ttt: u32, offset: u32, datasn: u32, last: bool) -> Bhs {
+    let mut d = Bhs::new(Opcode::DataOut);
+    d.set_final(last)
+        .set_itt(itt)
+        .set_ttt(ttt)
+        .set_buffer_offset(offset)
+        .set_datasn(datasn);
+    d
+}
+
+fn fill_lun(h: &mut Harness, byte: u8) {
+    let scsi = h.conn.scsi_target().expect("logged in").clone();
+    let lu = scsi.lu(0).expect("LUN 0");
+    lu.store()
+        .write(0, &vec![byte; LUN_BYTES as usize])
+        .expect("fill");
+}
+
+/// The exact reproduction: InitialR2T=Yes, ImmediateData=No,
+/// MaxOutstandingR2T=2, MaxBurstLength=64 KiB, a 256 KiB WRITE whose first
+/// solicited burst ends at half its length.
+#[test]
+#[should_panic(expected = "defect 1")] // expected failure until fixed
+fn solicited_burst_ending_early_is_never_good() {
+    let mut h = harness_with_limits(Limits::default());
+    h.login(&[
+        ("InitialR2T", "Yes"),
+        ("ImmediateData", "No"),
+        ("MaxOutstandingR2T", "2"),
+        ("MaxBurstLength", "65536"),
+    ]);
+    fill_lun(&mut h, 0x5a);
+    let before = lun_bytes(&h);
+    let data = vec![0xa5u8; 262144];
+    let (itt, r) = h.command(&write10(0, 512), scsi_cmd_flags(true, false), 262144, &[]);
+    let mut r2ts: Vec<(u32, u32, u32)> = r
+        .iter()
+        .map(|p| {
+            assert_eq!(p.bhs.opcode(), Some(Opcode::ReadyToTransfer));
+            (p.bhs.ttt(), p.bhs.buffer_offset(), p.bhs.residual())
+        })
+        .collect();
+    assert_eq!(r2ts.len(), 2);
+    let mut status_seen = None;
+    let mut first = true;
+    while let Some((ttt, off, len)) = r2ts.first().copied() {
+        r2ts.remove(0);
+        let send_len = if first { len / 2 } else { len };
+        first = false;
+        let d = data_out(itt, ttt, off, 0, true);
+        for p in h.send(&d, &data[off as usize..(off + send_len) as usize]) {
+            match p.bhs.opcode() {
+                Some(Opcode::ReadyToTransfer) => {
+                    r2ts.push((p.bhs.ttt(), p.bhs.buffer_offset(), p.bhs.residual()))
+                }
+                Some(Opcode::ScsiResponse) => {
+                    assert!(status_seen.is_none(), "defect 1: two responses");
+                    assert!(
+                        r2ts.is_empty(),
+                        "defect 1: status sent while a burst is still outstanding"
+                    );
+                    status_seen = Some(p);
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    let rsp = status_seen.expect("defect 1: no response after every burst ended");
+    assert_ne!(
+        rsp.bhs.0[3],
+        status::GOOD,
+        "defect 1: GOOD for a write with a 32 KiB hole"
+    );
+    let s = sense_of(&rsp);
+    assert_eq!(
+        (s.key, s.asc, s.ascq),
+        (sense_key::ABORTED_COMMAND, 0x4b, 0)
+    );
+    let after = lun_bytes(&h);
+    assert_eq!(&after[262144..], &before[262144..], "outside the LBA range");
+}
+
+/// Unsolicited data may legally end early: exactly the missing range is
+/// solicited, and the write completes with the right bytes.
+#[test]
+fn unsolicited_data_ending_early_is_solicited_exactly() {
+    let mut h = harness_with_limits(Limits::default());
+    h.login(&[
+        ("InitialR2T", "No"),
+        ("ImmediateData", "Yes"),
+        ("FirstBurstLength", "65536"),
+        ("MaxBurstLength", "65536"),
+        ("MaxOutstandingR2T", "4"),
+    ]);
+    let data: Vec<u8> = (0..262144u32).map(|i| (i % 251) as u8).collect();
+    let itt = h.next_itt();
+    let mut b = Bhs::new(Opcode::ScsiCommand);
+    b.set_flags(0x21)
+        .set_itt(itt)
+        .set_expected_data_len(262144)
+        .set_cmdsn(h.cmdsn);
+    h.cmdsn += 1;
+    b.0[32..42].copy_from_slice(&write10(0, 512));
+    let mut pending: Vec<(u32, u32, u32)> = Vec::new();
+    let mut responses = Vec::new();
+    let mut route = |h: &mut Harness, out: Vec<Rsp>, pending: &mut Vec<(u32, u32, u32)>| {
+        for p in out {
+            match p.bhs.opcode() {
+                Some(Opcode::ReadyToTransfer) => {
+                    pending.push((p.bhs.ttt(), p.bhs.buffer_offset(), p.bhs.residual()))
+                }
+                _ => responses.push(p),
+            }
+        }
+        let _ = h;
+    };
+    // 8 KiB immediate, then unsolicited Data-Out stopping at 24 KiB (F=1).
+    let out = h.send(&b, &data[..8192]);
+    route(&mut h, out, &mut pending);
+    let out = h.send(
+        &data_out(itt, RESERVED_TAG, 8192, 0, true),
+        &data[8192..24576],
+    );
+    route(&mut h, out, &mut pending);
+    while let Some((ttt, off, len)) = pending.pop() {
+        let out = h.send(
+            &data_out(itt, ttt, off, 0, true),
+            &data[off as usize..(off + len) as usize],
+        );
+        route(&mut h, out, &mut pending);
+    }
+    assert_eq!(responses.len(), 1, "defect 1: one response");
+    assert_eq!(responses[0].bhs.0[3], status::GOOD);
+    assert_eq!(&lun_bytes(&h)[..262144], &data[..], "defect 1: bytes");
+}
+
+/// One random initiator: how it splits and orders its data, and whether it
+/// ends a solicited burst early.
+#[derive(Debug, Clone)]
+struct WriteCase {
+    seed: u64,
+    initial_r2t: bool,
+    immediate: bool,
+    max_outstanding_r2t: u32,
+    max_burst_blocks: u32,
+    first_burst_blocks: u32,
+    lba: u32,
+    blocks: u32,
+}
+
+fn write_case() -> impl Strategy<Value = WriteCase> {
+    (
+        any::<u64>(),
+        any::<bool>(),
+        any::<bool>(),
+        1u32..=4,
+        1u32..=128,
+        1u32..=128,
+        16u32..1200,
+        1u32..=512,
+    )
+        .prop_map(
+            |(seed, initial_r2t, immediate, mort, mbl, fbl, lba, blocks)| WriteCase {
+                seed,
+                initial_r2t,
+                immediate,
+                max_outstanding_r2t: mort,
+                max_burst_blocks: mbl,
+                first_burst_blocks: fbl,
+                lba,
+                blocks: blocks.min(2048 - 16 - lba),
+            },
+        )
+        .prop_filter("room on the LUN", |c| c.blocks > 0)
+}
+
+struct Burst {
+    ttt: u32,
+    next: u32,
+    end: u32,
+    datasn: u32,
+}
+
+fn run_write_case(c: &WriteCase) {
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let mut h = harness_with_limits(Limits::default());
+    let mbl = (c.max_burst_blocks * 512).to_string();
+    let fbl = (c.first_burst_blocks * 512).to_string();
+    let mort = c.max_outstanding_r2t.to_string();
+    let r = h.login(&[
+        ("InitialR2T", if c.initial_r2t { "Yes" } else { "No" }),
+        ("ImmediateData", if c.immediate { "Yes" } else { "No" }),
+        ("MaxOutstandingR2T", &mort),
+        ("MaxBurstLength", &mbl),
+        ("FirstBurstLength", &fbl),
+    ]);
+    let k = keys_of(&r.data);
+    let num = |name: &str| -> u32 { key(&k, name).unwrap().parse().unwrap() };
+    let first_burst = num("FirstBurstLength").min(num("MaxBurstLength"));
+    let immediate = key(&k, "ImmediateData") == Some("Yes");
+    let initial_r2t = key(&k, "InitialR2T") == Some("Yes");
+
+    fill_lun(&mut h, 0x3c);
+    let before = lun_bytes(&h);
+    let total = c.blocks * 512;
+    let data: Vec<u8> = (0..total).map(|_| rng.gen()).collect();
+
+    // What the initiator sends unsolicited: immediate data, then Data-Out
+    // up to `unsol_end`, which may stop short of FirstBurstLength (legal).
+    let unsol_limit = first_burst.min(total);
+    let imm = if immediate {
+        rng.gen_range(0..=unsol_limit)
+    } else {
+        0
+    };
+    let unsol_end = if initial_r2t || imm == unsol_limit || rng.gen_bool(0.2) {
+        imm
+    } else {
+        rng.gen_range(imm + 1..=unsol_limit)
+    };
+    let itt = h.next_itt();
+    let mut b = Bhs::new(Opcode::ScsiCommand);
+    let f = if unsol_end == imm { 0x80 } else { 0 };
+    b.set_flags(f | 0x21)
+        .set_itt(itt)
+        .set_expected_data_len(total)
+        .set_cmdsn(h.cmdsn);
+    h.cmdsn += 1;
+    b.0[32..42].copy_from_slice(&write10(c.lba, c.blocks as u16));
+
+    let mut bursts: Vec<Burst> = Vec::new();
+    let mut response: Option<Rsp> = None;
+    let mut misbehaved = false;
+    let handle = |out: Vec<Rsp>, bursts: &mut Vec<Burst>, response: &mut Option<Rsp>| {
+        for p in out {
+            match p.bhs.opcode() {
+                Some(Opcode::ReadyToTransfer) => {
+                    assert!(response.is_none(), "defect 1: R2T after the response");
+                    let (off, len) = (p.bhs.buffer_offset(), p.bhs.residual());
+                    assert!(
+                        len > 0 && off + len <= total,
+                        "defect 1: R2T outside the transfer"
+                    );
+                    bursts.push(Burst {
+                        ttt: p.bhs.ttt(),
+                        next: off,
+                        end: off + len,
+                        datasn: 0,
+                    });
+                }
+                Some(Opcode::ScsiResponse) => {
+                    assert!(response.is_none(), "defect 1: two responses");
+                    assert!(
+                        bursts.is_empty(),
+                        "defect 1: status while {} burst(s) are outstanding",
+                        bursts.len()
+                    );
+                    *response = Some(p);
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    };
+    let out = h.send(&b, &data[..imm as usize]);
+    handle(out, &mut bursts, &mut response);
+    // Unsolicited Data-Out in random pieces.
+    let (mut off, mut datasn) = (imm, 0);
+    while off < unsol_end {
+        let len = rng.gen_range(1..=(unsol_end - off).min(16384));
+        let last = off + len == unsol_end;
+        let out = h.send(
+            &data_out(itt, RESERVED_TAG, off, datasn, last),
+            &data[off as usize..(off + len) as usize],
+        );
+        handle(out, &mut bursts, &mut response);
+        off += len;
+        datasn += 1;
+    }
+    // Solicited data: pieces of random bursts in random order; now and then
+    // a burst ends early (F=1 before its end), which must fail the command.
+    let mut rounds = 0;
+    while !bursts.is_empty() {
+        rounds += 1;
+        assert!(rounds < 100_000, "defect 1: no end");
+        let i = rng.gen_range(0..bursts.len());
+        let bt = &mut bursts[i];
+        let left = bt.end - bt.next;
+        let len = rng.gen_range(1..=left.min(8192));
+        let early = len < left && rng.gen_bool(0.05);
+        let last = early || len == left;
+        misbehaved |= early;
+        let d = data_out(itt, bt.ttt, bt.next, bt.datasn, last);
+        let piece = data[bt.next as usize..(bt.next + len) as usize].to_vec();
+        bt.next += len;
+        bt.datasn += 1;
+        if last {
+            bursts.swap_remove(i);
+        }
+        let out = h.send(&d, &piece);
+        handle(out, &mut bursts, &mut response);
+    }
+    let rsp = response.expect("defect 1: every burst ended but no response came");
+    let after = lun_bytes(&h);
+    let start = c.lba as usize * 512;
+    let end = start + total as usize;
+    assert!(
+        after[..start] == before[..start] && after[end..] == before[end..],
+        "defect 1: a byte outside the command's LBA range changed"
+    );
+    if rsp.bhs.0[3] == status::GOOD {
+        assert!(!misbehaved, "defect 1: GOOD although a burst ended early");
+        assert!(
+            after[start..end] == data[..],
+            "defect 1: GOOD but the LUN does not hold the written bytes"
+        );
+    } else {
+        assert!(
+            misbehaved,
+            "defect 1: a correct transfer failed: {:?}",
+            rsp.bhs
+        );
+        let s = sense_of(&rsp);
+        assert_eq!(
+            (s.key, s.asc, s.ascq),
+            (sense_key::ABORTED_COMMAND, 0x4b, 0)
+        );
+    }
+    assert!(!h.closed);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// GOOD ⇒ the LUN holds exactly the written bytes; no byte outside the
+    /// command's LBA range ever changes; the status comes only after every
+    /// sequence of the task ended.
+    #[test]
+    #[should_panic(expected = "defect 1")] // expected failure until fixed
+    fn good_only_with_every_byte_in_place(c in write_case()) {
+        run_write_case(&c);
+    }
+}
+
+// ---- CHAP and key order ------------------------------------------------------
+
+fn chap_portal(discovery: bool) -> Arc<Portal> {
+    let secret = ChapSecret {
+        user: "alice".into(),
+        secret: "0123456789abcdef".into(),
+    };
+    let mut portal = Portal::new(
+        vec![TargetDef {
+            name: IQN.into(),
+            alias: None,
+            scsi: Arc::new(ScsiTarget::new(vec![(
+                LuConfig {
+                    lun: 0,
+                    block_size: 512,
+                    identity: Identity::generate(),
+                    readiness: Readiness::Ready,
+                },
+                Arc::new(Store::new(1 << 20, HugePages::Off).unwrap()),
+            )])),
+            acl: Acl::Any,
+            chap: Some(secret.clone()),
+            mutual_chap: None,
+        }],
+        Limits::default(),
+        vec!["127.0.0.1:3260".parse().unwrap()],
+    );
+    if discovery {
+        portal.discovery_chap = Some(secret);
+    }
+    Arc::new(portal)
+}
+
+fn permutations<T: Clone>(items: &[T]) -> Vec<Vec<T>> {
+    if items.len() <= 1 {
+        return vec![items.to_vec()];
+    }
+    let mut all = Vec::new();
+    for i in 0..items.len() {
+        let mut rest = items.to_vec();
+        let first = rest.remove(i);
+        for mut p in permutations(&rest) {
+            p.insert(0, first.clone());
+            all.push(p);
+        }
+    }
+    all
+}
+
+/// Try to reach full feature phase with AuthMethod=None; true if it worked.
+fn login_without_chap(portal: Arc<Portal>, keys: &[(&str, &str)], stepwise: bool) -> bool {
+    let mut h = Harness::new(portal);
+    let sec = if stepwise {
+        login::TRANSIT | login::STAGE_OPERATIONAL
+    } else {
+        login::TRANSIT | login::STAGE_FULL_FEATURE
+    };
+    let r = h.login_pdu(sec, keys);
+    if h.closed || r.is_empty() || r[0].bhs.u16_at(36) != 0 {
+        return false;
+    }
+    if r[0].bhs.flags() & 3 == login::STAGE_FULL_FEATURE && r[0].bhs.final_bit() {
+        return true;
+    }
+    if !stepwise {
+        return false;
+    }
+    let op_to_ff = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
+    let r = h.login_pdu(op_to_ff, &[]);
+    !h.closed && r[0].bhs.u16_at(36) == 0 && r[0].bhs.final_bit()
+}
+
+#[test]
+#[should_panic(expected = "defect 2")] // expected failure until fixed
+fn chap_cannot_be_bypassed_by_key_order() {
+    let normal = [
+        ("InitiatorName", INI),
+        ("TargetName", IQN),
+        ("SessionType", "Normal"),
+        ("AuthMethod", "None"),
+    ];
+    for order in permutations(&normal) {
+        for stepwise in [true, false] {
+            assert!(
+                !login_without_chap(chap_portal(false), &order, stepwise),
+                "defect 2: CHAP bypassed with key order {order:?}"
+            );
+        }
+    }
+    let discovery = [
+        ("InitiatorName", INI),
+        ("SessionType", "Discovery"),
+        ("AuthMethod", "None"),
+    ];
+    for order in permutations(&discovery) {
+        for stepwise in [true, false] {
+            assert!(
+                !login_without_chap(chap_portal(true), &order, stepwise),
+                "defect 2: discovery CHAP bypassed with key order {order:?}"
+            );
+        }
+    }
+}
+
+// ---- sessions ----------------------------------------------------------------
+
+#[test]
+#[should_panic(expected = "defect 3")] // expected failure until fixed
+fn discovery_login_never_ends_a_normal_session() {
+    let portal = portal_with(Limits::default(), None, None, Acl::Only(vec![INI.into()]));
+    let victim_flag = Arc::new(Flag::default());
+    let mut victim = Harness::new(portal.clone());
+    victim.conn = Connection::new(
+        portal.clone(),
+        victim.conn.info,
+        victim_flag.clone(),
+        victim.now,
+    );
+    let r = victim.login(&[]);
+    assert_eq!(r.bhs.u16_at(36), 0);
+
+    // The same InitiatorName, ISID and TargetName, but SessionType=Discovery.
+    let mut attacker = Harness::new(portal.clone());
+    let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
+    attacker.login_pdu(
+        flags,
+        &[
+            ("InitiatorName", INI),
+            ("TargetName", IQN),
+            ("SessionType", "Discovery"),
+        ],
+    );
+    assert!(
+        !victim_flag.0.load(Ordering::SeqCst),
+        "defect 3: a discovery login terminated a normal session"
+    );
+    assert_eq!(
+        portal
+            .sessions_info()
+            .iter()
+            .filter(|s| s.key.target == IQN)
+            .count(),
+        1,
+        "defect 3: the victim's session is still registered"
+    );
+    let (_, r) = victim.command(&[0; 6], 0x81, 0, &[]);
+    assert_eq!(r[0].bhs.0[3], status::GOOD);
+
+    // A normal login of the same I_T nexus does reinstate (RFC 7143 6.3.5).
+    let mut again = Harness::new(portal);
+    again.login(&[]);
+    assert!(victim_flag.0.load(Ordering::SeqCst), "reinstatement");
+}
+
+// ---- liveness ----------------------------------------------------------------
+
+/// The driver advances its clock to each deadline `poll_timeout` names; an
+/// initiator that never answers a ping must be dropped within
+/// NopInterval + NopTimeout.
+#[test]
+#[should_panic(expected = "defect 7")] // expected failure until fixed
+fn unanswered_ping_closes_when_the_clock_steps_through_each_deadline() {
+    let mut h = logged_in();
+    let start = h.now;
+    let limit = start + Limits::default().nop_interval + Limits::default().nop_timeout;
+    let mut pings = 0;
+    while !h.closed {
+        let Some(at) = h.conn.poll_timeout() else {
+            panic!("defect 7: no timer armed and not closed");
+        };
+        assert!(
+            at <= limit,
+            "defect 7: still waiting at {:?} after {pings} unanswered ping(s)",
+            at - start
+        );
+        h.now = at;
+        h.conn.handle_timeout(at);
+        pings += h
+            .drain()
+            .iter()
+            .filter(|p| p.bhs.opcode() == Some(Opcode::NopIn))
+            .count();
+    }
+    assert_eq!(pings, 1, "one ping, then the connection is dropped");
+}
