@@ -34,11 +34,11 @@ enum Auth {
     /// AuthMethod=CHAP agreed, waiting for CHAP_A.
     ChapAgreed,
     /// Challenge sent, waiting for CHAP_N/CHAP_R.
-    ChallengeSent {
-        id: u8,
-        challenge: Vec<u8>,
-    },
-    Done,
+    ChallengeSent { id: u8, challenge: Vec<u8> },
+    /// No CHAP secret applies to this login: security ended without one.
+    NotRequired,
+    /// The initiator proved the CHAP secret.
+    ChapVerified,
 }
 
 /// What the connection does after a login response.
@@ -212,11 +212,9 @@ impl Login {
             // the segment lengths are answered in this same PDU.
             self.params.rdma_extensions = true;
         }
-        let mut out = Vec::new();
-        let mut chap_n = None;
-        let mut chap_r = None;
-        let mut chap_i = None;
-        let mut chap_c = None;
+        // Identity keys first, whatever their order in the PDU: whether CHAP
+        // is required depends on the target and the session type, so no
+        // other key (AuthMethod above all) may be judged before they are known.
         for p in &pairs {
             let limit = if p.key.starts_with("CHAP_") {
                 MAX_CHAP_VALUE_LEN
@@ -257,6 +255,17 @@ impl Login {
                     "Discovery" => self.kind = SessionKind::Discovery,
                     _ => return Reply::fail(login_status::SESSION_TYPE_NOT_SUPPORTED, stage_bits),
                 },
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        let mut chap_n = None;
+        let mut chap_r = None;
+        let mut chap_i = None;
+        let mut chap_c = None;
+        for p in &pairs {
+            match p.key {
+                "InitiatorName" | "TargetName" | "SessionType" => {}
                 "InitiatorAlias" => {}
                 "AuthMethod" => {
                     let v = self.negotiate_auth(portal, p.value);
@@ -370,15 +379,24 @@ impl Login {
         } else if csg == login::STAGE_OPERATIONAL
             && self.stage == login::STAGE_OPERATIONAL
             && self.chap_required(portal).is_some()
-            && self.auth != Auth::Done
+            && self.auth != Auth::ChapVerified
         {
             return Reply::fail(login_status::AUTH_FAILED, stage_bits);
         }
         if csg == login::STAGE_OPERATIONAL
             && self.chap_required(portal).is_some()
-            && self.auth != Auth::Done
+            && self.auth != Auth::ChapVerified
         {
             // Skipped the security stage on a target that requires CHAP.
+            return Reply::fail(login_status::AUTH_FAILED, stage_bits);
+        }
+        if self.stage != login::STAGE_SECURITY
+            && self.chap_required(portal).is_some()
+            && self.auth != Auth::ChapVerified
+        {
+            // Whatever path led here: a protected target is never past the
+            // security stage without a verified CHAP response.
+            tracing::warn!("login refused: leaving security without a verified CHAP response");
             return Reply::fail(login_status::AUTH_FAILED, stage_bits);
         }
         Reply {
@@ -398,9 +416,9 @@ impl Login {
 
     fn security_done(&mut self, portal: &Portal) -> bool {
         match self.auth {
-            Auth::Done => true,
-            Auth::Pending if self.chap_required(portal).is_none() => {
-                self.auth = Auth::Done;
+            Auth::ChapVerified => true,
+            Auth::NotRequired | Auth::Pending if self.chap_required(portal).is_none() => {
+                self.auth = Auth::NotRequired;
                 true
             }
             _ => false,
@@ -418,7 +436,7 @@ impl Login {
             return "Reject";
         }
         if methods.contains(&"None") {
-            self.auth = Auth::Done;
+            self.auth = Auth::NotRequired;
             "None"
         } else {
             tracing::warn!(
@@ -480,7 +498,7 @@ impl Login {
             }
             _ => return Err(login_status::INITIATOR_ERROR),
         }
-        self.auth = Auth::Done;
+        self.auth = Auth::ChapVerified;
         Ok(())
     }
 }
