@@ -10,7 +10,7 @@ use clap::Args;
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::portal::{ChapSecret, Limits};
+use crate::portal::{AclEntry, ChapSecret, Limits};
 use crate::store::HugePages;
 
 pub const DEFAULT_IQN_PREFIX: &str = "iqn.2026-11.org.ramslog";
@@ -87,8 +87,9 @@ pub struct RunArgs {
     /// Portal address (repeatable). Default 127.0.0.1:3260.
     #[arg(long = "listen", value_name = "ADDR:PORT")]
     pub listen: Vec<SocketAddr>,
-    /// Initiator IQN allowed to log in to the command-line target (repeatable).
-    #[arg(long = "allow", value_name = "IQN")]
+    /// Initiator IQN allowed to log in to the command-line target
+    /// (repeatable); `IQN@192.0.2.0/24` also binds it to a source network.
+    #[arg(long = "allow", value_name = "IQN[@NETWORK]")]
     pub allow: Vec<String>,
     /// Let any initiator log in even on non-loopback addresses (unsafe for a SLOG).
     #[arg(long)]
@@ -196,7 +197,7 @@ pub struct TargetConfig {
     pub name: String,
     pub alias: Option<String>,
     /// Empty with `open_access`: anyone may log in.
-    pub allow: Vec<String>,
+    pub allow: Vec<AclEntry>,
     pub open_access: bool,
     pub chap: Option<ChapSecret>,
     pub mutual_chap: Option<ChapSecret>,
@@ -222,6 +223,13 @@ pub struct Config {
 /// of spinning on a current CPU, enough to catch the next command of a
 /// synchronous writer without a wake-up.
 pub const DEFAULT_ISER_SPIN: u32 = 2000;
+
+fn parse_acl(entries: &[String]) -> Result<Vec<AclEntry>, ConfigError> {
+    entries
+        .iter()
+        .map(|e| e.parse::<AclEntry>().map_err(invalid))
+        .collect()
+}
 
 fn read_secret(path: &PathBuf) -> Result<String, ConfigError> {
     let s = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -375,7 +383,7 @@ impl Config {
                     name: t.name,
                     alias: t.alias,
                     open_access: false,
-                    allow: t.allow,
+                    allow: parse_acl(&t.allow)?,
                     chap: chap(t.chap)?,
                     mutual_chap: chap(t.mutual_chap)?,
                     luns,
@@ -408,7 +416,7 @@ impl Config {
             targets.push(TargetConfig {
                 name: args.target_name.clone().unwrap_or_else(default_target_name),
                 alias: None,
-                allow: args.allow.clone(),
+                allow: parse_acl(&args.allow)?,
                 open_access: false,
                 chap,
                 mutual_chap,
@@ -521,10 +529,18 @@ mod tests {
         .unwrap();
         assert!(ok.targets[0].open_access);
         let acl = Config::load(&RunArgs {
-            allow: vec!["iqn.x".into()],
-            ..args
+            allow: vec!["iqn.x".into(), "iqn.y@192.0.2.7/24".into()],
+            ..args.clone()
         })
         .unwrap();
         assert!(!acl.targets[0].open_access);
+        assert_eq!(acl.targets[0].allow[1].to_string(), "iqn.y@192.0.2.0/24");
+        let e = Config::load(&RunArgs {
+            allow: vec!["iqn.y@192.0.2.300/24".into()],
+            ..args
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("IQN@192.0.2.0/24"), "{e}");
     }
 }

@@ -5,7 +5,9 @@
 //! Nothing here is touched per I/O; the engine copies what it needs at login.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
+
+use ipnet::IpNet;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -57,14 +59,90 @@ pub struct ChapSecret {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Acl {
     Any,
-    Only(Vec<String>),
+    Only(Vec<AclEntry>),
 }
 
 impl Acl {
-    pub fn allows(&self, initiator: &str) -> bool {
+    /// Whether `initiator`, connecting from `peer`, may log in.
+    pub fn allows(&self, initiator: &str, peer: IpAddr) -> bool {
         match self {
             Acl::Any => true,
-            Acl::Only(list) => list.iter().any(|a| a.eq_ignore_ascii_case(initiator)),
+            Acl::Only(list) => list.iter().any(|a| a.matches(initiator, peer)),
+        }
+    }
+}
+
+/// One ACL entry: an initiator name, optionally bound to a source network
+/// (`IQN@192.0.2.0/24`). Without CHAP the name is only a claim, so binding
+/// it to the host's network narrows who can use it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AclEntry {
+    pub initiator: String,
+    pub network: Option<IpNet>,
+}
+
+impl AclEntry {
+    /// An entry that accepts the initiator from any address.
+    pub fn any_address(initiator: &str) -> AclEntry {
+        AclEntry {
+            initiator: initiator.to_string(),
+            network: None,
+        }
+    }
+
+    fn matches(&self, initiator: &str, peer: IpAddr) -> bool {
+        self.initiator.eq_ignore_ascii_case(initiator)
+            && self
+                .network
+                .is_none_or(|net| net.contains(&peer.to_canonical()))
+    }
+}
+
+impl std::str::FromStr for AclEntry {
+    type Err = String;
+
+    /// `IQN` or `IQN@NETWORK/PREFIX` (a bare address means that one host).
+    fn from_str(s: &str) -> Result<AclEntry, String> {
+        let (name, net) = match s.rsplit_once('@') {
+            Some((name, net)) => (name, Some(net)),
+            None => (s, None),
+        };
+        if name.is_empty()
+            || name.len() > 223
+            || name.chars().any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(format!(
+                "ACL entry '{}': not an initiator name (write IQN or IQN@192.0.2.0/24)",
+                s.escape_debug()
+            ));
+        }
+        let network = match net {
+            None => None,
+            Some(n) => Some(
+                n.parse::<IpNet>()
+                    .or_else(|_| n.parse::<IpAddr>().map(IpNet::from))
+                    .map_err(|_| {
+                        format!(
+                            "ACL entry '{}': '{}' is not a network (write IQN@192.0.2.0/24 or IQN@2001:db8::/64)",
+                            s.escape_debug(),
+                            n.escape_debug()
+                        )
+                    })?
+                    .trunc(),
+            ),
+        };
+        Ok(AclEntry {
+            initiator: name.to_string(),
+            network,
+        })
+    }
+}
+
+impl std::fmt::Display for AclEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.network {
+            Some(n) => write!(f, "{}@{n}", self.initiator),
+            None => f.write_str(&self.initiator),
         }
     }
 }
@@ -85,10 +163,13 @@ pub trait SessionControl: Send + Sync {
     fn terminate(&self);
 }
 
+/// What identifies a session for reinstatement (RFC 7143 6.3.5): the
+/// initiator, its ISID and the target.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct SessionKey {
     pub initiator: String,
     pub isid: [u8; 6],
+    /// Empty for a discovery session.
     pub target: String,
 }
 
@@ -96,6 +177,7 @@ pub struct SessionKey {
 #[derive(Debug, Clone)]
 pub struct SessionInfo {
     pub key: SessionKey,
+    pub discovery: bool,
     pub tsih: u16,
     pub nexus: NexusId,
     pub peer: SocketAddr,
@@ -108,9 +190,17 @@ struct SessionEntry {
 
 #[derive(Default)]
 struct Sessions {
-    by_key: HashMap<SessionKey, SessionEntry>,
+    /// Keyed by TSIH, which is unique among live sessions.
+    by_tsih: HashMap<u16, SessionEntry>,
     next_tsih: u16,
     next_nexus: u32,
+}
+
+/// Why a session could not be opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum OpenSessionError {
+    #[error("no free session handle (TSIH)")]
+    NoFreeTsih,
 }
 
 pub struct Portal {
@@ -152,52 +242,80 @@ impl Portal {
         self.sessions.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Register a new session, reinstating (terminating) any session with the
-    /// same initiator, ISID and target. Returns the new TSIH and nexus id.
+    /// Register a new session. A normal session reinstates (terminates) the
+    /// normal session with the same initiator, ISID and target: the caller
+    /// has already passed that target's ACL and CHAP checks, the same ones the
+    /// old session passed. A discovery session never touches another session.
+    /// Returns the new TSIH and nexus id.
     pub fn open_session(
         &self,
         key: SessionKey,
+        discovery: bool,
         peer: SocketAddr,
         control: Arc<dyn SessionControl>,
-    ) -> (u16, NexusId) {
+    ) -> Result<(u16, NexusId), OpenSessionError> {
         let mut s = self.sessions();
-        let tsih = loop {
+        // Both searches are bounded: at most one full turn of each space.
+        let mut tsih = None;
+        for _ in 0..u16::MAX {
             let t = s.next_tsih;
             s.next_tsih = s.next_tsih.wrapping_add(1).max(1);
-            if !s.by_key.values().any(|e| e.info.tsih == t) {
-                break t;
+            if !s.by_tsih.contains_key(&t) {
+                tsih = Some(t);
+                break;
+            }
+        }
+        let tsih = tsih.ok_or(OpenSessionError::NoFreeTsih)?;
+        // A nexus id names an I_T nexus in the SCSI layer (reservations, unit
+        // attentions): after a wrap it must not collide with a live one.
+        let nexus = loop {
+            let n = NexusId(s.next_nexus);
+            s.next_nexus = s.next_nexus.wrapping_add(1).max(1);
+            if !s.by_tsih.values().any(|e| e.info.nexus == n) {
+                break n;
             }
         };
-        let nexus = NexusId(s.next_nexus);
-        s.next_nexus = s.next_nexus.wrapping_add(1).max(1);
+        if !discovery {
+            let old: Vec<u16> = s
+                .by_tsih
+                .iter()
+                .filter(|(_, e)| !e.info.discovery && e.info.key == key)
+                .map(|(t, _)| *t)
+                .collect();
+            for t in old {
+                if let Some(old) = s.by_tsih.remove(&t) {
+                    tracing::info!(
+                        initiator = %old.info.key.initiator.escape_debug(),
+                        tsih = old.info.tsih,
+                        "session reinstated: closing the old session with the same ISID"
+                    );
+                    old.control.terminate();
+                }
+            }
+        }
         let info = SessionInfo {
-            key: key.clone(),
+            key,
+            discovery,
             tsih,
             nexus,
             peer,
         };
-        if let Some(old) = s.by_key.insert(key, SessionEntry { info, control }) {
-            tracing::info!(
-                initiator = %old.info.key.initiator,
-                tsih = old.info.tsih,
-                "session reinstated: closing the old session with the same ISID"
-            );
-            old.control.terminate();
-        }
-        (tsih, nexus)
+        s.by_tsih.insert(tsih, SessionEntry { info, control });
+        Ok((tsih, nexus))
     }
 
-    /// Forget a session, unless it was already replaced by a reinstatement.
-    pub fn close_session(&self, key: &SessionKey, tsih: u16) {
+    /// Forget a session (a no-op if a reinstatement already replaced it and
+    /// its TSIH went to a newer session).
+    pub fn close_session(&self, tsih: u16, nexus: NexusId) {
         let mut s = self.sessions();
-        if s.by_key.get(key).is_some_and(|e| e.info.tsih == tsih) {
-            s.by_key.remove(key);
+        if s.by_tsih.get(&tsih).is_some_and(|e| e.info.nexus == nexus) {
+            s.by_tsih.remove(&tsih);
         }
     }
 
     pub fn sessions_info(&self) -> Vec<SessionInfo> {
         self.sessions()
-            .by_key
+            .by_tsih
             .values()
             .map(|e| e.info.clone())
             .collect()
@@ -205,7 +323,7 @@ impl Portal {
 
     /// End every session (shutdown).
     pub fn terminate_all(&self) {
-        for e in self.sessions().by_key.values() {
+        for e in self.sessions().by_tsih.values() {
             e.control.terminate();
         }
     }

@@ -5,6 +5,7 @@
 //! and the switch to full feature phase.
 
 use std::collections::HashSet;
+use std::net::IpAddr;
 
 use ramslog_common::iscsi::chap::{self, decode_binary, encode_hex};
 use ramslog_common::iscsi::{login, login_status, text, Bhs};
@@ -72,6 +73,8 @@ pub struct Login {
     pub params: Params,
     declared_mrdsl: bool,
     sent_tpgt: bool,
+    /// Where the login comes from, for ACL entries bound to networks.
+    peer: IpAddr,
 }
 
 /// A login response in the making: status and the key=value text.
@@ -94,7 +97,7 @@ impl Reply {
 }
 
 impl Login {
-    pub fn new(target_mrdsl: u32, transport: Transport) -> Login {
+    pub fn new(target_mrdsl: u32, transport: Transport, peer: IpAddr) -> Login {
         let mut params = Params::defaults(target_mrdsl);
         params.iser = transport == Transport::Iser;
         Login {
@@ -109,6 +112,7 @@ impl Login {
             params,
             declared_mrdsl: false,
             sent_tpgt: false,
+            peer,
         }
     }
 
@@ -320,7 +324,7 @@ impl Login {
                 let Some(t) = self.target.and_then(|t| portal.targets.get(t)) else {
                     return Reply::fail(login_status::MISSING_PARAMETER, stage_bits);
                 };
-                if !t.acl.allows(name) {
+                if !t.acl.allows(name, self.peer) {
                     tracing::warn!(initiator = %name, target = %t.name, "login refused: initiator not in the target's ACL");
                     return Reply::fail(login_status::FORBIDDEN, stage_bits);
                 }

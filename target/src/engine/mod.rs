@@ -22,7 +22,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ramslog_common::iscsi::{Bhs, Opcode, RejectReason, BHS_LEN, RESERVED_TAG};
+use ramslog_common::iscsi::{login_status, Bhs, Opcode, RejectReason, BHS_LEN, RESERVED_TAG};
 use ramslog_common::iser::RemoteBuffer;
 
 pub use login::SessionKind;
@@ -218,7 +218,7 @@ impl Connection {
             portal,
             info,
             control,
-            phase: Phase::Login(Box::new(Login::new(mrdsl, transport))),
+            phase: Phase::Login(Box::new(Login::new(mrdsl, transport, info.peer.ip()))),
             actions: VecDeque::with_capacity(64),
             timers,
             statsn: 0,
@@ -453,8 +453,24 @@ impl Connection {
                 let Phase::Login(login) = std::mem::replace(&mut self.phase, Phase::Closed) else {
                     return;
                 };
-                let session =
-                    Session::start(&self.portal, *login, self.info, self.control.clone(), cmdsn);
+                let session = match Session::start(
+                    &self.portal,
+                    *login,
+                    self.info,
+                    self.control.clone(),
+                    cmdsn,
+                ) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(peer = %self.info.peer, "login refused: {e}");
+                        rsp.set_flags(reply.flags & 0x0c);
+                        rsp.set_u16_at(36, login_status::OUT_OF_RESOURCES);
+                        rsp.set_data_segment_len(0);
+                        self.push_login_response(rsp, Vec::new());
+                        self.fail_close();
+                        return;
+                    }
+                };
                 rsp.set_tsih(session.tsih);
                 self.push_login_response(rsp, reply.text);
                 self.rx_header_digest = session.params.header_digest;

@@ -16,7 +16,7 @@ use ramslog_common::serial;
 use super::login::{Login, SessionKind};
 use super::params::Params;
 use super::{is_reserved, rejected_header, Action, ConnInfo, Out, OutData, OutPdu, ReadDest};
-use crate::portal::{Portal, SessionControl, SessionKey};
+use crate::portal::{OpenSessionError, Portal, SessionControl, SessionKey};
 use crate::scsi::{DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget};
 
 /// Data room of the Linux ib_iser initiator's full-feature receive buffers
@@ -86,7 +86,6 @@ pub(super) struct Session {
     pub tsih: u16,
     pub params: Params,
     kind: SessionKind,
-    key: SessionKey,
     nexus: NexusId,
     scsi: Option<Arc<ScsiTarget>>,
     target_name: Option<String>,
@@ -132,20 +131,23 @@ impl Session {
         info: ConnInfo,
         control: Arc<dyn SessionControl>,
         cmdsn: u32,
-    ) -> Session {
+    ) -> Result<Session, OpenSessionError> {
         let initiator_name = login.initiator_name.clone().unwrap_or_default();
-        let target = login.target.and_then(|t| portal.targets.get(t));
+        // A discovery session belongs to no target, whatever TargetName it
+        // named: it must never take a normal session's key.
+        let target = match login.kind {
+            SessionKind::Normal => login.target.and_then(|t| portal.targets.get(t)),
+            SessionKind::Discovery => None,
+        };
         let target_name = target.map(|t| t.name.clone());
         let key = SessionKey {
             initiator: initiator_name.clone(),
             isid: login.isid(),
             target: target_name.clone().unwrap_or_default(),
         };
-        let (tsih, nexus) = portal.open_session(key.clone(), info.peer, control);
-        let scsi = match login.kind {
-            SessionKind::Normal => target.map(|t| t.scsi.clone()),
-            SessionKind::Discovery => None,
-        };
+        let discovery = login.kind == SessionKind::Discovery;
+        let (tsih, nexus) = portal.open_session(key, discovery, info.peer, control)?;
+        let scsi = target.map(|t| t.scsi.clone());
         if let Some(scsi) = &scsi {
             scsi.attach(&Nexus {
                 id: nexus,
@@ -174,12 +176,11 @@ impl Session {
             // discovery session keeps its login buffer).
             params.initiator_mrdsl = params.initiator_mrdsl.min(LINUX_ISER_RECV_DATA);
         }
-        Session {
+        Ok(Session {
             portal: portal.clone(),
             tsih,
             params,
             kind: login.kind,
-            key,
             nexus,
             scsi,
             target_name,
@@ -200,7 +201,7 @@ impl Session {
             remote_write: None,
             remote_read: None,
             next_rdma_tag: 1,
-        }
+        })
     }
 
     pub fn set_remote_buffers(&mut self, write: Option<RemoteBuffer>, read: Option<RemoteBuffer>) {
@@ -214,7 +215,7 @@ impl Session {
         if let Some(scsi) = &self.scsi {
             scsi.detach(self.nexus);
         }
-        self.portal.close_session(&self.key, self.tsih);
+        self.portal.close_session(self.tsih, self.nexus);
         tracing::info!(peer = %self.info.peer, initiator = %self.initiator_name, tsih = self.tsih, "session ended");
     }
 
@@ -1075,7 +1076,7 @@ impl Session {
                                 .is_some_and(|n| n.eq_ignore_ascii_case(name)))
                 }
             };
-            if !wanted || !t.acl.allows(&self.initiator_name) {
+            if !wanted || !t.acl.allows(&self.initiator_name, self.info.peer.ip()) {
                 continue;
             }
             text::encode_pair(resp, "TargetName", &t.name);

@@ -10,7 +10,7 @@ use ramslog_common::iscsi::{login, login_status, text, tmf, Bhs, Opcode, RESERVE
 use ramslog_common::scsi_wire::{sense_key, status, Sense};
 
 use super::*;
-use crate::portal::{Acl, ChapSecret, Limits, Portal, SessionControl, TargetDef};
+use crate::portal::{Acl, AclEntry, ChapSecret, Limits, Portal, SessionControl, TargetDef};
 use crate::scsi::{Identity, LuConfig, Readiness, ScsiTarget};
 use crate::store::{HugePages, Store};
 
@@ -278,7 +278,7 @@ fn login_errors_have_the_right_status() {
             Limits::default(),
             None,
             None,
-            Acl::Only(vec!["iqn.other".into()]),
+            Acl::Only(vec![AclEntry::any_address("iqn.other")]),
         ));
         let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
         let r = h.login_pdu(flags, keys);

@@ -469,9 +469,13 @@ fn chap_cannot_be_bypassed_by_key_order() {
 // ---- sessions ----------------------------------------------------------------
 
 #[test]
-#[should_panic(expected = "defect 3")] // expected failure until fixed
 fn discovery_login_never_ends_a_normal_session() {
-    let portal = portal_with(Limits::default(), None, None, Acl::Only(vec![INI.into()]));
+    let portal = portal_with(
+        Limits::default(),
+        None,
+        None,
+        Acl::Only(vec![AclEntry::any_address(INI)]),
+    );
     let victim_flag = Arc::new(Flag::default());
     let mut victim = Harness::new(portal.clone());
     victim.conn = Connection::new(
@@ -546,4 +550,40 @@ fn unanswered_ping_closes_when_the_clock_steps_through_each_deadline() {
             .count();
     }
     assert_eq!(pings, 1, "one ping, then the connection is dropped");
+}
+
+#[test]
+fn acl_entries_bound_to_a_network_refuse_other_sources() {
+    // The harness connects from 127.0.0.1.
+    let status_for = |entry: &str| {
+        let acl = Acl::Only(vec![entry.parse().unwrap()]);
+        let mut h = Harness::new(portal_with(Limits::default(), None, None, acl));
+        let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
+        let r = h.login_pdu(
+            flags,
+            &[
+                ("InitiatorName", INI),
+                ("TargetName", IQN),
+                ("SessionType", "Normal"),
+            ],
+        );
+        r[0].bhs.u16_at(36)
+    };
+    assert_eq!(
+        status_for(&format!("{INI}@127.0.0.0/8")),
+        login_status::SUCCESS
+    );
+    assert_eq!(
+        status_for(&format!("{INI}@127.0.0.1")),
+        login_status::SUCCESS
+    );
+    assert_eq!(
+        status_for(&format!("{INI}@192.0.2.0/24")),
+        login_status::FORBIDDEN
+    );
+    assert_eq!(
+        status_for(&format!("{INI}@::1/128")),
+        login_status::FORBIDDEN
+    );
+    assert!("iqn.x@not-a-net".parse::<AclEntry>().is_err());
 }
