@@ -149,6 +149,9 @@ impl TimerTable {
     fn clear(&mut self, t: Timer) {
         self.0[t as usize] = None;
     }
+    fn is_set(&self, t: Timer) -> bool {
+        self.0[t as usize].is_some()
+    }
     fn expired(&self, t: Timer, now: Instant) -> bool {
         self.0[t as usize].is_some_and(|at| at <= now)
     }
@@ -355,6 +358,7 @@ impl Connection {
                 };
                 match s.handle_pdu(now, bhs, ahs, data, &mut out) {
                     session::Flow::Continue => {}
+                    // touch() above re-armed the idle interval.
                     session::Flow::PingAnswered => self.timers.clear(Timer::NopResponse),
                     session::Flow::Close => self.fail_close(),
                 }
@@ -374,7 +378,12 @@ impl Connection {
             self.fail_close();
         }
         if self.timers.expired(Timer::NopInterval, now) {
-            if let Phase::FullFeature(s) = &mut self.phase {
+            // One ping at a time: while one is outstanding its response
+            // deadline stands. Re-arming it on every interval would push the
+            // deadline forward forever and a dead peer would never be dropped.
+            self.timers.clear(Timer::NopInterval);
+            let ping_outstanding = self.timers.is_set(Timer::NopResponse);
+            if let (Phase::FullFeature(s), false) = (&mut self.phase, ping_outstanding) {
                 let mut out = Out {
                     q: &mut self.actions,
                     statsn: &mut self.statsn,
@@ -383,8 +392,6 @@ impl Connection {
                 self.timers
                     .set(Timer::NopResponse, now + self.portal.limits.nop_timeout);
             }
-            self.timers
-                .set(Timer::NopInterval, now + self.portal.limits.nop_interval);
         }
     }
 

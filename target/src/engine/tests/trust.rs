@@ -526,7 +526,6 @@ fn discovery_login_never_ends_a_normal_session() {
 /// initiator that never answers a ping must be dropped within
 /// NopInterval + NopTimeout.
 #[test]
-#[should_panic(expected = "defect 7")] // expected failure until fixed
 fn unanswered_ping_closes_when_the_clock_steps_through_each_deadline() {
     let mut h = logged_in();
     let start = h.now;
