@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -30,6 +31,10 @@ pub struct Limits {
     pub nop_timeout: Duration,
     /// How long a login may take from the first PDU to full feature phase.
     pub login_timeout: Duration,
+    /// Bytes of write data all sessions together may hold in staging
+    /// buffers (parameter lists and compare data the SCSI device must see
+    /// whole). Beyond it such commands get TASK SET FULL.
+    pub staging_budget: u64,
 }
 
 impl Default for Limits {
@@ -45,6 +50,7 @@ impl Default for Limits {
             nop_interval: Duration::from_secs(15),
             nop_timeout: Duration::from_secs(30),
             login_timeout: Duration::from_secs(30),
+            staging_budget: 128 << 20,
         }
     }
 }
@@ -212,13 +218,55 @@ pub struct Portal {
     /// Listen addresses, for SendTargets' TargetAddress (wildcards are replaced
     /// by the address the initiator connected to).
     pub listen: Vec<SocketAddr>,
+    /// Daemon-wide staging memory, shared by every session.
+    pub staging: StagingBudget,
     sessions: Mutex<Sessions>,
+}
+
+/// A byte budget shared by all connections: reservations never exceed it.
+#[derive(Debug)]
+pub struct StagingBudget {
+    used: AtomicU64,
+    limit: u64,
+}
+
+impl StagingBudget {
+    pub fn new(limit: u64) -> StagingBudget {
+        StagingBudget {
+            used: AtomicU64::new(0),
+            limit,
+        }
+    }
+
+    /// Take `bytes` from the budget; false (and nothing taken) if they do not fit.
+    pub fn reserve(&self, bytes: u64) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(bytes).filter(|n| *n <= self.limit)
+            })
+            .is_ok()
+    }
+
+    pub fn release(&self, bytes: u64) {
+        if bytes > 0 {
+            let _ = self
+                .used
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                    Some(used.saturating_sub(bytes))
+                });
+        }
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
 }
 
 impl Portal {
     pub fn new(targets: Vec<TargetDef>, limits: Limits, listen: Vec<SocketAddr>) -> Portal {
         Portal {
             targets,
+            staging: StagingBudget::new(limits.staging_budget),
             limits,
             discovery_chap: None,
             tpgt: 1,

@@ -23,11 +23,6 @@ use crate::scsi::{DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget};
 /// (`ISER_RECV_DATA_SEG_LEN`).
 const LINUX_ISER_RECV_DATA: u32 = 128;
 
-/// Bytes of write data one session may hold in staging buffers at once
-/// (multi-PDU LUN writes and parameter data). Beyond it new such commands get
-/// TASK SET FULL and the initiator retries: a hostile or runaway initiator
-/// cannot make the target allocate without bound.
-const STAGING_BUDGET: u64 = 64 << 20;
 /// Staging buffers up to this capacity are kept for reuse; larger ones are freed.
 const POOLED_BUFFER_MAX: usize = 1 << 20;
 
@@ -37,17 +32,68 @@ pub(super) enum Flow {
     Close,
 }
 
-/// One outstanding R2T.
+/// One data sequence the initiator is sending: the unsolicited one or the
+/// answer to one R2T. PDUs must come in order (DataPDUInOrder=Yes); a PDU
+/// out of order breaks the sequence, which still ends only with its F bit.
+#[derive(Debug, Clone, Copy)]
+struct Sequence {
+    /// Offset of the next byte expected.
+    next: u32,
+    /// The sequence may not go past this offset.
+    end: u32,
+    next_datasn: u32,
+    broken: bool,
+}
+
+impl Sequence {
+    fn new(start: u32, end: u32) -> Sequence {
+        Sequence {
+            next: start,
+            end,
+            next_datasn: 0,
+            broken: false,
+        }
+    }
+
+    /// Whether a PDU continues the sequence exactly; advances it if so.
+    fn take(&mut self, offset: u32, len: u32, datasn: u32) -> bool {
+        let fits = !self.broken
+            && datasn == self.next_datasn
+            && offset == self.next
+            && u64::from(offset) + u64::from(len) <= u64::from(self.end);
+        if fits {
+            self.next += len;
+            self.next_datasn = datasn.wrapping_add(1);
+        } else {
+            self.broken = true;
+        }
+        fits
+    }
+}
+
+/// One outstanding R2T: the burst [offset, seq.end).
 #[derive(Debug, Clone, Copy)]
 struct R2t {
     ttt: u32,
-    offset: u32,
-    len: u32,
-    received: u32,
-    next_datasn: u32,
+    seq: Sequence,
+}
+
+/// Why a write-direction command will fail once its data transfer is over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WriteFailure {
+    /// A data sequence broke the rules (ABORTED COMMAND, DATA PHASE ERROR).
+    DataPhase,
+    /// Data could not be placed (HARDWARE ERROR).
+    Placement,
 }
 
 /// A write-direction command waiting for its data.
+///
+/// Which byte ranges arrived is structural, never a count: the unsolicited
+/// sequence covers [0, its end), each R2T one disjoint burst after it, and
+/// each sequence only grows by exactly its next bytes. The write is whole
+/// when the unsolicited sequence ended, every solicited range was asked for,
+/// and every burst ended complete.
 struct Task {
     itt: u32,
     lun: u64,
@@ -56,29 +102,39 @@ struct Task {
     moved: u32,
     /// Bytes the initiator may send: its ExpectedDataTransferLength.
     edtl: u32,
-    /// Data received within [0, moved).
-    received: u32,
-    /// Unsolicited data ends here (immediate data + unsolicited Data-Out).
-    unsol_end: u32,
-    unsol_next_offset: u32,
-    unsol_next_datasn: u32,
-    unsol_done: bool,
+    /// Immediate data and unsolicited Data-Out; `None` once it ended.
+    unsolicited: Option<Sequence>,
     /// Next offset not yet covered by unsolicited data or an R2T.
     solicit_next: u32,
     r2tsn: u32,
     r2ts: Vec<R2t>,
-    /// Data for a LUN write that spans several PDUs is gathered here and only
-    /// copied to the LUN once all of it arrived: a connection lost mid-write
-    /// changes no block.
-    staged: bool,
+    /// Data the SCSI device must see whole before acting (parameter lists,
+    /// compare data): gathered here. LUN writes go straight to the LUN.
     buf: Vec<u8>,
+    /// Bytes of the daemon's staging budget this task holds.
+    staged: u64,
     /// iSER: the initiator's buffer holding the write data that was not sent
-    /// unsolicited: its address is that of byte `unsol_end` as the command
+    /// unsolicited: its address is that of byte `remote_base` as the command
     /// arrived (RFC 7145 9.2; Linux sets it to buffer + unsolicited length).
     remote: Option<RemoteBuffer>,
     remote_base: u32,
     /// iSER: the RDMA READ in flight, as (tag, offset, len).
     rdma_read: Option<(u32, u32, u32)>,
+    /// Set once the command is bound to fail; its status waits until no
+    /// sequence of it is open and no RDMA READ of it is in flight, because
+    /// after the status the initiator may reuse the ITT.
+    failure: Option<WriteFailure>,
+}
+
+impl Task {
+    /// Nothing of this task can still arrive.
+    fn transfer_quiet(&self) -> bool {
+        self.unsolicited.is_none() && self.r2ts.is_empty() && self.rdma_read.is_none()
+    }
+
+    fn fail(&mut self, why: WriteFailure) {
+        self.failure.get_or_insert(why);
+    }
 }
 
 pub(super) struct Session {
@@ -101,8 +157,6 @@ pub(super) struct Session {
     ping_ttt: Option<u32>,
     text_rx: Vec<u8>,
     text_tx: Option<(u32, Vec<u8>)>,
-    /// Bytes currently held in tasks' staging buffers.
-    staged_bytes: u64,
     ended: bool,
     /// iSER: the tagged buffers of the PDU being handled.
     remote_write: Option<RemoteBuffer>,
@@ -196,7 +250,6 @@ impl Session {
             ping_ttt: None,
             text_rx: Vec::new(),
             text_tx: None,
-            staged_bytes: 0,
             ended: false,
             remote_write: None,
             remote_read: None,
@@ -212,6 +265,9 @@ impl Session {
     /// Release the session: the I_T nexus is lost.
     pub fn end(mut self: Box<Self>) {
         self.ended = true;
+        for task in std::mem::take(&mut self.tasks) {
+            self.portal.staging.release(task.staged);
+        }
         if let Some(scsi) = &self.scsi {
             scsi.detach(self.nexus);
         }
@@ -476,114 +532,114 @@ impl Session {
             self.respond(out, itt, status::TASK_SET_FULL, None, residual);
             return;
         }
+        // Immediate data is the unsolicited sequence's first piece; Data-Out
+        // PDUs continue it from DataSN 0.
+        let unsolicited = Sequence::new(data.len() as u32, unsol_end);
         let mut task = Task {
             itt,
             lun,
             plan,
             moved,
             edtl: edtl_out,
-            received: 0,
-            unsol_end,
-            unsol_next_offset: data.len() as u32,
-            unsol_next_datasn: 0,
-            unsol_done: unsol_end == data.len() as u32,
+            unsolicited: Some(unsolicited),
             solicit_next: unsol_end,
             r2tsn: 0,
             r2ts: Vec::new(),
-            staged: false,
-            buf: self.spare_bufs.pop().unwrap_or_default(),
+            buf: Vec::new(),
+            staged: 0,
             remote: self.remote_write,
             remote_base: unsol_end,
             rdma_read: None,
+            failure: None,
         };
+        if unsol_end == data.len() as u32 {
+            task.unsolicited = None;
+        }
         if self.params.iser && unsol_end < moved && task.remote.is_none() {
             // The rest must be RDMA-read, but the command named no buffer.
-            self.finish_task(task);
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
         }
-        // iSER writes go straight into LUN memory: an unacknowledged write
-        // may leave its blocks partly written, as on any disk.
-        task.staged = matches!(task.plan.out_placement, OutPlacement::Store { .. })
-            && (data.len() as u32) < moved
-            && !self.params.iser;
-        if matches!(task.plan.out_placement, OutPlacement::Buffer) || task.staged {
-            if self.staged_bytes + u64::from(moved) > STAGING_BUDGET {
-                self.finish_task(task);
+        if matches!(task.plan.out_placement, OutPlacement::Buffer) {
+            if !self.portal.staging.reserve(u64::from(moved)) {
+                tracing::debug!(itt, moved, "staging budget exhausted: TASK SET FULL");
                 self.respond(out, itt, status::TASK_SET_FULL, None, residual);
                 return;
             }
-            self.staged_bytes += u64::from(moved);
+            task.staged = u64::from(moved);
+            task.buf = self.spare_bufs.pop().unwrap_or_default();
             task.buf.clear();
             task.buf.resize(moved as usize, 0);
         }
-        self.accept_data(out, &scsi, task, 0, data, residual);
+        if !data.is_empty() && !self.place(&mut task, 0, data) {
+            task.fail(WriteFailure::Placement);
+        }
+        self.advance(out, &scsi, task);
     }
 
-    /// Place one piece of a write's data, then complete the command or ask for
-    /// more.
-    fn accept_data(
-        &mut self,
-        out: &mut Out,
-        scsi: &Arc<ScsiTarget>,
-        mut task: Task,
-        offset: u32,
-        data: &[u8],
-        residual: Residual,
-    ) {
-        if !data.is_empty() && !self.place(&mut task, offset, data) {
-            let itt = task.itt;
-            self.finish_task(task);
-            let s = Sense::new(sense_key::HARDWARE_ERROR, 0x44, 0);
-            self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
-            return;
+    /// After any event of a write: complete it, fail it, or ask for more
+    /// data and keep waiting.
+    fn advance(&mut self, out: &mut Out, scsi: &Arc<ScsiTarget>, mut task: Task) {
+        let residual = Residual::between(task.edtl, task.plan.data_out_len);
+        if task.failure.is_none() && task.unsolicited.is_none() && !self.solicit(out, &mut task) {
+            task.fail(WriteFailure::DataPhase);
         }
-        if task.received >= task.moved {
-            self.complete_write(out, scsi, task, residual);
-            return;
-        }
-        if self.solicit(out, &mut task) {
+        if !task.transfer_quiet() {
             self.tasks.push(task);
             return;
         }
-        let itt = task.itt;
-        self.finish_task(task);
-        // ABORTED COMMAND, DATA PHASE ERROR: the initiator may retry.
-        let s = Sense::new(sense_key::ABORTED_COMMAND, 0x4b, 0x00);
-        self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
+        match task.failure {
+            Some(why) => {
+                let itt = task.itt;
+                self.finish_task(task);
+                let s = match why {
+                    // ABORTED COMMAND, DATA PHASE ERROR: the initiator may retry.
+                    WriteFailure::DataPhase => Sense::new(sense_key::ABORTED_COMMAND, 0x4b, 0x00),
+                    WriteFailure::Placement => Sense::new(sense_key::HARDWARE_ERROR, 0x44, 0),
+                };
+                self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
+            }
+            None if task.solicit_next >= task.moved => {
+                self.complete_write(out, scsi, task, residual)
+            }
+            // Quiet but not whole cannot happen: solicit() asked for the rest.
+            None => self.tasks.push(task),
+        }
     }
 
     /// Copy data-out bytes at `offset` into the LUN or the task buffer,
-    /// ignoring what lies past the bytes the command consumes.
+    /// ignoring what lies past the bytes the command consumes. Each byte of
+    /// the transfer belongs to exactly one sequence, so nothing is placed twice.
     fn place(&self, task: &mut Task, offset: u32, data: &[u8]) -> bool {
-        let end = (offset as u64 + data.len() as u64).min(task.moved as u64);
-        if (offset as u64) >= end {
+        let end = (u64::from(offset) + data.len() as u64).min(u64::from(task.moved));
+        if u64::from(offset) >= end {
             return true;
         }
-        let useful = &data[..(end - offset as u64) as usize];
-        let ok = match task.plan.out_placement {
-            OutPlacement::Store { offset: base } if !task.staged => self
+        let useful = &data[..(end - u64::from(offset)) as usize];
+        match task.plan.out_placement {
+            // The policy for both transports: LUN writes land in the LUN as
+            // they arrive (iSER's RDMA READ does the same). A write that is
+            // never answered GOOD may leave its blocks partly written, as on
+            // any disk; GOOD comes only when every byte is in place.
+            OutPlacement::Store { offset: base } => self
                 .scsi
                 .as_ref()
                 .and_then(|s| s.lu(task.lun))
-                .is_some_and(|lu| lu.store().write(base + offset as u64, useful).is_ok()),
-            OutPlacement::Store { .. } | OutPlacement::Buffer => {
-                match task.buf.get_mut(offset as usize..end as usize) {
-                    Some(dst) => {
-                        dst.copy_from_slice(useful);
-                        true
-                    }
-                    None => false,
+                .is_some_and(|lu| lu.store().write(base + u64::from(offset), useful).is_ok()),
+            OutPlacement::Buffer => match task.buf.get_mut(offset as usize..end as usize) {
+                Some(dst) => {
+                    dst.copy_from_slice(useful);
+                    true
                 }
-            }
+                None => false,
+            },
             OutPlacement::None => true,
-        };
-        task.received += useful.len() as u32;
-        ok
+        }
     }
 
     /// Send R2Ts for the next ranges, up to MaxOutstandingR2T; over iSER,
-    /// one RDMA READ of everything not sent unsolicited.
+    /// one RDMA READ of everything not sent unsolicited. Called only once
+    /// the unsolicited sequence ended, so a short one is simply continued.
     fn solicit(&mut self, out: &mut Out, task: &mut Task) -> bool {
         if self.params.iser {
             return self.solicit_rdma(out, task);
@@ -591,15 +647,9 @@ impl Session {
         while task.solicit_next < task.moved
             && (task.r2ts.len() as u32) < self.params.max_outstanding_r2t
         {
-            let len = (task.moved - task.solicit_next).min(self.params.max_burst_len);
+            let offset = task.solicit_next;
+            let len = (task.moved - offset).min(self.params.max_burst_len);
             let ttt = self.new_ttt();
-            let r2t = R2t {
-                ttt,
-                offset: task.solicit_next,
-                len,
-                received: 0,
-                next_datasn: 0,
-            };
             let mut b = Bhs::new(Opcode::ReadyToTransfer);
             b.set_final(true)
                 .set_lun(self.lun_wire(task.lun))
@@ -607,12 +657,15 @@ impl Session {
                 .set_ttt(ttt)
                 .set_statsn(out.peek_statsn())
                 .set_datasn(task.r2tsn)
-                .set_buffer_offset(r2t.offset)
+                .set_buffer_offset(offset)
                 .set_residual(len);
             self.stamp(&mut b);
             task.r2tsn = task.r2tsn.wrapping_add(1);
             task.solicit_next += len;
-            task.r2ts.push(r2t);
+            task.r2ts.push(R2t {
+                ttt,
+                seq: Sequence::new(offset, offset + len),
+            });
             let pdu = self.pdu(b, OutData::None);
             out.push(pdu);
         }
@@ -621,7 +674,7 @@ impl Session {
 
     /// False when the data cannot be fetched: the command must fail.
     fn solicit_rdma(&mut self, out: &mut Out, task: &mut Task) -> bool {
-        if !task.unsol_done || task.rdma_read.is_some() || task.solicit_next >= task.moved {
+        if task.rdma_read.is_some() || task.solicit_next >= task.moved {
             return true;
         }
         let (offset, len) = (task.solicit_next, task.moved - task.solicit_next);
@@ -679,15 +732,14 @@ impl Session {
         let Some((_, offset, len)) = task.rdma_read.take() else {
             return;
         };
-        let residual = Residual::between(task.edtl, task.plan.data_out_len);
-        if matches!(task.plan.out_placement, OutPlacement::Store { .. }) {
-            // The HCA already placed it in LUN memory.
-            task.received += len;
-            self.accept_data(out, &scsi, task, offset, &[], residual);
-        } else {
-            let data = &data[..data.len().min(len as usize)];
-            self.accept_data(out, &scsi, task, offset, data, residual);
+        // For the store the HCA already placed the bytes in LUN memory.
+        if matches!(task.plan.out_placement, OutPlacement::Buffer)
+            && task.failure.is_none()
+            && !self.place(&mut task, offset, &data[..data.len().min(len as usize)])
+        {
+            task.fail(WriteFailure::Placement);
         }
+        self.advance(out, &scsi, task);
     }
 
     fn lun_wire(&self, lun: u64) -> u64 {
@@ -700,8 +752,8 @@ impl Session {
 
     fn data_out(&mut self, bhs: &Bhs, data: &[u8], out: &mut Out) {
         let Some(idx) = self.tasks.iter().position(|t| t.itt == bhs.itt()) else {
-            // Data for a command that already ended (failed early, aborted) is
-            // still in flight from the initiator: drop it without a fuss.
+            // Data for a command that already ended (aborted, or failed before
+            // any data was asked for) may still be in flight: drop it.
             return;
         };
         let Some(scsi) = self.scsi.clone() else {
@@ -712,63 +764,56 @@ impl Session {
         let len = data.len() as u32;
         let datasn = bhs.datasn();
         let ttt = bhs.ttt();
-        let residual = Residual::between(task.edtl, task.plan.data_out_len);
-        let in_order = if is_reserved(ttt) {
-            let ok = !task.unsol_done
-                && datasn == task.unsol_next_datasn
-                && offset == task.unsol_next_offset
-                && offset as u64 + len as u64 <= task.unsol_end as u64;
-            if ok {
-                task.unsol_next_datasn = datasn.wrapping_add(1);
-                task.unsol_next_offset = offset + len;
-                if bhs.final_bit() {
-                    task.unsol_done = true;
-                    if task.unsol_next_offset < task.unsol_end {
-                        // The initiator stopped short: solicit the rest.
-                        task.solicit_next = task.solicit_next.min(task.unsol_next_offset);
-                        task.unsol_end = task.unsol_next_offset;
+        let last = bhs.final_bit();
+        let placed_ok = if is_reserved(ttt) {
+            match task.unsolicited.as_mut() {
+                Some(seq) => {
+                    let fits = seq.take(offset, len, datasn);
+                    if last {
+                        if !seq.broken && seq.next < seq.end {
+                            // Unsolicited data may end early: what is missing
+                            // is solicited with ordinary R2Ts.
+                            task.solicit_next = seq.next;
+                        }
+                        if seq.broken {
+                            task.fail(WriteFailure::DataPhase);
+                        }
+                        task.unsolicited = None;
                     }
+                    fits
                 }
+                None => false,
             }
-            ok
         } else {
             match task.r2ts.iter().position(|r| r.ttt == ttt) {
                 Some(ri) => {
-                    let r = &mut task.r2ts[ri];
-                    let ok = datasn == r.next_datasn
-                        && offset == r.offset + r.received
-                        && r.received as u64 + len as u64 <= r.len as u64;
-                    if ok {
-                        r.next_datasn = datasn.wrapping_add(1);
-                        r.received += len;
-                        if bhs.final_bit() {
-                            if r.received < r.len {
-                                // Burst ended early: ask again for what is missing.
-                                task.solicit_next = task.solicit_next.min(r.offset + r.received);
-                            }
-                            task.r2ts.swap_remove(ri);
+                    let seq = &mut task.r2ts[ri].seq;
+                    let fits = seq.take(offset, len, datasn);
+                    if last {
+                        if seq.broken || seq.next < seq.end {
+                            // A solicited burst must deliver what its R2T
+                            // asked for: ending early is a data-sequence error.
+                            task.fail(WriteFailure::DataPhase);
                         }
+                        task.r2ts.swap_remove(ri);
                     }
-                    ok
+                    fits
                 }
                 None => false,
             }
         };
-        if !in_order {
+        if !placed_ok {
             tracing::warn!(
                 itt = task.itt,
                 datasn,
                 offset,
-                "Data-Out out of sequence; failing the command"
+                "Data-Out out of sequence; the command will fail once its transfer is over"
             );
-            let itt = task.itt;
-            self.finish_task(task);
-            // ABORTED COMMAND, DATA PHASE ERROR: the initiator may retry.
-            let s = Sense::new(sense_key::ABORTED_COMMAND, 0x4b, 0x00);
-            self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
-            return;
+            task.fail(WriteFailure::DataPhase);
+        } else if task.failure.is_none() && !self.place(&mut task, offset, data) {
+            task.fail(WriteFailure::Placement);
         }
-        self.accept_data(out, &scsi, task, offset, data, residual);
+        self.advance(out, &scsi, task);
     }
 
     fn complete_write(
@@ -779,25 +824,12 @@ impl Session {
         residual: Residual,
     ) {
         let moved = task.moved as usize;
-        let (itt, plan) = (task.itt, task.plan);
-        if let (OutPlacement::Store { offset }, true) = (plan.out_placement, task.staged) {
-            let copied = scsi.lu(task.lun).is_some_and(|lu| {
-                task.buf
-                    .get(..moved)
-                    .is_some_and(|d| lu.store().write(offset, d).is_ok())
-            });
-            if !copied {
-                self.finish_task(task);
-                let s = Sense::new(sense_key::HARDWARE_ERROR, 0x44, 0);
-                self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
-                return;
-            }
-        }
-        let data: &[u8] = match plan.out_placement {
+        let data: &[u8] = match task.plan.out_placement {
             OutPlacement::Buffer => task.buf.get(..moved).unwrap_or(&[]),
             _ => &[],
         };
-        let result = scsi.execute(self.nexus, &plan, data, &mut self.data_in);
+        let result = scsi.execute(self.nexus, &task.plan, data, &mut self.data_in);
+        let itt = task.itt;
         self.finish_task(task);
         match result {
             Ok(_) => self.respond(out, itt, status::GOOD, None, residual),
@@ -806,9 +838,8 @@ impl Session {
     }
 
     fn finish_task(&mut self, mut task: Task) {
-        if !task.buf.is_empty() {
-            self.staged_bytes = self.staged_bytes.saturating_sub(task.buf.len() as u64);
-        }
+        self.portal.staging.release(task.staged);
+        task.staged = 0;
         task.buf.clear();
         let cap = task.buf.capacity();
         if cap > 0 && cap <= POOLED_BUFFER_MAX && self.spare_bufs.len() < 8 {

@@ -507,27 +507,56 @@ fn r2t_path_solicits_every_byte() {
 }
 
 #[test]
-fn staging_is_bounded_per_session() {
-    let mut h = Harness::new(portal_sized(
-        128 << 20,
-        Limits::default(),
+fn staging_is_bounded_across_sessions() {
+    // LUN writes go straight to the LUN; only data the SCSI device must see
+    // whole (here VERIFY with BYTCHK=1) is staged, from one daemon-wide budget.
+    let portal = portal_sized(
+        8 << 20,
+        Limits {
+            staging_budget: 64 << 10,
+            ..Limits::default()
+        },
         None,
         None,
         Acl::Any,
-    ));
-    h.login(&[("InitialR2T", "Yes"), ("ImmediateData", "Yes")]);
-    // 16 MiB writes whose data never comes: four fit the 64 MiB budget.
-    for i in 0..4u32 {
-        let (_, r) = h.command(&write10(i * 32768, 32768), 0xa1, 16 << 20, &[]);
-        assert_eq!(r.len(), 1, "one R2T, no status yet");
-        assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
-    }
-    let (_, r) = h.command(&write10(4 * 32768, 32768), 0xa1, 16 << 20, &[]);
+    );
+    let mut a = Harness::new(portal.clone());
+    a.login(&[("InitialR2T", "Yes"), ("ImmediateData", "Yes")]);
+    let mut verify = write10(0, 64);
+    verify[0] = 0x2f;
+    verify[1] = 0x02; // BYTCHK=1: 32 KiB of data to compare
+    let (_, r) = a.command(&verify, 0xa1, 32768, &[]);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
+    let (itt, r) = a.command(&verify, 0xa1, 32768, &[]);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
+    let ttt = r[0].bhs.ttt();
+    // A second session shares the budget.
+    let mut b = Harness::new(portal.clone());
+    b.login(&[("InitialR2T", "Yes"), ("ImmediateData", "Yes")]);
+    let (_, r) = b.command(&verify, 0xa1, 32768, &[]);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
     assert_eq!(r[0].bhs.0[3], status::TASK_SET_FULL);
+    // A LUN write of any size needs no staging.
+    let (_, r) = b.command(&write10(0, 8192), 0xa1, 4 << 20, &[]);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
+    // Finishing one VERIFY frees its share.
+    let mut d = Bhs::new(Opcode::DataOut);
+    d.set_final(true)
+        .set_itt(itt)
+        .set_ttt(ttt)
+        .set_buffer_offset(0)
+        .set_datasn(0);
+    let r = a.send(&d, &vec![0u8; 32768]);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
+    assert_eq!(portal.staging.used(), 32768);
+    let (_, r) = b.command(&verify, 0xa1, 32768, &[]);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
     // Immediate data beyond FirstBurstLength is a protocol error.
-    let (_, r) = h.command(&write10(0, 256), 0xa1, 131072, &vec![0u8; 65536 + 512]);
+    let (_, r) = b.command(&write10(0, 256), 0xa1, 131072, &vec![0u8; 65536 + 512]);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::Reject));
+    drop(a);
+    drop(b);
+    assert_eq!(portal.staging.used(), 0, "every reservation returned");
 }
 
 #[test]
@@ -558,13 +587,18 @@ fn bad_datasn_fails_the_command() {
         .set_ttt(RESERVED_TAG)
         .set_buffer_offset(0)
         .set_datasn(27);
+    // The status waits until the sequence ends: once it is out the
+    // initiator may reuse the ITT, and late Data-Out would land there.
+    assert!(h.send(&d, &[0u8; 512]).is_empty());
+    d.set_final(true).set_datasn(28).set_buffer_offset(512);
     let r = h.send(&d, &[0u8; 512]);
     assert_eq!(r.len(), 1);
     assert_eq!(r[0].bhs.0[3], status::CHECK_CONDITION);
-    assert_eq!(sense_of(&r[0]).key, sense_key::ABORTED_COMMAND);
-    // The rest of that command's data is dropped quietly.
-    d.set_final(true).set_datasn(28).set_buffer_offset(512);
-    assert!(h.send(&d, &[0u8; 512]).is_empty());
+    let s = sense_of(&r[0]);
+    assert_eq!(
+        (s.key, s.asc, s.ascq),
+        (sense_key::ABORTED_COMMAND, 0x4b, 0)
+    );
     assert!(!h.closed);
 }
 
