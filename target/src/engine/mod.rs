@@ -298,6 +298,11 @@ impl Connection {
         self.actions.pop_front()
     }
 
+    /// Entries waiting in the action queue (a Data-In stream counts once).
+    pub fn queued_actions(&self) -> usize {
+        self.actions.len()
+    }
+
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.timers.next()
     }

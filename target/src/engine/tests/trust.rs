@@ -584,3 +584,79 @@ fn acl_entries_bound_to_a_network_refuse_other_sources() {
     );
     assert!("iqn.x@not-a-net".parse::<AclEntry>().is_err());
 }
+
+// ---- the command window -----------------------------------------------------
+
+/// MaxCmdSN = ExpCmdSN + window − 1 − (non-immediate commands not yet
+/// answered): with every slot waiting for data the window is shut, and a
+/// command beyond the advertised MaxCmdSN is dropped.
+#[test]
+#[should_panic(expected = "defect 4")] // expected failure until fixed
+fn max_cmdsn_closes_while_commands_wait_for_data() {
+    let mut h = harness_with_limits(Limits {
+        cmd_window: 4,
+        ..Limits::default()
+    });
+    h.login(&[("InitialR2T", "Yes"), ("ImmediateData", "No")]);
+    let mut last_r2t = None;
+    let mut itts = Vec::new();
+    for i in 0..4u32 {
+        let (itt, r) = h.command(&write10(i * 8, 8), 0xa1, 4096, &[]);
+        assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
+        itts.push((itt, r[0].bhs.ttt()));
+        last_r2t = Some(r.into_iter().next().unwrap());
+    }
+    let r2t = last_r2t.unwrap();
+    assert_eq!(
+        r2t.bhs.max_cmdsn(),
+        r2t.bhs.exp_cmdsn().wrapping_sub(1),
+        "defect 4: four commands wait for data, the window must be shut"
+    );
+    // Beyond MaxCmdSN: dropped, no answer.
+    let (_, r) = h.command(&[0; 6], 0x81, 0, &[]);
+    assert!(
+        r.is_empty(),
+        "defect 4: a command beyond MaxCmdSN was executed"
+    );
+    h.cmdsn -= 1;
+    // Answering one write reopens the window by one.
+    let (itt, ttt) = itts[0];
+    let r = h.send(&data_out(itt, ttt, 0, 0, true), &[0u8; 4096]);
+    assert_eq!(r[0].bhs.0[3], status::GOOD);
+    assert_eq!(r[0].bhs.max_cmdsn(), r[0].bhs.exp_cmdsn());
+    let (_, r) = h.command(&[0; 6], 0x81, 0, &[]);
+    assert_eq!(r[0].bhs.0[3], status::GOOD);
+}
+
+/// Data-In is produced as the driver takes it: a 16 MiB READ to an
+/// initiator that receives 512-byte segments queues one item, not 32768 PDUs.
+#[test]
+#[should_panic(expected = "defect 4")] // expected failure until fixed
+fn data_in_is_produced_as_the_driver_takes_it() {
+    let mut h = Harness::new(portal_sized(
+        32 << 20,
+        Limits::default(),
+        None,
+        None,
+        Acl::Any,
+    ));
+    h.login(&[("MaxRecvDataSegmentLength", "512")]);
+    let itt = h.next_itt();
+    let mut b = Bhs::new(Opcode::ScsiCommand);
+    b.set_flags(0xc1)
+        .set_itt(itt)
+        .set_expected_data_len(16 << 20)
+        .set_cmdsn(h.cmdsn);
+    h.cmdsn += 1;
+    b.0[32..42].copy_from_slice(&read10(0, 32768));
+    h.conn.handle_pdu(h.now, &b, &[], &[]);
+    assert!(
+        h.conn.queued_actions() <= 4,
+        "defect 4: {} actions queued for one READ",
+        h.conn.queued_actions()
+    );
+    let r = h.drain();
+    assert_eq!(r.len(), 32768);
+    assert!(r.iter().all(|p| p.data.len() == 512));
+    assert_eq!(r.last().unwrap().bhs.flags() & 0x81, 0x81);
+}

@@ -1,0 +1,80 @@
+//! Hostile clients against the real `ramslog-target` binary: raw PDUs over
+//! TCP on 127.0.0.1, one case per class of abuse. Each case checks the
+//! answer (Reject, sense, closed connection), that memory stays bounded, and
+//! that a bystander session keeps working with no block changed.
+//!
+//! Memory is peak VmRSS minus the LUN bytes (the LUN is locked in RAM at
+//! start), sampled every 100 ms; each case records its figure in
+//! `build/hostile/memory.json`.
+
+mod flood;
+mod memory;
+
+use std::time::Duration;
+
+use ramslog_common::iscsi::{Bhs, Opcode};
+use ramslog_common::scsi_wire::sense_key;
+use ramslog_initiator::{Connection, LoginParams, Session};
+use ramslog_tests::TargetProcess;
+
+pub const INITIATOR: &str = "iqn.2026-11.org.ramslog:hostile";
+pub const BYSTANDER: &str = "iqn.2026-11.org.ramslog:bystander";
+/// Per-connection and total bounds the issue sets (bytes above the LUN).
+pub const PER_CONNECTION_LIMIT: u64 = 64 << 20;
+pub const TOTAL_LIMIT: u64 = 256 << 20;
+
+/// A well-behaved session with a known pattern on the LUN, checked after the abuse.
+pub struct Bystander {
+    s: Session,
+    pattern: Vec<u8>,
+    lba: u64,
+}
+
+impl Bystander {
+    pub async fn new(t: &TargetProcess, lba: u64) -> Bystander {
+        let s = Session::login(t.addr(), LoginParams::normal(BYSTANDER, t.target_name()))
+            .await
+            .expect("bystander login");
+        for _ in 0..8 {
+            let r = s.test_unit_ready(0).await.expect("TEST UNIT READY");
+            if r.sense.is_none_or(|x| x.key != sense_key::UNIT_ATTENTION) {
+                break;
+            }
+        }
+        let pattern: Vec<u8> = (0..65536).map(|_| rand::random::<u8>()).collect();
+        s.write(0, lba, &pattern, true).await.expect("canary write");
+        Bystander { s, pattern, lba }
+    }
+
+    pub async fn still_fine(&self) {
+        let got = tokio::time::timeout(Duration::from_secs(20), self.s.read(0, self.lba, 128, 512))
+            .await
+            .expect("bystander read timed out: the target stopped serving")
+            .expect("bystander read");
+        assert!(got == self.pattern, "a block changed under the bystander");
+    }
+}
+
+pub async fn raw_login(t: &TargetProcess, tweak: impl FnOnce(&mut LoginParams)) -> Connection {
+    let mut c = Connection::connect(t.addr()).await.expect("connect");
+    let mut p = LoginParams::normal(INITIATOR, t.target_name());
+    tweak(&mut p);
+    c.login(&p).await.expect("login");
+    c
+}
+
+pub fn scsi_cmd(c: &mut Connection, cdb: &[u8], flags: u8, edtl: u32) -> Bhs {
+    let mut b = Bhs::new(Opcode::ScsiCommand);
+    b.set_flags(flags)
+        .set_itt(c.next_itt())
+        .set_expected_data_len(edtl);
+    b.0[32..32 + cdb.len()].copy_from_slice(cdb);
+    c.fill_sn(&mut b, false);
+    b
+}
+
+pub fn read10(lba: u32, blocks: u16) -> [u8; 10] {
+    let l = lba.to_be_bytes();
+    let n = blocks.to_be_bytes();
+    [0x28, 0, l[0], l[1], l[2], l[3], 0, n[0], n[1], 0]
+}
