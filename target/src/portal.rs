@@ -35,6 +35,9 @@ pub struct Limits {
     /// buffers (parameter lists and compare data the SCSI device must see
     /// whole). Beyond it such commands get TASK SET FULL.
     pub staging_budget: u64,
+    /// A connection whose output (responses, Data-In) makes no progress this
+    /// long is closed: its peer stopped reading.
+    pub output_stall_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -51,6 +54,7 @@ impl Default for Limits {
             nop_timeout: Duration::from_secs(30),
             login_timeout: Duration::from_secs(30),
             staging_budget: 128 << 20,
+            output_stall_timeout: Duration::from_secs(30),
         }
     }
 }

@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ramslog_common::iscsi::{digest, padded, Bhs, PduLayout, BHS_LEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -65,6 +65,7 @@ async fn run_connection(
         terminated: AtomicBool::new(false),
         notify: Notify::new(),
     });
+    let stall_limit = portal.limits.output_stall_timeout;
     let mut conn = Connection::new(
         portal,
         ConnInfo { local, peer },
@@ -72,19 +73,47 @@ async fn run_connection(
         Instant::now(),
     );
     let mut rx = RxBuffer::new();
-    let mut wbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
+    let mut out = Output::default();
     let result = loop {
-        if drain_actions(&mut conn, &mut wbuf) {
-            let _ = stream.write_all(&wbuf).await;
-            break Ok(());
+        if out.is_empty() {
+            out.fill(&mut conn);
         }
-        if !wbuf.is_empty() {
-            if let Err(e) = stream.write_all(&wbuf).await {
-                break Err(e);
+        if !out.is_empty() {
+            // Output first, and no PDU is read until it is written: a peer
+            // that does not read its answers stops being read (TCP
+            // back-pressure) instead of making the daemon queue them. A peer
+            // that reads nothing for `stall_limit` is dropped.
+            let limit = if out.closing || out.close_when_drained {
+                stall_limit.min(CLOSE_LINGER)
+            } else {
+                stall_limit
+            };
+            let stall_deadline = out.last_progress + limit;
+            let deadline = match conn.poll_timeout() {
+                Some(d) => d.min(stall_deadline),
+                None => stall_deadline,
+            };
+            tokio::select! {
+                r = stream.write(out.pending()) => match r {
+                    Ok(0) => break Ok(()),
+                    Ok(n) => out.advance(n),
+                    Err(e) => break Err(e),
+                },
+                _ = tokio::time::sleep_until(deadline.into()) => {
+                    let now = Instant::now();
+                    if now >= stall_deadline {
+                        if !out.closing {
+                            tracing::warn!(%peer, "no output progress for {limit:?}: the initiator reads nothing; closing the connection");
+                        }
+                        break Ok(());
+                    }
+                    conn.handle_timeout(now);
+                }
+                _ = control.notify.notified() => break Ok(()),
             }
-            wbuf.clear();
+            continue;
         }
-        if control.terminated.load(Ordering::Acquire) {
+        if out.closing || control.terminated.load(Ordering::Acquire) {
             break Ok(());
         }
         let deadline = conn.poll_timeout();
@@ -97,9 +126,9 @@ async fn run_connection(
                         if !matches!(e, RxError::Closed) {
                             tracing::info!(%peer, "closing connection: {e}");
                         }
-                        let _ = drain_actions(&mut conn, &mut wbuf);
-                        let _ = stream.write_all(&wbuf).await;
-                        break Ok(());
+                        // What the engine queued (a Reject, Data-In before
+                        // the error) still goes out, then the connection ends.
+                        out.close_after_queued(&mut conn);
                     }
                 }
                 Err(e) => break Err(e),
@@ -119,26 +148,101 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
-/// Encode queued PDUs into `wbuf`; true when the connection must close.
-fn drain_actions(conn: &mut Connection, wbuf: &mut Vec<u8>) -> bool {
-    while let Some(action) = conn.poll_action() {
-        match action {
-            Action::Send(pdu) => {
-                if !encode_pdu(conn, &pdu, wbuf) {
-                    // Never put anything else where LUN data should be.
-                    tracing::error!("Data-In names bytes outside the LUN; closing the connection");
-                    return true;
-                }
-            }
-            Action::RdmaWrite { .. } | Action::RdmaRead { .. } => {
-                // A TCP connection's engine never asks for RDMA.
-                tracing::error!("RDMA action on a TCP connection; closing it");
-                return true;
-            }
-            Action::Close => return true,
+/// Output is encoded in batches of about this size; the engine keeps the rest
+/// queued (a READ's Data-In as a cursor, not as bytes).
+const OUTPUT_BATCH: usize = 1 << 20;
+/// How long the last output of a closing connection may take.
+const CLOSE_LINGER: Duration = Duration::from_secs(5);
+
+/// Bytes encoded from the engine's actions, being written.
+struct Output {
+    buf: Vec<u8>,
+    written: usize,
+    /// The engine asked to close: send what is encoded, then end.
+    closing: bool,
+    /// The engine's queue is written out, then the connection ends.
+    close_when_drained: bool,
+    /// When the current batch was started or last made progress.
+    last_progress: Instant,
+}
+
+impl Default for Output {
+    fn default() -> Output {
+        Output {
+            buf: Vec::with_capacity(64 * 1024),
+            written: 0,
+            closing: false,
+            close_when_drained: false,
+            last_progress: Instant::now(),
         }
     }
-    false
+}
+
+impl Output {
+    fn is_empty(&self) -> bool {
+        self.written == self.buf.len()
+    }
+
+    fn pending(&self) -> &[u8] {
+        &self.buf[self.written..]
+    }
+
+    fn advance(&mut self, n: usize) {
+        self.written += n;
+        self.last_progress = Instant::now();
+        if self.is_empty() {
+            self.buf.clear();
+            self.written = 0;
+        }
+    }
+
+    /// Encode queued actions until about a batch is ready.
+    fn fill(&mut self, conn: &mut Connection) {
+        if self.closing {
+            return;
+        }
+        if self.buf.capacity() > 4 * OUTPUT_BATCH && self.buf.is_empty() {
+            // One oversized PDU grew the buffer: give the memory back.
+            self.buf = Vec::with_capacity(64 * 1024);
+        }
+        self.last_progress = Instant::now();
+        while self.buf.len() < OUTPUT_BATCH {
+            let Some(action) = conn.poll_action() else {
+                self.closing |= self.close_when_drained;
+                return;
+            };
+            match action {
+                Action::Send(pdu) => {
+                    if !encode_pdu(conn, &pdu, &mut self.buf) {
+                        // Never put anything else where LUN data should be.
+                        tracing::error!(
+                            "Data-In names bytes outside the LUN; closing the connection"
+                        );
+                        self.closing = true;
+                        return;
+                    }
+                }
+                Action::RdmaWrite { .. } | Action::RdmaRead { .. } => {
+                    // A TCP connection's engine never asks for RDMA.
+                    tracing::error!("RDMA action on a TCP connection; closing it");
+                    self.closing = true;
+                    return;
+                }
+                Action::Close => {
+                    self.closing = true;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// End the connection once what the engine already queued is written.
+    fn close_after_queued(&mut self, conn: &mut Connection) {
+        self.close_when_drained = true;
+        if self.is_empty() {
+            self.fill(conn);
+        }
+    }
 }
 
 /// Append one PDU to `wbuf`; false (and `wbuf` unchanged) when its LUN data

@@ -172,7 +172,7 @@ pub struct Connection {
     info: ConnInfo,
     control: Arc<dyn SessionControl>,
     phase: Phase,
-    actions: VecDeque<Action>,
+    actions: VecDeque<Queued>,
     timers: TimerTable,
     statsn: u32,
     /// CmdSN of the login request: the session's first CmdSN.
@@ -294,8 +294,27 @@ impl Connection {
         matches!(self.phase, Phase::Closed)
     }
 
+    /// The next action. Data-In is produced here, one PDU per call, as the
+    /// driver takes it: a queued READ costs one entry, not its PDUs.
     pub fn poll_action(&mut self) -> Option<Action> {
-        self.actions.pop_front()
+        match self.actions.front_mut()? {
+            Queued::DataIn(stream) => {
+                let (pdu, done) = stream.next_pdu();
+                if done {
+                    self.actions.pop_front();
+                }
+                Some(Action::Send(pdu))
+            }
+            Queued::Action(_) => match self.actions.pop_front() {
+                Some(Queued::Action(a)) => Some(a),
+                _ => None,
+            },
+        }
+    }
+
+    /// Whether actions are waiting to be polled.
+    pub fn has_output(&self) -> bool {
+        !self.actions.is_empty()
     }
 
     /// Entries waiting in the action queue (a Data-In stream counts once).
@@ -420,7 +439,7 @@ impl Connection {
             s.end();
         }
         self.timers = TimerTable::default();
-        self.actions.push_back(Action::Close);
+        self.actions.push_back(Queued::Action(Action::Close));
     }
 
     fn login_pdu(&mut self, now: Instant, bhs: &Bhs, data: &[u8]) {
@@ -498,12 +517,12 @@ impl Connection {
 
     fn push_login_response(&mut self, rsp: Bhs, text: Vec<u8>) {
         let data = OutData::bytes(text);
-        self.actions.push_back(Action::Send(OutPdu {
+        self.actions.push_back(Queued::Action(Action::Send(OutPdu {
             bhs: rsp,
             data,
             header_digest: false,
             data_digest: false,
-        }));
+        })));
     }
 }
 
@@ -513,9 +532,84 @@ impl Drop for Connection {
     }
 }
 
+/// An entry of the action queue.
+enum Queued {
+    Action(Action),
+    /// A READ's Data-In PDUs, produced one at a time by `poll_action`.
+    DataIn(DataInStream),
+}
+
+/// The Data-In PDUs of one READ from LUN memory, as a cursor. The StatSN of
+/// the last PDU was taken when the stream was queued, so responses keep
+/// their order; the bytes are read from the LUN only as each PDU is encoded.
+pub(crate) struct DataInStream {
+    itt: u32,
+    lun: u64,
+    lun_wire: u64,
+    /// LUN offset of the transfer's first byte.
+    base: u64,
+    xfer: u32,
+    off: u32,
+    datasn: u32,
+    seg: u32,
+    burst: u32,
+    statsn: u32,
+    exp_cmdsn: u32,
+    max_cmdsn: u32,
+    residual_flags: u8,
+    residual_count: u32,
+    header_digest: bool,
+    data_digest: bool,
+}
+
+impl DataInStream {
+    /// The next PDU, and whether it was the last.
+    fn next_pdu(&mut self) -> (OutPdu, bool) {
+        let off = self.off;
+        let burst_end = ((off / self.burst) + 1)
+            .saturating_mul(self.burst)
+            .min(self.xfer);
+        let len = (self.xfer - off).min(self.seg).min(burst_end - off);
+        let last = off + len == self.xfer;
+        let mut b = Bhs::new(Opcode::DataIn);
+        let mut flags = 0u8;
+        if last || off + len == burst_end {
+            flags |= 0x80;
+        }
+        b.set_lun(self.lun_wire)
+            .set_itt(self.itt)
+            .set_ttt(RESERVED_TAG)
+            .set_datasn(self.datasn)
+            .set_buffer_offset(off);
+        if last {
+            flags |= ramslog_common::iscsi::scsi_rsp::STATUS | self.residual_flags;
+            b.0[3] = ramslog_common::scsi_wire::status::GOOD;
+            b.set_statsn(self.statsn);
+            b.set_residual(self.residual_count);
+        }
+        b.set_flags(flags);
+        b.set_exp_cmdsn(self.exp_cmdsn);
+        b.set_max_cmdsn(self.max_cmdsn);
+        b.set_data_segment_len(len);
+        self.off += len;
+        self.datasn += 1;
+        let pdu = OutPdu {
+            bhs: b,
+            data: OutData::Store {
+                lun: self.lun,
+                offset: self.base + u64::from(off),
+                len,
+            },
+            header_digest: self.header_digest,
+            data_digest: self.data_digest,
+        };
+        (pdu, last || len == 0)
+    }
+}
+
 /// The output side handed to the session: the action queue and StatSN.
 pub(crate) struct Out<'a> {
-    q: &'a mut VecDeque<Action>,
+    q: &'a mut VecDeque<Queued>,
     statsn: &'a mut u32,
 }
 
@@ -531,13 +625,16 @@ impl Out<'_> {
         s
     }
     fn push(&mut self, pdu: OutPdu) {
-        self.q.push_back(Action::Send(pdu));
+        self.q.push_back(Queued::Action(Action::Send(pdu)));
     }
     fn push_action(&mut self, action: Action) {
-        self.q.push_back(action);
+        self.q.push_back(Queued::Action(action));
+    }
+    fn push_data_in(&mut self, stream: DataInStream) {
+        self.q.push_back(Queued::DataIn(stream));
     }
     fn close(&mut self) {
-        self.q.push_back(Action::Close);
+        self.q.push_back(Queued::Action(Action::Close));
     }
 }
 

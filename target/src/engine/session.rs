@@ -1,6 +1,7 @@
 //! Full feature phase: SCSI commands and their data, NOP, task management,
 //! text (SendTargets), logout.
 
+use std::cell::Cell;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,13 +16,19 @@ use ramslog_common::serial;
 
 use super::login::{Login, SessionKind};
 use super::params::Params;
-use super::{is_reserved, rejected_header, Action, ConnInfo, Out, OutData, OutPdu, ReadDest};
+use super::{
+    is_reserved, rejected_header, Action, ConnInfo, DataInStream, Out, OutData, OutPdu, ReadDest,
+};
 use crate::portal::{OpenSessionError, Portal, SessionControl, SessionKey};
 use crate::scsi::{DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget};
 
 /// Data room of the Linux ib_iser initiator's full-feature receive buffers
 /// (`ISER_RECV_DATA_SEG_LEN`).
 const LINUX_ISER_RECV_DATA: u32 = 128;
+
+/// Largest Data-In segment sent over TCP, whatever the initiator accepts:
+/// it bounds the bytes one PDU makes the driver hold.
+const DATA_IN_SEGMENT_MAX: u32 = 256 * 1024;
 
 /// Staging buffers up to this capacity are kept for reuse; larger ones are freed.
 const POOLED_BUFFER_MAX: usize = 1 << 20;
@@ -124,6 +131,8 @@ struct Task {
     /// sequence of it is open and no RDMA READ of it is in flight, because
     /// after the status the initiator may reuse the ITT.
     failure: Option<WriteFailure>,
+    /// A non-immediate command: it holds a slot of the command window.
+    in_window: bool,
 }
 
 impl Task {
@@ -150,6 +159,9 @@ pub(super) struct Session {
     info: ConnInfo,
     cmd_window: u32,
     exp_cmdsn: u32,
+    /// Non-immediate commands accepted and not yet answered.
+    waiting_in_window: u32,
+    max_cmdsn_sent: Cell<u32>,
     tasks: Vec<Task>,
     spare_bufs: Vec<Vec<u8>>,
     data_in: Vec<u8>,
@@ -243,6 +255,9 @@ impl Session {
             info,
             cmd_window: window,
             exp_cmdsn: cmdsn,
+            waiting_in_window: 0,
+            // What the login response advertised.
+            max_cmdsn_sent: Cell::new(cmdsn.wrapping_add(window - 1)),
             tasks: Vec::with_capacity(window as usize + 8),
             spare_bufs: Vec::new(),
             data_in: Vec::with_capacity(4096),
@@ -275,13 +290,28 @@ impl Session {
         tracing::info!(peer = %self.info.peer, initiator = %self.initiator_name, tsih = self.tsih, "session ended");
     }
 
+    /// MaxCmdSN = ExpCmdSN + window − 1 − (non-immediate commands not yet
+    /// answered). ExpCmdSN advances as commands arrive, so without the
+    /// subtraction the window would never shut and a peer could queue
+    /// without bound.
     fn max_cmdsn(&self) -> u32 {
-        self.exp_cmdsn.wrapping_add(self.cmd_window - 1)
+        let open = self.cmd_window.saturating_sub(self.waiting_in_window);
+        self.exp_cmdsn.wrapping_add(open).wrapping_sub(1)
+    }
+
+    /// Remember the highest MaxCmdSN ever advertised: an initiator ignores
+    /// a lower one, so commands up to it stay acceptable.
+    fn note_max_cmdsn(&self, sent: u32) {
+        if serial::gt(sent, self.max_cmdsn_sent.get()) {
+            self.max_cmdsn_sent.set(sent);
+        }
     }
 
     fn stamp(&self, bhs: &mut Bhs) {
+        let max = self.max_cmdsn();
         bhs.set_exp_cmdsn(self.exp_cmdsn);
-        bhs.set_max_cmdsn(self.max_cmdsn());
+        bhs.set_max_cmdsn(max);
+        self.note_max_cmdsn(max);
     }
 
     fn pdu(&self, bhs: Bhs, data: OutData) -> OutPdu {
@@ -382,7 +412,7 @@ impl Session {
         // or an out-of-window CmdSN is an initiator error: drop it silently.
         if !bhs.immediate() {
             let sn = bhs.cmdsn();
-            if sn != self.exp_cmdsn {
+            if sn != self.exp_cmdsn || !serial::le(sn, self.max_cmdsn_sent.get()) {
                 tracing::debug!(
                     sn,
                     exp = self.exp_cmdsn,
@@ -391,7 +421,7 @@ impl Session {
                 return Flow::Continue;
             }
             self.exp_cmdsn = self.exp_cmdsn.wrapping_add(1);
-        } else if !serial::in_window(bhs.cmdsn(), self.exp_cmdsn, self.max_cmdsn())
+        } else if !serial::in_window(bhs.cmdsn(), self.exp_cmdsn, self.max_cmdsn_sent.get())
             && op == Opcode::ScsiCommand
         {
             tracing::debug!("immediate command with CmdSN outside the window; dropped");
@@ -551,6 +581,7 @@ impl Session {
             remote_base: unsol_end,
             rdma_read: None,
             failure: None,
+            in_window: !bhs.immediate(),
         };
         if unsol_end == data.len() as u32 {
             task.unsolicited = None;
@@ -570,6 +601,10 @@ impl Session {
             task.buf = self.spare_bufs.pop().unwrap_or_default();
             task.buf.clear();
             task.buf.resize(moved as usize, 0);
+        }
+        if task.in_window {
+            // Released by finish_task, before the command's status is stamped.
+            self.waiting_in_window += 1;
         }
         if !data.is_empty() && !self.place(&mut task, 0, data) {
             task.fail(WriteFailure::Placement);
@@ -838,6 +873,9 @@ impl Session {
     }
 
     fn finish_task(&mut self, mut task: Task) {
+        if task.in_window {
+            self.waiting_in_window = self.waiting_in_window.saturating_sub(1);
+        }
         self.portal.staging.release(task.staged);
         task.staged = 0;
         task.buf.clear();
@@ -915,8 +953,32 @@ impl Session {
             self.respond(out, itt, status::GOOD, None, residual);
             return;
         }
-        let seg = self.params.initiator_mrdsl.max(512);
+        let seg = self.params.initiator_mrdsl.clamp(512, DATA_IN_SEGMENT_MAX);
         let burst = self.params.max_burst_len.max(seg);
+        if let DataSource::Store(base) = src {
+            let statsn = out.take_statsn();
+            let stream = DataInStream {
+                itt,
+                lun,
+                lun_wire: self.lun_wire(lun),
+                base,
+                xfer,
+                off: 0,
+                datasn: 0,
+                seg,
+                burst,
+                statsn,
+                exp_cmdsn: self.exp_cmdsn,
+                max_cmdsn: self.max_cmdsn(),
+                residual_flags: residual.flags(),
+                residual_count: residual.count(),
+                header_digest: self.params.header_digest,
+                data_digest: self.params.data_digest,
+            };
+            self.note_max_cmdsn(stream.max_cmdsn);
+            out.push_data_in(stream);
+            return;
+        }
         let mut off = 0u32;
         let mut datasn = 0u32;
         while off < xfer {

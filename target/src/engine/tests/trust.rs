@@ -591,7 +591,6 @@ fn acl_entries_bound_to_a_network_refuse_other_sources() {
 /// answered): with every slot waiting for data the window is shut, and a
 /// command beyond the advertised MaxCmdSN is dropped.
 #[test]
-#[should_panic(expected = "defect 4")] // expected failure until fixed
 fn max_cmdsn_closes_while_commands_wait_for_data() {
     let mut h = harness_with_limits(Limits {
         cmd_window: 4,
@@ -631,7 +630,6 @@ fn max_cmdsn_closes_while_commands_wait_for_data() {
 /// Data-In is produced as the driver takes it: a 16 MiB READ to an
 /// initiator that receives 512-byte segments queues one item, not 32768 PDUs.
 #[test]
-#[should_panic(expected = "defect 4")] // expected failure until fixed
 fn data_in_is_produced_as_the_driver_takes_it() {
     let mut h = Harness::new(portal_sized(
         32 << 20,
