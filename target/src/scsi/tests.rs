@@ -1091,3 +1091,38 @@ proptest! {
         let _ = run(t, n.id, lun, &cdb, &data);
     }
 }
+
+/// Heavy commands are bounded by what VPD B0h advertises: a VERIFY with
+/// BYTCHK=3 compares at most MAXIMUM TRANSFER LENGTH blocks, and a WRITE SAME
+/// touches at most MAXIMUM WRITE SAME LENGTH (≤ 16 MiB).
+#[test]
+#[should_panic(expected = "defect 9")] // expected failure until fixed
+fn heavy_commands_are_bounded_by_the_block_limits() {
+    let geo = Geometry {
+        blocks: 1 << 30,
+        block_size: 512,
+    };
+    let too_many = cdb::MAX_TRANSFER_BYTES / 512 + 1;
+    let mut verify = rw16(0x8f, 0, too_many);
+    verify[1] = 3 << 1; // BYTCHK=3: one block compared against every block
+    assert_eq!(
+        cdb::decode(&verify, geo).err(),
+        Some(SenseReason::InvalidFieldInCdb(FieldPointer::cdb(10))),
+        "defect 9: VERIFY BYTCHK=3 over more than the transfer limit"
+    );
+    verify[1] = 1 << 1;
+    assert!(cdb::decode(&verify, geo).is_err());
+    let (t, n) = setup(512);
+    let bl = run(&t, n, 0, &[0x12, 1, 0xb0, 0, 255, 0], &[]).unwrap();
+    let max_ws_blocks = be64(&bl, 36);
+    assert!(
+        max_ws_blocks * 512 <= 16 << 20,
+        "defect 9: MAXIMUM WRITE SAME LENGTH {max_ws_blocks} blocks"
+    );
+    let ws = rw16(0x93, 0, (16 << 20) / 512 + 1);
+    assert!(
+        cdb::decode(&ws, geo).is_err(),
+        "defect 9: WRITE SAME over 16 MiB accepted"
+    );
+    assert!(cdb::decode(&rw16(0x93, 0, (16 << 20) / 512), geo).is_ok());
+}
