@@ -9,8 +9,10 @@ use super::sense::{bad_cdb, bad_cdb_bit, SenseReason};
 /// Largest READ/WRITE/VERIFY transfer, in bytes (advertised in the Block
 /// Limits VPD page as blocks). Bounds the work one command can demand.
 pub(crate) const MAX_TRANSFER_BYTES: u32 = 16 << 20;
-/// Largest WRITE SAME, in bytes of medium touched; bounds command latency.
-pub(crate) const MAX_WRITE_SAME_BYTES: u64 = 1 << 30;
+/// Largest WRITE SAME, in bytes of medium touched (advertised as MAXIMUM
+/// WRITE SAME LENGTH). It runs on an I/O thread under the LU's atomic lock,
+/// so it bounds how long one command can hold both.
+pub(crate) const MAX_WRITE_SAME_BYTES: u64 = 16 << 20;
 /// COMPARE AND WRITE's NUMBER OF LOGICAL BLOCKS is one byte; we can do all of it.
 pub(crate) const MAX_CAW_BLOCKS: u8 = 255;
 
@@ -602,6 +604,11 @@ pub(crate) fn decode(cdb: &[u8], geo: Geometry) -> Result<Decoded, SenseReason> 
                 return Err(bad_cdb_bit(1, 2));
             }
             check_range(geo, lba, u64::from(blocks))?;
+            // BYTCHK=3 sends one block but compares every block of the
+            // range: the work is the range, so it obeys MAXIMUM TRANSFER LENGTH.
+            if u64::from(blocks) * u64::from(bs) > u64::from(MAX_TRANSFER_BYTES) {
+                return Err(bad_cdb(len_byte));
+            }
             let out = match (bytchk, blocks) {
                 (0, _) | (_, 0) => 0,
                 (1, _) => xfer_bytes(geo, blocks, len_byte)?,

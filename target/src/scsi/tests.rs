@@ -557,14 +557,16 @@ fn write_same() {
 
 #[test]
 fn write_same_limit() {
-    // A LUN larger than MAX WRITE SAME LENGTH (1 GiB) would need a big store;
-    // check the decode directly with a large geometry instead.
+    // "0 blocks" means to the end of the medium, which must fit MAXIMUM
+    // WRITE SAME LENGTH.
+    let max = (cdb::MAX_WRITE_SAME_BYTES / 512) as u32;
     let geo = Geometry {
-        blocks: 4 << 21,
+        blocks: 4 * u64::from(max),
         block_size: 512,
     };
     assert!(cdb::decode(&rw10(0x41, 0, 0), geo).is_err());
-    assert!(cdb::decode(&rw10(0x41, (3 << 21) as u32, 0), geo).is_ok());
+    assert!(cdb::decode(&rw10(0x41, 3 * max, 0), geo).is_ok());
+    assert!(cdb::decode(&rw10(0x41, 3 * max - 1, 0), geo).is_err());
 }
 
 #[test]
@@ -1096,7 +1098,6 @@ proptest! {
 /// BYTCHK=3 compares at most MAXIMUM TRANSFER LENGTH blocks, and a WRITE SAME
 /// touches at most MAXIMUM WRITE SAME LENGTH (≤ 16 MiB).
 #[test]
-#[should_panic(expected = "defect 9")] // expected failure until fixed
 fn heavy_commands_are_bounded_by_the_block_limits() {
     let geo = Geometry {
         blocks: 1 << 30,
