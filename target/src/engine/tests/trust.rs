@@ -658,3 +658,122 @@ fn data_in_is_produced_as_the_driver_takes_it() {
     assert!(r.iter().all(|p| p.data.len() == 512));
     assert_eq!(r.last().unwrap().bhs.flags() & 0x81, 0x81);
 }
+
+// ---- PREEMPT AND ABORT ------------------------------------------------------
+
+fn login_named(h: &mut Harness, name: &str, extra: &[(&str, &str)]) {
+    let mut keys = vec![
+        ("InitiatorName", name),
+        ("TargetName", IQN),
+        ("SessionType", "Normal"),
+    ];
+    keys.extend_from_slice(extra);
+    let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
+    let r = h.login_pdu(flags, &keys);
+    assert_eq!(r[0].bhs.u16_at(36), login_status::SUCCESS);
+    h.clear_unit_attention();
+}
+
+/// PERSISTENT RESERVE OUT with its parameter list as immediate data.
+fn pr_out(h: &mut Harness, service_action: u8, key: u64, sa_key: u64) -> u8 {
+    let mut cdb = [0u8; 10];
+    cdb[0] = 0x5f;
+    cdb[1] = service_action;
+    cdb[2] = 0x01; // LU scope, WRITE EXCLUSIVE
+    cdb[8] = 24;
+    let mut params = [0u8; 24];
+    params[0..8].copy_from_slice(&key.to_be_bytes());
+    params[8..16].copy_from_slice(&sa_key.to_be_bytes());
+    let (_, r) = h.command(&cdb, 0x81 | 0x20, 24, &params);
+    r[0].bhs.0[3]
+}
+
+const PR_REGISTER: u8 = 0;
+const PR_RESERVE: u8 = 1;
+const PR_PREEMPT_AND_ABORT: u8 = 5;
+
+/// SPC-4 5.13.11.2.6: the preempted nexus's tasks are aborted. Data that
+/// arrives for them afterwards must not land, and none of them gets GOOD.
+#[test]
+#[should_panic(expected = "defect 8")] // expected failure until fixed
+fn preempt_and_abort_fences_the_preempted_writes_over_tcp() {
+    let portal = portal_sized(LUN_BYTES, Limits::default(), None, None, Acl::Any);
+    let mut a = Harness::new(portal.clone());
+    login_named(&mut a, "iqn.2026-11.org.ramslog:host-a", &[]);
+    let mut b = Harness::new(portal.clone());
+    login_named(
+        &mut b,
+        "iqn.2026-11.org.ramslog:host-b",
+        &[("InitialR2T", "Yes"), ("ImmediateData", "Yes")],
+    );
+    assert_eq!(pr_out(&mut a, PR_REGISTER, 0, 0xaa), status::GOOD);
+    assert_eq!(pr_out(&mut b, PR_REGISTER, 0, 0xbb), status::GOOD);
+    assert_eq!(pr_out(&mut b, PR_RESERVE, 0xbb, 0), status::GOOD);
+    fill_lun(&mut b, 0x11);
+    // B's write waits for its data...
+    let (itt, r) = b.command(&write10(64, 8), 0xa1, 4096, &[]);
+    assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
+    let ttt = r[0].bhs.ttt();
+    // ...while A preempts B and aborts its tasks.
+    assert_eq!(
+        pr_out(&mut a, PR_PREEMPT_AND_ABORT, 0xaa, 0xbb),
+        status::GOOD
+    );
+    let r = b.send(&data_out(itt, ttt, 0, 0, true), &[0x99u8; 4096]);
+    assert!(
+        !r.iter()
+            .any(|p| p.bhs.opcode() == Some(Opcode::ScsiResponse) && p.bhs.0[3] == status::GOOD),
+        "defect 8: a preempted write got GOOD"
+    );
+    assert!(
+        lun_bytes(&b)[64 * 512..72 * 512].iter().all(|x| *x == 0x11),
+        "defect 8: data of a preempted write landed after the preempt"
+    );
+}
+
+/// The iSER case: the RDMA READ completes after the preempt.
+#[test]
+#[should_panic(expected = "defect 8")] // expected failure until fixed
+fn preempt_and_abort_fences_the_preempted_writes_over_iser() {
+    let portal = portal_sized(LUN_BYTES, Limits::default(), None, None, Acl::Any);
+    let mut a = Harness::new(portal.clone());
+    login_named(&mut a, "iqn.2026-11.org.ramslog:host-a", &[]);
+    let mut b = Harness::new_iser(portal.clone());
+    login_named(
+        &mut b,
+        "iqn.2026-11.org.ramslog:host-b",
+        &[
+            ("RDMAExtensions", "Yes"),
+            ("ImmediateData", "Yes"),
+            ("InitialR2T", "Yes"),
+        ],
+    );
+    assert_eq!(pr_out(&mut a, PR_REGISTER, 0, 0xaa), status::GOOD);
+    let mut cdb = [0u8; 10];
+    cdb[0] = 0x5f;
+    cdb[2] = 0x01;
+    cdb[8] = 24;
+    let mut params = [0u8; 24];
+    params[8..16].copy_from_slice(&0xbbu64.to_be_bytes());
+    // Parameter data over iSER arrives as immediate data here.
+    let (_, r) = b.iser_command(&cdb, 0xa1, 24, &params, None, None);
+    assert_eq!(r[0].bhs.0[3], status::GOOD);
+    b.rdma.clear();
+    let (_, r) = b.iser_command(&write10(64, 8), 0xa1, 4096, &[], iser_buf(0x1000), None);
+    assert!(r.is_empty(), "waiting for the RDMA READ");
+    let tag = match b.rdma.last() {
+        Some((_, Action::RdmaRead { tag, .. })) => *tag,
+        other => panic!("expected an RDMA READ, got {other:?}"),
+    };
+    assert_eq!(
+        pr_out(&mut a, PR_PREEMPT_AND_ABORT, 0xaa, 0xbb),
+        status::GOOD
+    );
+    b.conn.handle_rdma_read_done(b.now, tag, &[]);
+    let r = b.drain();
+    assert!(
+        !r.iter()
+            .any(|p| p.bhs.opcode() == Some(Opcode::ScsiResponse) && p.bhs.0[3] == status::GOOD),
+        "defect 8: a preempted iSER write got GOOD"
+    );
+}
