@@ -615,6 +615,10 @@ impl Session {
     /// After any event of a write: complete it, fail it, or ask for more
     /// data and keep waiting.
     fn advance(&mut self, out: &mut Out, scsi: &Arc<ScsiTarget>, mut task: Task) {
+        if self.drop_if_aborted(scsi, &task) {
+            self.finish_task(task);
+            return;
+        }
         let residual = Residual::between(task.edtl, task.plan.data_out_len);
         if task.failure.is_none() && task.unsolicited.is_none() && !self.solicit(out, &mut task) {
             task.fail(WriteFailure::DataPhase);
@@ -795,6 +799,11 @@ impl Session {
             return;
         };
         let mut task = self.tasks.swap_remove(idx);
+        if self.drop_if_aborted(&scsi, &task) {
+            // Aborted from another session: its data must not land.
+            self.finish_task(task);
+            return;
+        }
         let offset = bhs.buffer_offset();
         let len = data.len() as u32;
         let datasn = bhs.datasn();
@@ -849,6 +858,22 @@ impl Session {
             task.fail(WriteFailure::Placement);
         }
         self.advance(out, &scsi, task);
+    }
+
+    /// Whether another nexus aborted this task (PREEMPT AND ABORT, a reset)
+    /// since it arrived. With TAS=0 in the Control mode page an aborted task
+    /// ends without status; the initiator learns of it from the unit
+    /// attention and its own task management.
+    fn drop_if_aborted(&self, scsi: &ScsiTarget, task: &Task) -> bool {
+        let aborted = scsi.is_aborted(self.nexus, &task.plan);
+        if aborted {
+            tracing::info!(
+                initiator = %self.initiator_name.escape_debug(),
+                itt = task.itt,
+                "write aborted by another initiator; its data is dropped"
+            );
+        }
+        aborted
     }
 
     fn complete_write(

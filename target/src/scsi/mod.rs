@@ -27,7 +27,7 @@ mod tests;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ramslog_common::scsi_wire::{sense_key, FieldPointer, Sense};
@@ -161,6 +161,8 @@ pub struct Plan {
     pub out_placement: OutPlacement,
     op: Op,
     exact_out: bool,
+    /// The LU's abort epoch when the command arrived (see `is_aborted`).
+    abort_epoch: u64,
 }
 
 impl Plan {
@@ -196,6 +198,10 @@ struct NexusEntry {
     port: Arc<str>,
     /// Pending unit attentions, oldest first.
     uas: Vec<(u8, u8)>,
+    /// The abort epoch at which this nexus's tasks were last aborted by
+    /// another nexus (PREEMPT AND ABORT, LOGICAL UNIT RESET): commands that
+    /// arrived before it must not complete.
+    aborted_at: u64,
 }
 
 struct LuState {
@@ -208,6 +214,8 @@ struct LuState {
 }
 
 const MAX_PENDING_UAS: usize = 16;
+/// PERSISTENT RESERVE OUT service action PREEMPT AND ABORT.
+const PR_OUT_PREEMPT_AND_ABORT: u8 = 5;
 
 impl LuState {
     fn port(&self, nexus: NexusId) -> Arc<str> {
@@ -260,6 +268,10 @@ pub struct LogicalUnit {
     store: Arc<Store>,
     /// Something in `state` may affect a command: take the slow path.
     attention: AtomicBool,
+    /// Bumped whenever tasks of some nexus are aborted from outside its
+    /// session; a command compares it with its plan's copy, so the check
+    /// costs one atomic load until an abort actually happens.
+    abort_epoch: AtomicU64,
     state: Mutex<LuState>,
     /// Makes COMPARE AND WRITE atomic against the writes `execute` performs.
     atomic: Mutex<()>,
@@ -294,6 +306,22 @@ impl LogicalUnit {
         // A panic elsewhere must not wedge the LU: the state stays consistent
         // because every mutation completes before anything can panic.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Abort the tasks of the nexuses `which` selects: commands that arrived
+    /// before now will see it through [`ScsiTarget::is_aborted`].
+    fn abort_tasks(&self, st: &mut LuState, which: impl Fn(NexusId, &NexusEntry) -> bool) {
+        let epoch = self.abort_epoch.load(Ordering::Acquire) + 1;
+        let mut any = false;
+        for (id, entry) in st.nexuses.iter_mut() {
+            if which(*id, entry) {
+                entry.aborted_at = epoch;
+                any = true;
+            }
+        }
+        if any {
+            self.abort_epoch.store(epoch, Ordering::Release);
+        }
     }
 
     fn refresh(&self, st: &LuState) {
@@ -362,6 +390,7 @@ impl ScsiTarget {
                 },
                 store,
                 attention: AtomicBool::new(false),
+                abort_epoch: AtomicU64::new(0),
                 state: Mutex::new(st),
                 atomic: Mutex::new(()),
             };
@@ -398,6 +427,7 @@ impl ScsiTarget {
                 NexusEntry {
                     port: port.clone(),
                     uas: vec![sense::ua::POWER_ON_RESET],
+                    aborted_at: 0,
                 },
             );
             lu.refresh(&st);
@@ -422,8 +452,9 @@ impl ScsiTarget {
     /// and raise BUS DEVICE RESET FUNCTION OCCURRED (29h/03h) on every I_T
     /// nexus, the issuing one included (SAM-5 6.3; libiscsi's
     /// MultipathIO.Reset checks that every path sees it). Persistent
-    /// reservations are unaffected. Aborting tasks is the engine's job.
-    pub fn reset(&self, scope: ResetScope, _by: NexusId) {
+    /// reservations are unaffected. Other sessions' tasks are aborted through
+    /// [`Self::is_aborted`]; the issuing session aborts its own.
+    pub fn reset(&self, scope: ResetScope, by: NexusId) {
         for lu in &self.lus {
             if let ResetScope::Lu(lun) = scope {
                 if lu.lun != lun {
@@ -432,6 +463,9 @@ impl ScsiTarget {
             }
             let mut st = lu.lock();
             st.spc2 = None;
+            // Every task set of the LU is aborted (SAM-5 6.3); the issuing
+            // session aborts its own tasks itself.
+            lu.abort_tasks(&mut st, |id, _| id != by);
             st.raise_all(sense::ua::BUS_DEVICE_RESET);
             lu.refresh(&st);
         }
@@ -457,13 +491,30 @@ impl ScsiTarget {
         Some((st.identity.clone(), st.readiness))
     }
 
+    /// Whether the command of `plan` was aborted from outside its session
+    /// (PREEMPT AND ABORT, a reset by another nexus) after it arrived: it
+    /// must then place no more data and complete with no status.
+    pub fn is_aborted(&self, nexus: NexusId, plan: &Plan) -> bool {
+        let Some(lu) = self.lu(plan.lun) else {
+            return false;
+        };
+        if lu.abort_epoch.load(Ordering::Acquire) == plan.abort_epoch {
+            return false;
+        }
+        lu.lock()
+            .nexuses
+            .get(&nexus)
+            .is_some_and(|e| e.aborted_at > plan.abort_epoch)
+    }
+
     /// Phase 1: decode and validate; see the module docs.
     pub fn prepare(&self, nexus: NexusId, lun: u64, cdb: &[u8]) -> Result<Plan, SenseReason> {
         let Some(lu) = self.lu(lun) else {
             return prepare_absent(lun, cdb);
         };
+        let epoch = lu.abort_epoch.load(Ordering::Acquire);
         if !lu.attention.load(Ordering::Acquire) {
-            return Ok(plan(lun, cdb::decode(cdb, lu.geo)?));
+            return Ok(plan(lun, cdb::decode(cdb, lu.geo)?, epoch));
         }
         let mut st = lu.lock();
         let opcode = cdb.first().copied().unwrap_or(0xff);
@@ -483,7 +534,7 @@ impl ScsiTarget {
         if st.pr.conflicts(&st.port(nexus), d.op.access()) {
             return Err(SenseReason::ReservationConflict);
         }
-        Ok(plan(lun, d))
+        Ok(plan(lun, d, epoch))
     }
 
     /// Phase 2; see the module docs. `data_out` holds the Data-Out for
@@ -694,6 +745,18 @@ impl ScsiTarget {
                 let mut st = lu.lock();
                 let port = st.port(nexus);
                 let uas = st.pr.out(&port, sa, scope, ty, data_out)?;
+                if sa == PR_OUT_PREEMPT_AND_ABORT {
+                    // SPC-4 5.13.11.2.6: the tasks of every preempted I_T
+                    // nexus are aborted (TAS=0: without status).
+                    let preempted: Vec<Arc<str>> = uas
+                        .iter()
+                        .filter(|(_, code)| *code == sense::ua::REGISTRATIONS_PREEMPTED)
+                        .map(|(p, _)| p.clone())
+                        .collect();
+                    lu.abort_tasks(&mut st, |id, entry| {
+                        id != nexus && preempted.contains(&entry.port)
+                    });
+                }
                 for (p, code) in uas {
                     st.raise_port(&p, nexus, code);
                 }
@@ -732,7 +795,7 @@ impl ScsiTarget {
     }
 }
 
-fn plan(lun: u64, d: cdb::Decoded) -> Plan {
+fn plan(lun: u64, d: cdb::Decoded, abort_epoch: u64) -> Plan {
     let out_placement = match d.out_to_store {
         Some(offset) => OutPlacement::Store { offset },
         None if d.data_out_len > 0 => OutPlacement::Buffer,
@@ -745,6 +808,7 @@ fn plan(lun: u64, d: cdb::Decoded) -> Plan {
         out_placement,
         op: d.op,
         exact_out: d.exact_out,
+        abort_epoch,
     }
 }
 
@@ -757,7 +821,7 @@ fn prepare_absent(lun: u64, cdb: &[u8]) -> Result<Plan, SenseReason> {
                 blocks: 0,
                 block_size: 512,
             };
-            Ok(plan(lun, cdb::decode(cdb, geo)?))
+            Ok(plan(lun, cdb::decode(cdb, geo)?, 0))
         }
         _ => Err(SenseReason::LuNotSupported),
     }

@@ -695,7 +695,6 @@ const PR_PREEMPT_AND_ABORT: u8 = 5;
 /// SPC-4 5.13.11.2.6: the preempted nexus's tasks are aborted. Data that
 /// arrives for them afterwards must not land, and none of them gets GOOD.
 #[test]
-#[should_panic(expected = "defect 8")] // expected failure until fixed
 fn preempt_and_abort_fences_the_preempted_writes_over_tcp() {
     let portal = portal_sized(LUN_BYTES, Limits::default(), None, None, Acl::Any);
     let mut a = Harness::new(portal.clone());
@@ -733,7 +732,6 @@ fn preempt_and_abort_fences_the_preempted_writes_over_tcp() {
 
 /// The iSER case: the RDMA READ completes after the preempt.
 #[test]
-#[should_panic(expected = "defect 8")] // expected failure until fixed
 fn preempt_and_abort_fences_the_preempted_writes_over_iser() {
     let portal = portal_sized(LUN_BYTES, Limits::default(), None, None, Acl::Any);
     let mut a = Harness::new(portal.clone());
