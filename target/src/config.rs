@@ -121,6 +121,24 @@ pub struct RunArgs {
     /// Seconds of idleness before the target pings the initiator (NOP-In).
     #[arg(long)]
     pub nop_interval: Option<u64>,
+    /// Seconds a login may take before the connection is closed.
+    #[arg(long, value_name = "SECS")]
+    pub login_timeout: Option<u64>,
+    /// Connections the portal keeps in total, both transports (default 256).
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<u32>,
+    /// Connections from one source address (default 16).
+    #[arg(long, value_name = "N")]
+    pub max_connections_per_host: Option<u32>,
+    /// Connections from one source address still logging in (default 4).
+    #[arg(long, value_name = "N")]
+    pub max_logins_per_host: Option<u32>,
+    /// iSER connections, each pinning registered buffers (default 32).
+    #[arg(long, value_name = "N")]
+    pub max_iser_connections: Option<u32>,
+    /// Memory for parameter data all sessions may hold at once (default 128M).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub staging_budget: Option<u64>,
     /// Serve iSCSI/TCP only: no iSER listener even where an RDMA device exists.
     #[arg(long)]
     pub no_iser: bool,
@@ -143,6 +161,12 @@ struct FileConfig {
     allow_any: bool,
     cmd_window: Option<u32>,
     nop_interval: Option<u64>,
+    login_timeout: Option<u64>,
+    max_connections: Option<u32>,
+    max_connections_per_host: Option<u32>,
+    max_logins_per_host: Option<u32>,
+    max_iser_connections: Option<u32>,
+    staging_budget: Option<String>,
     iser: Option<bool>,
     iser_spin: Option<u32>,
     discovery_chap: Option<FileChap>,
@@ -349,6 +373,54 @@ impl Config {
                 return Err(invalid("nop_interval must be at least 1 second"));
             }
             limits.nop_interval = Duration::from_secs(n);
+        }
+        if let Some(n) = args.login_timeout.or(file.login_timeout) {
+            if !(1..=3600).contains(&n) {
+                return Err(invalid("login_timeout must be between 1 and 3600 seconds"));
+            }
+            limits.login_timeout = Duration::from_secs(n);
+        }
+        let count =
+            |cli: Option<u32>, file: Option<u32>, name: &str, default: u32| match cli.or(file) {
+                None => Ok(default),
+                Some(0) => Err(invalid(format!("{name} must be at least 1"))),
+                Some(n) => Ok(n),
+            };
+        let c = &mut limits.connections;
+        c.total = count(
+            args.max_connections,
+            file.max_connections,
+            "max_connections",
+            c.total,
+        )?;
+        c.per_source = count(
+            args.max_connections_per_host,
+            file.max_connections_per_host,
+            "max_connections_per_host",
+            c.per_source,
+        )?;
+        c.pending_per_source = count(
+            args.max_logins_per_host,
+            file.max_logins_per_host,
+            "max_logins_per_host",
+            c.pending_per_source,
+        )?;
+        c.iser = count(
+            args.max_iser_connections,
+            file.max_iser_connections,
+            "max_iser_connections",
+            c.iser,
+        )?;
+        let staging = match (args.staging_budget, &file.staging_budget) {
+            (Some(b), _) => Some(b),
+            (None, Some(text)) => Some(parse_size(text).map_err(invalid)?),
+            (None, None) => None,
+        };
+        if let Some(b) = staging {
+            if b < 1 << 20 {
+                return Err(invalid("staging_budget must be at least 1M"));
+            }
+            limits.staging_budget = b;
         }
 
         let iser = !args.no_iser && file.iser.unwrap_or(true);

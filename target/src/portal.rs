@@ -38,6 +38,32 @@ pub struct Limits {
     /// A connection whose output (responses, Data-In) makes no progress this
     /// long is closed: its peer stopped reading.
     pub output_stall_timeout: Duration,
+    pub connections: ConnectionLimits,
+}
+
+/// How many connections the portal keeps; beyond them a new one is closed
+/// at once (TCP) or rejected (iSER), with the reason in the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// All connections, both transports.
+    pub total: u32,
+    /// Connections from one source address.
+    pub per_source: u32,
+    /// Connections from one source address that have not finished login.
+    pub pending_per_source: u32,
+    /// iSER connections: each pins registered buffers.
+    pub iser: u32,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            total: 256,
+            per_source: 16,
+            pending_per_source: 4,
+            iser: 32,
+        }
+    }
 }
 
 impl Default for Limits {
@@ -55,6 +81,7 @@ impl Default for Limits {
             login_timeout: Duration::from_secs(30),
             staging_budget: 128 << 20,
             output_stall_timeout: Duration::from_secs(30),
+            connections: ConnectionLimits::default(),
         }
     }
 }
