@@ -251,6 +251,8 @@ pub struct Portal {
     pub listen: Vec<SocketAddr>,
     /// Daemon-wide staging memory, shared by every session.
     pub staging: StagingBudget,
+    /// Connection counts, shared by both transports.
+    pub gate: Arc<ConnectionGate>,
     sessions: Mutex<Sessions>,
 }
 
@@ -298,6 +300,7 @@ impl Portal {
         Portal {
             targets,
             staging: StagingBudget::new(limits.staging_budget),
+            gate: Arc::new(ConnectionGate::new(limits.connections)),
             limits,
             discovery_chap: None,
             tpgt: 1,
@@ -405,5 +408,173 @@ impl Portal {
         for e in self.sessions().by_tsih.values() {
             e.control.terminate();
         }
+    }
+}
+
+/// Which transport a connection uses, for the connection limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link {
+    Tcp,
+    Iser,
+}
+
+/// Why a connection was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("{0} connections in total (the limit)")]
+    Total(u32),
+    #[error("{0} connections from this address (the limit)")]
+    PerSource(u32),
+    #[error("{0} connections from this address still logging in (the limit)")]
+    PendingPerSource(u32),
+    #[error("{0} iSER connections (the limit)")]
+    Iser(u32),
+}
+
+#[derive(Default)]
+struct GateCounts {
+    total: u32,
+    iser: u32,
+    /// (connections, of which not yet logged in) per source; entries go
+    /// when their count reaches zero, so the map is bounded by `total`.
+    by_source: HashMap<IpAddr, (u32, u32)>,
+}
+
+/// Counts connections against [`ConnectionLimits`]. Touched at connect,
+/// login and close only.
+pub struct ConnectionGate {
+    limits: ConnectionLimits,
+    counts: Mutex<GateCounts>,
+}
+
+impl ConnectionGate {
+    pub fn new(limits: ConnectionLimits) -> ConnectionGate {
+        ConnectionGate {
+            limits,
+            counts: Mutex::new(GateCounts::default()),
+        }
+    }
+
+    fn counts(&self) -> MutexGuard<'_, GateCounts> {
+        self.counts.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Admit a new connection from `source`, or say which limit it hits.
+    pub fn admit(self: &Arc<Self>, source: IpAddr, link: Link) -> Result<Permit, Refusal> {
+        let source = source.to_canonical();
+        let l = self.limits;
+        let mut c = self.counts();
+        let (from_source, pending) = c.by_source.get(&source).copied().unwrap_or((0, 0));
+        if c.total >= l.total {
+            return Err(Refusal::Total(l.total));
+        }
+        if link == Link::Iser && c.iser >= l.iser {
+            return Err(Refusal::Iser(l.iser));
+        }
+        if from_source >= l.per_source {
+            return Err(Refusal::PerSource(l.per_source));
+        }
+        if pending >= l.pending_per_source {
+            return Err(Refusal::PendingPerSource(l.pending_per_source));
+        }
+        c.total += 1;
+        if link == Link::Iser {
+            c.iser += 1;
+        }
+        c.by_source.insert(source, (from_source + 1, pending + 1));
+        Ok(Permit {
+            gate: self.clone(),
+            source,
+            link,
+            pending: true,
+        })
+    }
+
+    /// Connections now counted: (total, iSER).
+    pub fn counts_now(&self) -> (u32, u32) {
+        let c = self.counts();
+        (c.total, c.iser)
+    }
+}
+
+/// One admitted connection; gives its place back when dropped.
+pub struct Permit {
+    gate: Arc<ConnectionGate>,
+    source: IpAddr,
+    link: Link,
+    pending: bool,
+}
+
+impl Permit {
+    /// The connection finished login: it no longer counts as pending.
+    pub fn logged_in(&mut self) {
+        if std::mem::replace(&mut self.pending, false) {
+            let mut c = self.gate.counts();
+            if let Some(e) = c.by_source.get_mut(&self.source) {
+                e.1 = e.1.saturating_sub(1);
+            }
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let mut c = self.gate.counts();
+        c.total = c.total.saturating_sub(1);
+        if self.link == Link::Iser {
+            c.iser = c.iser.saturating_sub(1);
+        }
+        let gone = match c.by_source.get_mut(&self.source) {
+            Some(e) => {
+                e.0 = e.0.saturating_sub(1);
+                if self.pending {
+                    e.1 = e.1.saturating_sub(1);
+                }
+                e.0 == 0
+            }
+            None => false,
+        };
+        if gone {
+            c.by_source.remove(&self.source);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_gate_counts_and_gives_back() {
+        let gate = Arc::new(ConnectionGate::new(ConnectionLimits {
+            total: 5,
+            per_source: 3,
+            pending_per_source: 2,
+            iser: 1,
+        }));
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let b: IpAddr = "192.0.2.2".parse().unwrap();
+        let mut p1 = gate.admit(a, Link::Tcp).unwrap();
+        let _p2 = gate.admit(a, Link::Tcp).unwrap();
+        assert_eq!(
+            gate.admit(a, Link::Tcp).err(),
+            Some(Refusal::PendingPerSource(2))
+        );
+        p1.logged_in();
+        let _p3 = gate.admit(a, Link::Tcp).unwrap();
+        assert_eq!(gate.admit(a, Link::Tcp).err(), Some(Refusal::PerSource(3)));
+        let _p4 = gate.admit(b, Link::Iser).unwrap();
+        assert_eq!(gate.admit(b, Link::Iser).err(), Some(Refusal::Iser(1)));
+        let _p5 = gate.admit(b, Link::Tcp).unwrap();
+        assert_eq!(gate.admit(b, Link::Tcp).err(), Some(Refusal::Total(5)));
+        drop(p1);
+        assert_eq!(gate.counts_now(), (4, 1));
+        // An IPv4-mapped IPv6 source is the same host: its two pending
+        // connections are still there.
+        let mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
+        assert_eq!(
+            gate.admit(mapped, Link::Tcp).err(),
+            Some(Refusal::PendingPerSource(2))
+        );
     }
 }

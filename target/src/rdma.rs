@@ -16,7 +16,7 @@
 //! When a resource runs short (send slots, RDMA READ credits), the action is
 //! held and everything behind it waits: order is never traded for speed.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,7 +31,7 @@ use ramslog_common::verbs::{
 };
 
 use crate::engine::{Action, ConnInfo, Connection, OutData, OutPdu, ReadDest};
-use crate::portal::{Portal, SessionControl};
+use crate::portal::{Link, Permit, Portal, SessionControl};
 use crate::store::RdmaRegion;
 
 /// Data segment room of each receive buffer: our TargetRecvDataSegmentLength
@@ -212,6 +212,15 @@ fn listen_loop(
         } = event;
         let Some(id) = new_id else { continue };
         let peer = id.peer_addr();
+        let source = peer.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |p| p.ip());
+        let permit = match portal.gate.admit(source, Link::Iser) {
+            Ok(p) => p,
+            Err(why) => {
+                tracing::warn!(?peer, "iSER: connection refused: {why}");
+                let _ = id.reject(&[]);
+                continue;
+            }
+        };
         let request = CmRequest::parse(&private_data);
         let offer = Offer {
             request,
@@ -225,7 +234,9 @@ fn listen_loop(
                     std::thread::Builder::new()
                         .name("iser-conn".into())
                         .spawn(move || {
-                            if let Err(e) = run_connection(id, events, res, portal, opts, offer) {
+                            if let Err(e) =
+                                run_connection(id, events, res, portal, opts, offer, permit)
+                            {
                                 tracing::info!("iSER connection ended: {e}");
                             }
                         });
@@ -293,6 +304,7 @@ fn run_connection(
     portal: Arc<Portal>,
     opts: IserOptions,
     offer: Offer,
+    permit: Permit,
 ) -> Result<(), ConnError> {
     let peer = id.peer_addr();
     let dev = id
@@ -400,6 +412,7 @@ fn run_connection(
         closing: None,
         peer_gone: false,
         hello_credits: credits as u16,
+        permit,
     };
     let result = driver.run(&events, &comp, &control, opts);
     driver.conn.shutdown();
@@ -462,6 +475,8 @@ struct Driver<'a> {
     closing: Option<Instant>,
     peer_gone: bool,
     hello_credits: u16,
+    /// Its place among the portal's connections.
+    permit: Permit,
 }
 
 impl Driver<'_> {
@@ -700,6 +715,9 @@ impl Driver<'_> {
             )));
         };
         self.conn.handle_iser_pdu(now, write, read, &bhs, ahs, data);
+        if self.conn.is_logged_in() {
+            self.permit.logged_in();
+        }
         Ok(())
     }
 

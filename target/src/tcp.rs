@@ -15,7 +15,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
 use crate::engine::{Action, ConnInfo, Connection, OutData, OutPdu};
-use crate::portal::{Portal, SessionControl};
+use crate::portal::{Link, Permit, Portal, SessionControl};
 
 /// Largest AHS the 8-bit TotalAHSLength field allows.
 const MAX_AHS: usize = 255 * 4;
@@ -37,9 +37,17 @@ pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
+                let permit = match portal.gate.admit(peer.ip(), Link::Tcp) {
+                    Ok(p) => p,
+                    Err(why) => {
+                        tracing::warn!(%peer, "connection refused: {why}");
+                        drop(stream);
+                        continue;
+                    }
+                };
                 let portal = portal.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = run_connection(stream, peer, portal).await {
+                    if let Err(e) = run_connection(stream, peer, portal, permit).await {
                         tracing::debug!(%peer, "connection ended: {e}");
                     }
                 });
@@ -57,6 +65,7 @@ async fn run_connection(
     mut stream: TcpStream,
     peer: SocketAddr,
     portal: Arc<Portal>,
+    mut permit: Permit,
 ) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     let local = stream.local_addr()?;
@@ -122,7 +131,11 @@ async fn run_connection(
                 Ok(0) => break Ok(()),
                 Ok(n) => {
                     rx.filled(n);
-                    if let Err(e) = process_pdus(&mut conn, &mut rx) {
+                    let result = process_pdus(&mut conn, &mut rx);
+                    if conn.is_logged_in() {
+                        permit.logged_in();
+                    }
+                    if let Err(e) = result {
                         if !matches!(e, RxError::Closed) {
                             tracing::info!(%peer, "closing connection: {e}");
                         }

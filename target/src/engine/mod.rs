@@ -290,6 +290,11 @@ impl Connection {
         }
     }
 
+    /// The login finished: the connection is in full feature phase.
+    pub fn is_logged_in(&self) -> bool {
+        matches!(self.phase, Phase::FullFeature(_))
+    }
+
     pub fn is_closed(&self) -> bool {
         matches!(self.phase, Phase::Closed)
     }

@@ -79,7 +79,6 @@ async fn many_connections_flooding_reads_stay_bounded_in_total() {
 /// Connections that never log in: at most `--max-logins-per-host` from one
 /// address are kept; the rest are closed at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[should_panic(expected = "defect 6")] // expected failure until fixed
 async fn connections_that_never_log_in_are_capped_per_host() {
     let t = TargetProcess::start_with(TargetOptions {
         size: LUN.into(),
