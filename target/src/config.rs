@@ -615,4 +615,30 @@ mod tests {
         .to_string();
         assert!(e.contains("IQN@192.0.2.0/24"), "{e}");
     }
+
+    /// RFC 7143 9.2.1: CHAP secrets are at least 96 bits; a shorter one is
+    /// refused at start, naming the file.
+    #[test]
+    #[should_panic(expected = "defect 11")] // expected failure until fixed
+    fn short_chap_secrets_are_refused() {
+        let dir = std::env::temp_dir().join(format!("ramslog-chap-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let short = dir.join("short.secret");
+        std::fs::write(&short, "elevenbytes\n").unwrap();
+        let args = RunArgs {
+            size: Some(1 << 20),
+            ephemeral: true,
+            chap_user: Some("u".into()),
+            chap_secret_file: Some(short.clone()),
+            ..Default::default()
+        };
+        let e = match Config::load(&args) {
+            Ok(_) => "accepted".to_string(),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("96 bits"), "defect 11: an 11-byte secret: {e}");
+        std::fs::write(&short, "twelve-bytes\n").unwrap();
+        assert!(Config::load(&args).is_ok());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -149,3 +149,68 @@ async fn status_into_a_closed_pipe_is_not_a_crash() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The control socket's path may hold something else (a file left by an
+/// admin, a symlink): the daemon refuses to start instead of deleting it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "defect 11")] // expected failure until fixed
+async fn a_non_socket_at_the_control_path_is_not_removed() {
+    let dir = std::env::temp_dir().join(format!("ramslog-e2e-ctl-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let path = dir.join("control.sock");
+    std::fs::write(&path, "precious").expect("write");
+    let mut child = Command::new(target_binary())
+        .args(["--size", "1M", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(&dir)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    // A daemon that started anyway is stopped after a while.
+    let started = std::time::Instant::now();
+    while child.try_wait().ok().flatten().is_none() && started.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().expect("wait");
+    assert_eq!(
+        std::fs::read_to_string(&path).ok().as_deref(),
+        Some("precious"),
+        "defect 11: the file at the control socket path was removed"
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a socket"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A request line longer than 64 KiB gets an error and the connection ends;
+/// the daemon keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "defect 11")] // expected failure until fixed
+async fn control_requests_are_bounded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = std::env::temp_dir().join(format!("ramslog-e2e-ctl-long-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let t = TargetProcess::start_with(TargetOptions {
+        ephemeral: false,
+        state_dir: Some(dir.clone()),
+        ..Default::default()
+    });
+    let mut s = tokio::net::UnixStream::connect(dir.join("control.sock"))
+        .await
+        .expect("connect");
+    let junk = vec![b'x'; 1 << 20];
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.write_all(&junk)).await;
+    let mut reply = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut reply)).await;
+    assert!(
+        matches!(read, Ok(Ok(_))) && String::from_utf8_lossy(&reply).contains("64 KiB"),
+        "defect 11: an endless request line was neither refused nor closed"
+    );
+    let st = cli(&["status"], &dir);
+    assert!(st.status.success(), "status still works");
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}

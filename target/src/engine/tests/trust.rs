@@ -775,3 +775,60 @@ fn preempt_and_abort_fences_the_preempted_writes_over_iser() {
         "defect 8: a preempted iSER write got GOOD"
     );
 }
+
+// ---- smaller items ----------------------------------------------------------
+
+/// Peer strings end up in logs and `status`: an initiator name with control
+/// characters (a terminal escape here) is refused at login.
+#[test]
+#[should_panic(expected = "defect 11")] // expected failure until fixed
+fn initiator_names_with_control_characters_are_refused() {
+    for name in [
+        "iqn.2026-11.evil:\u{1b}[2J",
+        "iqn.2026-11.evil:a\nb",
+        "iqn.x y",
+    ] {
+        let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+        let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
+        let r = h.login_pdu(
+            flags,
+            &[
+                ("InitiatorName", name),
+                ("TargetName", IQN),
+                ("SessionType", "Normal"),
+            ],
+        );
+        assert_eq!(
+            r[0].bhs.u16_at(36),
+            login_status::INITIATOR_ERROR,
+            "defect 11: initiator name {name:?} accepted"
+        );
+    }
+}
+
+/// iSER parameter data larger than the driver's 4 MiB bounce buffer is
+/// refused with CHECK CONDITION instead of an RDMA READ the driver cannot
+/// take (which ended the connection).
+#[test]
+#[should_panic(expected = "defect 11")] // expected failure until fixed
+fn iser_parameter_data_beyond_the_bounce_buffer_is_refused() {
+    let portal = portal_sized(16 << 20, Limits::default(), None, None, Acl::Any);
+    let mut h = Harness::new_iser(portal);
+    login_named(
+        &mut h,
+        INI,
+        &[("RDMAExtensions", "Yes"), ("InitialR2T", "Yes")],
+    );
+    let mut verify = write10(0, 10240); // 5 MiB of compare data
+    verify[0] = 0x2f;
+    verify[1] = 0x02;
+    let (_, r) = h.iser_command(&verify, 0xa1, 10240 * 512, &[], iser_buf(0x1000), None);
+    assert!(
+        !h.rdma
+            .iter()
+            .any(|(_, a)| matches!(a, Action::RdmaRead { len, .. } if *len > 4 << 20)),
+        "defect 11: an RDMA READ of parameter data beyond 4 MiB"
+    );
+    assert_eq!(r[0].bhs.0[3], status::CHECK_CONDITION);
+    assert!(!h.closed);
+}
