@@ -30,7 +30,9 @@ use ramslog_common::verbs::{
     WcOpcode, WorkCompletion,
 };
 
-use crate::engine::{Action, ConnInfo, Connection, OutData, OutPdu, ReadDest};
+use crate::engine::{
+    Action, ConnInfo, Connection, OutData, OutPdu, ReadDest, ISER_BUFFERED_READ_MAX,
+};
 use crate::portal::{Link, Permit, Portal, SessionControl};
 use crate::store::RdmaRegion;
 
@@ -52,7 +54,7 @@ const DATAIN_SLOT_LEN: usize = 256 * 1024;
 const DATAIN_SLOTS: usize = 4;
 /// Parameter lists and other write data the SCSI device must see before it
 /// reaches the LUN are RDMA-read into these.
-const BOUNCE_SLOT_LEN: usize = 4 << 20;
+const BOUNCE_SLOT_LEN: usize = ISER_BUFFERED_READ_MAX as usize;
 const BOUNCE_SLOTS: usize = 2;
 /// RDMA READs in flight per connection, at most (and never more than the
 /// initiator offered: illumos offers 4).

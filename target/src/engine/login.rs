@@ -227,18 +227,22 @@ impl Login {
             };
             if p.value.len() > limit {
                 tracing::info!(
-                    key = p.key,
+                    key = %p.key.escape_debug(),
                     "login refused: value longer than {limit} bytes"
                 );
                 return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
             }
             if !self.seen.insert(p.key.to_string()) {
-                tracing::info!(key = p.key, "login refused: key sent twice");
+                tracing::info!(key = %p.key.escape_debug(), "login refused: key sent twice");
                 return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
             }
             match p.key {
                 "InitiatorName" => {
-                    if p.value.is_empty() || p.value.len() > MAX_NAME_LEN {
+                    if !is_plausible_name(p.value) {
+                        tracing::info!(
+                            initiator = %p.value.escape_debug(),
+                            "login refused: not an iSCSI name"
+                        );
                         return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
                     }
                     self.initiator_name = Some(p.value.to_string());
@@ -250,7 +254,10 @@ impl Login {
                 {
                     Some(i) => self.target = Some(i),
                     None => {
-                        tracing::info!(target = p.value, "login refused: no such target");
+                        tracing::info!(
+                            target = %p.value.escape_debug(),
+                            "login refused: no such target"
+                        );
                         return Reply::fail(login_status::NOT_FOUND, stage_bits);
                     }
                 },
@@ -436,7 +443,10 @@ impl Login {
                 self.auth = Auth::ChapAgreed;
                 return "CHAP";
             }
-            tracing::warn!("login refused: target requires CHAP, initiator offered {offered}");
+            tracing::warn!(
+                "login refused: target requires CHAP, initiator offered {}",
+                offered.escape_debug()
+            );
             return "Reject";
         }
         if methods.contains(&"None") {
@@ -444,7 +454,8 @@ impl Login {
             "None"
         } else {
             tracing::warn!(
-                "login refused: no CHAP secret is configured, initiator offered only {offered}"
+                "login refused: no CHAP secret is configured, initiator offered only {}",
+                offered.escape_debug()
             );
             "Reject"
         }
@@ -473,7 +484,10 @@ impl Login {
         let response = decode_binary(r).ok_or(login_status::INITIATOR_ERROR)?;
         let expected = chap::response(id, secret.secret.as_bytes(), &challenge);
         if n != secret.user || response[..] != expected[..] {
-            tracing::warn!(user = n, "login refused: CHAP authentication failed");
+            tracing::warn!(
+                user = %n.escape_debug(),
+                "login refused: CHAP authentication failed"
+            );
             return Err(login_status::AUTH_FAILED);
         }
         match (i, c) {
@@ -505,6 +519,15 @@ impl Login {
         self.auth = Auth::ChapVerified;
         Ok(())
     }
+}
+
+/// An iSCSI name (RFC 3722 profile) has no spaces or control characters:
+/// it is printed in logs and `status`, so nothing that can steer a terminal
+/// is let in.
+fn is_plausible_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && !name.chars().any(|c| c.is_control() || c.is_whitespace())
 }
 
 /// Largest data segment the illumos iSER initiator can receive: its 16 KiB

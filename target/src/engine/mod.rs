@@ -27,6 +27,7 @@ use ramslog_common::iser::RemoteBuffer;
 
 pub use login::SessionKind;
 pub use params::Params;
+pub use session::ISER_BUFFERED_READ_MAX;
 
 use crate::portal::{Portal, SessionControl};
 use crate::scsi::ScsiTarget;

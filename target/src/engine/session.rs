@@ -26,6 +26,10 @@ use crate::scsi::{DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget};
 /// (`ISER_RECV_DATA_SEG_LEN`).
 const LINUX_ISER_RECV_DATA: u32 = 128;
 
+/// Largest RDMA READ into the iSER driver's own buffer (parameter lists and
+/// compare data the SCSI device must see whole): the driver's bounce slots.
+pub const ISER_BUFFERED_READ_MAX: u32 = 4 << 20;
+
 /// Largest Data-In segment sent over TCP, whatever the initiator accepts:
 /// it bounds the bytes one PDU makes the driver hold.
 const DATA_IN_SEGMENT_MAX: u32 = 256 * 1024;
@@ -589,6 +593,16 @@ impl Session {
         if self.params.iser && unsol_end < moved && task.remote.is_none() {
             // The rest must be RDMA-read, but the command named no buffer.
             self.reject(out, bhs, RejectReason::ProtocolError);
+            return;
+        }
+        if self.params.iser
+            && matches!(task.plan.out_placement, OutPlacement::Buffer)
+            && moved.saturating_sub(unsol_end) > ISER_BUFFERED_READ_MAX
+        {
+            // The driver reads such data into a buffer of its own, which
+            // has this size: refuse the command rather than the connection.
+            let s = Sense::new(sense_key::ILLEGAL_REQUEST, 0x24, 0x00);
+            self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
             return;
         }
         if matches!(task.plan.out_placement, OutPlacement::Buffer) {

@@ -781,7 +781,6 @@ fn preempt_and_abort_fences_the_preempted_writes_over_iser() {
 /// Peer strings end up in logs and `status`: an initiator name with control
 /// characters (a terminal escape here) is refused at login.
 #[test]
-#[should_panic(expected = "defect 11")] // expected failure until fixed
 fn initiator_names_with_control_characters_are_refused() {
     for name in [
         "iqn.2026-11.evil:\u{1b}[2J",
@@ -810,7 +809,6 @@ fn initiator_names_with_control_characters_are_refused() {
 /// refused with CHECK CONDITION instead of an RDMA READ the driver cannot
 /// take (which ended the connection).
 #[test]
-#[should_panic(expected = "defect 11")] // expected failure until fixed
 fn iser_parameter_data_beyond_the_bounce_buffer_is_refused() {
     let portal = portal_sized(16 << 20, Limits::default(), None, None, Acl::Any);
     let mut h = Harness::new_iser(portal);
