@@ -1,12 +1,12 @@
 //! The root-only control socket: `ramslog-target status` and
 //! `ramslog-target accept-empty`. One JSON request per line, one JSON reply.
 
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::portal::Portal;
@@ -159,49 +159,133 @@ impl Control {
     }
 }
 
-/// Bind the control socket (mode 0600: root only) and serve it forever.
+/// Longest request line the control socket reads.
+const MAX_REQUEST_LINE: usize = 64 * 1024;
+
+/// Bind the control socket (mode 0600, the daemon's user only) and serve it
+/// forever.
 pub async fn serve(path: PathBuf, control: Arc<Control>) -> std::io::Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    if path.exists() {
-        if UnixStream::connect(&path).await.is_ok() {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    match std::fs::symlink_metadata(&path) {
+        Ok(meta) if !meta.file_type().is_socket() => {
             return Err(std::io::Error::new(
-                std::io::ErrorKind::AddrInUse,
+                std::io::ErrorKind::AlreadyExists,
                 format!(
-                    "{} is in use: another ramslog-target runs with this state directory",
+                    "{} exists and is not a socket; move it away or choose another --control-socket",
                     path.display()
                 ),
             ));
         }
-        std::fs::remove_file(&path)?;
+        Ok(_) => {
+            if UnixStream::connect(&path).await.is_ok() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!(
+                        "{} is in use: another ramslog-target runs with this state directory",
+                        path.display()
+                    ),
+                ));
+            }
+            // A socket left by a daemon that is gone.
+            std::fs::remove_file(&path)?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
     }
-    let listener = UnixListener::bind(&path)?;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    let listener = bind_private(&path)?;
+    let owner = std::fs::metadata(&path)?.uid();
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let control = control.clone();
-            tokio::spawn(async move {
-                let (rd, mut wr) = stream.into_split();
-                let mut lines = BufReader::new(rd).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    let reply = match serde_json::from_str::<Request>(&line) {
-                        Ok(req) => control.handle(req),
-                        Err(e) => Reply::Error(format!("bad request: {e}")),
-                    };
-                    let mut out = serde_json::to_string(&reply).unwrap_or_default();
-                    out.push('\n');
-                    if wr.write_all(out.as_bytes()).await.is_err() {
-                        break;
-                    }
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!("control socket: accept failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
                 }
-            });
+            };
+            // The socket's mode already keeps others out; the peer's
+            // credentials say so again, whatever the directory allows.
+            match stream.peer_cred() {
+                Ok(c) if c.uid() == owner || c.uid() == 0 => {}
+                Ok(c) => {
+                    tracing::warn!(
+                        uid = c.uid(),
+                        "control socket: refusing a client of another user"
+                    );
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!("control socket: no peer credentials: {e}");
+                    continue;
+                }
+            }
+            let control = control.clone();
+            tokio::spawn(serve_client(stream, control));
         }
     });
     Ok(())
+}
+
+/// Bind in a private directory beside `path` and move the socket into place:
+/// it is never reachable with looser permissions than 0600.
+fn bind_private(path: &Path) -> std::io::Result<UnixListener> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let private = dir.join(format!(".control-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&private);
+    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    let staged = private.join("sock");
+    let bound = UnixListener::bind(&staged).and_then(|l| {
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::rename(&staged, path)?;
+        Ok(l)
+    });
+    let _ = std::fs::remove_dir_all(&private);
+    bound
+}
+
+async fn serve_client(stream: UnixStream, control: Arc<Control>) {
+    let (rd, mut wr) = stream.into_split();
+    let mut rd = BufReader::new(rd);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let n = match (&mut rd)
+            .take(MAX_REQUEST_LINE as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .await
+        {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        let complete = line.last() == Some(&b'\n');
+        if !complete && n > MAX_REQUEST_LINE {
+            let reply = Reply::Error("request longer than 64 KiB".into());
+            let _ = write_reply(&mut wr, &reply).await;
+            return;
+        }
+        let reply = match std::str::from_utf8(&line)
+            .map_err(|e| e.to_string())
+            .and_then(|l| serde_json::from_str::<Request>(l.trim_end()).map_err(|e| e.to_string()))
+        {
+            Ok(req) => control.handle(req),
+            Err(e) => Reply::Error(format!("bad request: {e}")),
+        };
+        if write_reply(&mut wr, &reply).await.is_err() || !complete {
+            return;
+        }
+    }
+}
+
+async fn write_reply(
+    wr: &mut tokio::net::unix::OwnedWriteHalf,
+    reply: &Reply,
+) -> std::io::Result<()> {
+    let mut out = serde_json::to_string(reply).map_err(std::io::Error::other)?;
+    out.push('\n');
+    wr.write_all(out.as_bytes()).await
 }
 
 /// Client side: send one request to a running daemon.

@@ -156,7 +156,11 @@ impl StateDir {
     fn save(&self) -> Result<(), StateError> {
         let f = self.path.join(FILE);
         let tmp = self.path.join(format!("{FILE}.tmp"));
-        let text = toml::to_string(&self.file).unwrap_or_default();
+        // A failed serialisation must not replace the file with nothing.
+        let text = toml::to_string(&self.file).map_err(|e| StateError::Write {
+            path: f.clone(),
+            source: std::io::Error::other(e),
+        })?;
         let write = || -> std::io::Result<()> {
             use std::io::Write;
             let mut h = std::fs::File::create(&tmp)?;

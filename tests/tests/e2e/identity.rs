@@ -153,7 +153,6 @@ async fn status_into_a_closed_pipe_is_not_a_crash() {
 /// The control socket's path may hold something else (a file left by an
 /// admin, a symlink): the daemon refuses to start instead of deleting it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[should_panic(expected = "defect 11")] // expected failure until fixed
 async fn a_non_socket_at_the_control_path_is_not_removed() {
     let dir = std::env::temp_dir().join(format!("ramslog-e2e-ctl-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -188,7 +187,6 @@ async fn a_non_socket_at_the_control_path_is_not_removed() {
 /// A request line longer than 64 KiB gets an error and the connection ends;
 /// the daemon keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[should_panic(expected = "defect 11")] // expected failure until fixed
 async fn control_requests_are_bounded() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = std::env::temp_dir().join(format!("ramslog-e2e-ctl-long-{}", std::process::id()));
@@ -204,10 +202,12 @@ async fn control_requests_are_bounded() {
     let junk = vec![b'x'; 1 << 20];
     let _ = tokio::time::timeout(Duration::from_secs(5), s.write_all(&junk)).await;
     let mut reply = Vec::new();
+    // The reply, then the end of the connection (a reset: our unread junk).
     let read = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut reply)).await;
     assert!(
-        matches!(read, Ok(Ok(_))) && String::from_utf8_lossy(&reply).contains("64 KiB"),
-        "defect 11: an endless request line was neither refused nor closed"
+        read.is_ok() && String::from_utf8_lossy(&reply).contains("64 KiB"),
+        "defect 11: an endless request line was neither refused nor closed: {read:?} {:?}",
+        String::from_utf8_lossy(&reply)
     );
     let st = cli(&["status"], &dir);
     assert!(st.status.success(), "status still works");
