@@ -350,10 +350,8 @@ fn run_connection(
     )?;
     let recv = RegisteredBuffer::new(&res.pd, rq_depth * RECV_SLOT_LEN, Access::LOCAL_WRITE)?;
     let send = RegisteredBuffer::new(&res.pd, SEND_SLOTS * SEND_SLOT_LEN, Access::LOCAL_WRITE)?;
-    let datain =
-        RegisteredBuffer::new(&res.pd, DATAIN_SLOTS * DATAIN_SLOT_LEN, Access::LOCAL_WRITE)?;
-    let bounce =
-        RegisteredBuffer::new(&res.pd, BOUNCE_SLOTS * BOUNCE_SLOT_LEN, Access::LOCAL_WRITE)?;
+    // The Data-In and parameter-data buffers (9 MiB) are registered only
+    // once the login succeeds: a peer that never logs in pins only these.
     let mut initial = Vec::with_capacity(rq_depth);
     for slot in 0..rq_depth {
         initial.push(recv_wr(&recv, slot)?);
@@ -382,15 +380,16 @@ fn run_connection(
     let control = Arc::new(IserControl {
         terminated: AtomicBool::new(false),
     });
+    let output_stall_timeout = portal.limits.output_stall_timeout;
     let conn = Connection::new_iser(portal, info, control.clone(), Instant::now(), RECV_DATA_LEN);
     let mut driver = Driver {
         id: &id,
         send_cq: &send_cq,
         recv_cq: &recv_cq,
         recv: &recv,
+        pd: &res.pd,
         send,
-        datain,
-        bounce,
+        large: None,
         regions: &res.regions,
         conn,
         free_send: (0..SEND_SLOTS as u32).rev().collect(),
@@ -415,15 +414,23 @@ fn run_connection(
         peer_gone: false,
         hello_credits: credits as u16,
         permit,
+        blocked_since: None,
+        output_stall: output_stall_timeout,
     };
     let result = driver.run(&events, &comp, &control, opts);
     driver.conn.shutdown();
-    if !driver.peer_gone {
+    let peer_gone = driver.peer_gone;
+    // Kept past the QP's end, like `recv`.
+    let buffers = (driver.send, driver.large);
+    if !peer_gone {
         let _ = id.disconnect();
     }
     tracing::info!(peer = %info.peer, "iSER connection closed");
-    // The QP goes first (with the id), then the buffers it used.
-    drop(driver);
+    // The QP goes first, then the buffers its requests named: the adapter
+    // may still be writing into a posted receive until the QP is gone.
+    id.destroy_qp();
+    drop(buffers);
+    drop(recv);
     drop(id);
     result
 }
@@ -452,14 +459,32 @@ enum Posted {
     Close,
 }
 
+/// The buffers only a logged-in connection needs.
+struct LargeBuffers {
+    /// Read data that is not LUN memory, RDMA-written from here.
+    datain: RegisteredBuffer,
+    /// Parameter data, RDMA-read into here.
+    bounce: RegisteredBuffer,
+}
+
+impl LargeBuffers {
+    fn new(pd: &Arc<ProtectionDomain>) -> Result<LargeBuffers, verbs::Error> {
+        Ok(LargeBuffers {
+            datain: RegisteredBuffer::new(pd, DATAIN_SLOTS * DATAIN_SLOT_LEN, Access::LOCAL_WRITE)?,
+            bounce: RegisteredBuffer::new(pd, BOUNCE_SLOTS * BOUNCE_SLOT_LEN, Access::LOCAL_WRITE)?,
+        })
+    }
+}
+
 struct Driver<'a> {
     id: &'a CmId,
     send_cq: &'a CompletionQueue,
     recv_cq: &'a CompletionQueue,
     recv: &'a RegisteredBuffer,
+    pd: &'a Arc<ProtectionDomain>,
     send: RegisteredBuffer,
-    datain: RegisteredBuffer,
-    bounce: RegisteredBuffer,
+    /// Registered after login.
+    large: Option<LargeBuffers>,
     regions: &'a [RdmaRegion],
     conn: Connection,
     free_send: Vec<u32>,
@@ -479,6 +504,10 @@ struct Driver<'a> {
     hello_credits: u16,
     /// Its place among the portal's connections.
     permit: Permit,
+    /// Since when an action waits for a send slot or credit.
+    blocked_since: Option<Instant>,
+    /// A send that makes no progress this long ends the connection.
+    output_stall: Duration,
 }
 
 impl Driver<'_> {
@@ -502,12 +531,26 @@ impl Driver<'_> {
             if rounds.is_multiple_of(32) {
                 now = Instant::now();
             }
-            let n = self.reap(now, &mut wcs)?;
+            // While output is blocked no receive is consumed: the peer's
+            // messages wait in the receive queue (and then RNR-retry), so the
+            // engine queues nothing more for a peer that takes nothing.
+            let n = self.reap(now, &mut wcs, self.held.is_none())?;
             if self.conn.poll_timeout().is_some_and(|t| t <= now) {
                 self.conn.handle_timeout(now);
             }
-            if self.drain_actions()? {
+            if self.drain_actions()? || self.conn.is_closed() {
                 self.closing.get_or_insert(now);
+            }
+            match (&self.held, self.blocked_since) {
+                (Some(_), None) => self.blocked_since = Some(now),
+                (None, Some(_)) => self.blocked_since = None,
+                (Some(_), Some(since)) if now.duration_since(since) > self.output_stall => {
+                    return Err(ConnError::Protocol(format!(
+                        "no send completed for {:?}: the initiator takes nothing (posts no receives); closing",
+                        self.output_stall
+                    )));
+                }
+                _ => {}
             }
             if let Some(since) = self.closing {
                 if self.sq_in_flight == 0 || now.duration_since(since) > CLOSE_GRACE {
@@ -530,13 +573,16 @@ impl Driver<'_> {
             // something waits for them (an RDMA READ, a held action, a close).
             // Arm first, then poll once more: a completion that raced the
             // arming would otherwise wait for the next event.
-            self.recv_cq.req_notify()?;
+            let recv_armed = self.held.is_none();
+            if recv_armed {
+                self.recv_cq.req_notify()?;
+            }
             let send_armed =
                 self.reads_in_flight > 0 || self.held.is_some() || self.closing.is_some();
             if send_armed {
                 self.send_cq.req_notify()?;
             }
-            if self.reap(now, &mut wcs)? > 0 {
+            if self.reap(now, &mut wcs, recv_armed)? > 0 {
                 empty_polls = 0;
                 continue;
             }
@@ -551,7 +597,7 @@ impl Driver<'_> {
             verbs::wait_readable(&fds, Some(timeout), &mut ready)?;
             if ready[0] {
                 // At most one event per armed queue is pending.
-                if comp.consume_event(self.recv_cq)? && send_armed {
+                if comp.consume_event(self.recv_cq)? && send_armed && recv_armed {
                     comp.consume_event(self.recv_cq)?;
                 }
             }
@@ -565,10 +611,19 @@ impl Driver<'_> {
         }
     }
 
-    /// Poll both completion queues once and handle what they hold.
-    fn reap(&mut self, now: Instant, wcs: &mut [WorkCompletion]) -> Result<usize, ConnError> {
+    /// Poll the completion queues once (the receive queue only when
+    /// `receive`) and handle what they hold.
+    fn reap(
+        &mut self,
+        now: Instant,
+        wcs: &mut [WorkCompletion],
+        receive: bool,
+    ) -> Result<usize, ConnError> {
         let mut total = 0;
         for recv in [true, false] {
+            if recv && !receive {
+                continue;
+            }
             let cq = if recv { self.recv_cq } else { self.send_cq };
             let n = cq.poll(wcs)?;
             for wc in &wcs[..n] {
@@ -647,7 +702,10 @@ impl Driver<'_> {
                 match read.bounce {
                     Some(b) => {
                         let start = b as usize * BOUNCE_SLOT_LEN;
-                        let data = &self.bounce.as_slice()[start..start + read.len as usize];
+                        let Some(large) = &self.large else {
+                            return Err(ConnError::Protocol("no parameter-data buffer".into()));
+                        };
+                        let data = &large.bounce.as_slice()[start..start + read.len as usize];
                         self.conn.handle_rdma_read_done(now, read.tag, data);
                         self.free_bounce.push(b);
                     }
@@ -717,8 +775,9 @@ impl Driver<'_> {
             )));
         };
         self.conn.handle_iser_pdu(now, write, read, &bhs, ahs, data);
-        if self.conn.is_logged_in() {
+        if self.conn.is_logged_in() && self.large.is_none() {
             self.permit.logged_in();
+            self.large = Some(LargeBuffers::new(self.pd)?);
         }
         Ok(())
     }
@@ -742,12 +801,11 @@ impl Driver<'_> {
         self.post(
             wr::id(wr::SEND, slot as usize),
             SendOp::Send,
-            self.slot_sge(&self.send, start, HEADER_LEN)?,
+            Self::buffer_sge(&self.send, start, HEADER_LEN)?,
         )
     }
 
-    fn slot_sge(
-        &self,
+    fn buffer_sge(
         buf: &RegisteredBuffer,
         start: usize,
         len: usize,
@@ -823,7 +881,7 @@ impl Driver<'_> {
                 return Err(ConnError::Protocol(e));
             }
         };
-        let sge = self.slot_sge(&self.send, start, total)?;
+        let sge = Self::buffer_sge(&self.send, start, total)?;
         self.post(wr::id(wr::SEND, slot as usize), SendOp::Send, sge)?;
         Ok(Posted::Done)
     }
@@ -877,8 +935,11 @@ impl Driver<'_> {
                     }));
                 };
                 let start = slot as usize * DATAIN_SLOT_LEN;
-                self.datain.as_mut_slice()[start..start + v.len()].copy_from_slice(&v);
-                let sge = self.slot_sge(&self.datain, start, v.len())?;
+                let Some(large) = self.large.as_mut() else {
+                    return Err(ConnError::Protocol("Data-In before login".into()));
+                };
+                large.datain.as_mut_slice()[start..start + v.len()].copy_from_slice(&v);
+                let sge = Self::buffer_sge(&large.datain, start, v.len())?;
                 self.post(wr::id(wr::DATAIN, slot as usize), op, sge)?;
                 Ok(Posted::Done)
             }
@@ -917,8 +978,11 @@ impl Driver<'_> {
                 let Some(b) = self.free_bounce.pop() else {
                     return Ok(Posted::Blocked(blocked));
                 };
+                let Some(large) = &self.large else {
+                    return Err(ConnError::Protocol("parameter data before login".into()));
+                };
                 let sge =
-                    self.slot_sge(&self.bounce, b as usize * BOUNCE_SLOT_LEN, len as usize)?;
+                    Self::buffer_sge(&large.bounce, b as usize * BOUNCE_SLOT_LEN, len as usize)?;
                 (sge, Some(b))
             }
         };

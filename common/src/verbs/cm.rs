@@ -691,13 +691,23 @@ impl CmId {
     }
 }
 
-impl Drop for CmId {
-    fn drop(&mut self) {
+impl CmId {
+    /// Destroy the id's QP now. After this the adapter touches none of the
+    /// memory the QP's requests named, so those buffers may be deregistered.
+    /// Idempotent; `Drop` does it too.
+    pub fn destroy_qp(&mut self) {
         if self.qp.take().is_some() {
             // SAFETY: the id owns a QP created by rdma_create_qp; destroyed
-            // once. (It uses our CQs, which librdmacm does not destroy.)
+            // once (`qp` is now None). It uses our CQs, which librdmacm does
+            // not destroy.
             unsafe { ffi::rdma_destroy_qp(self.as_ptr()) };
         }
+    }
+}
+
+impl Drop for CmId {
+    fn drop(&mut self) {
+        self.destroy_qp();
         // SAFETY: we own the id; destroyed once. Its channel is alive
         // (`self.channel` is dropped after this). All its events were
         // acknowledged, so this does not wait. Errors are ignored.
