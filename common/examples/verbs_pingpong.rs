@@ -97,6 +97,16 @@ fn pattern_b(i: usize) -> u8 {
     (i.wrapping_mul(13).wrapping_add(11)) as u8 ^ 0x5a
 }
 
+/// All of a buffer no work request is writing now.
+fn whole(b: &RegisteredBuffer) -> Res<&[u8]> {
+    Ok(b.bytes(0..b.len()).ok_or("buffer range")?)
+}
+
+fn whole_mut(b: &mut RegisteredBuffer) -> Res<&mut [u8]> {
+    let n = b.len();
+    Ok(b.bytes_mut(0..n).ok_or("buffer range")?)
+}
+
 fn check_pattern(buf: &[u8], f: fn(usize) -> u8, what: &str) -> Res<()> {
     match buf.iter().enumerate().find(|&(i, &b)| b != f(i)) {
         None => Ok(()),
@@ -338,7 +348,7 @@ fn server(addr: SocketAddr) -> Res<()> {
     let slots = recv_slots(&pd)?;
     let mut send = RegisteredBuffer::new(&pd, MSG, Access::empty())?;
     let mut data = RegisteredBuffer::new(&pd, DATA, Access::REMOTE_READ | Access::REMOTE_WRITE)?;
-    for (i, b) in data.as_mut_slice().iter_mut().enumerate() {
+    for (i, b) in whole_mut(&mut data)?.iter_mut().enumerate() {
         *b = pattern_a(i);
     }
     id.create_qp(&pd, &cq, qp_caps())?;
@@ -373,7 +383,7 @@ fn server(addr: SocketAddr) -> Res<()> {
         if wc.opcode != WcOpcode::Recv || wc.byte_len as usize != MSG {
             return Err(format!("unexpected completion {wc:?}").into());
         }
-        let msg = Msg::decode(&slots[slot].as_slice()[..MSG])?;
+        let msg = Msg::decode(slots[slot].bytes(0..MSG).ok_or("receive slot too small")?)?;
         post_recv_slot(&id, &slots, slot)?;
         let reply = match msg.kind {
             PING => {
@@ -387,8 +397,7 @@ fn server(addr: SocketAddr) -> Res<()> {
                 }
             }
             DONE => {
-                let ok =
-                    check_pattern(data.as_slice(), pattern_b, "server buffer after RDMA WRITE");
+                let ok = check_pattern(whole(&data)?, pattern_b, "server buffer after RDMA WRITE");
                 if let Err(e) = &ok {
                     eprintln!("server: {e}");
                 }
@@ -400,7 +409,7 @@ fn server(addr: SocketAddr) -> Res<()> {
             }
             k => return Err(format!("unexpected message kind {k:#x}").into()),
         };
-        reply.encode(send.as_mut_slice());
+        reply.encode(whole_mut(&mut send)?);
         id.post_send(&SendWr {
             wr_id: WR_SEND,
             op: SendOp::Send,
@@ -472,7 +481,7 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
             seq,
             ..Msg::default()
         }
-        .encode(send.as_mut_slice());
+        .encode(whole_mut(&mut send)?);
         let t0 = Instant::now();
         id.post_send(&SendWr {
             wr_id: WR_SEND,
@@ -488,7 +497,8 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
                 WR_SEND => sent = true,
                 w if (w as usize) < RECV_SLOTS => {
                     let slot = w as usize;
-                    let m = Msg::decode(&slots[slot].as_slice()[..MSG])?;
+                    let m =
+                        Msg::decode(slots[slot].bytes(0..MSG).ok_or("receive slot too small")?)?;
                     post_recv_slot(&id, &slots, slot)?;
                     reply = Some(m);
                 }
@@ -515,17 +525,13 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
     };
     // READ the server's initial pattern.
     rdma_op(&id, &mut reaper, read, WR_READ, sge, WcOpcode::RdmaRead)?;
-    check_pattern(
-        local.as_slice(),
-        pattern_a,
-        "RDMA READ of the server buffer",
-    )?;
+    check_pattern(whole(&local)?, pattern_a, "RDMA READ of the server buffer")?;
 
     // WRITE a new pattern (unsignaled) with a SEND "DONE" chained behind it
     // in one post: RC delivers the SEND only after the WRITE's data is in
     // place (iSER's Data-In + SCSI Response), so the server checks its
     // buffer as soon as DONE arrives.
-    for (i, b) in local.as_mut_slice().iter_mut().enumerate() {
+    for (i, b) in whole_mut(&mut local)?.iter_mut().enumerate() {
         *b = pattern_b(i);
     }
     Msg {
@@ -533,7 +539,7 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
         seq: round_trips,
         ..Msg::default()
     }
-    .encode(send.as_mut_slice());
+    .encode(whole_mut(&mut send)?);
     id.post_send_batch(&[
         SendWr {
             wr_id: WR_WRITE,
@@ -562,7 +568,9 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
             WR_SEND => sent = true,
             w if (w as usize) < RECV_SLOTS => {
                 let slot = w as usize;
-                verdict = Some(Msg::decode(&slots[slot].as_slice()[..MSG])?.kind);
+                verdict = Some(
+                    Msg::decode(slots[slot].bytes(0..MSG).ok_or("receive slot too small")?)?.kind,
+                );
                 post_recv_slot(&id, &slots, slot)?;
             }
             w => return Err(format!("unexpected completion {wc:?} (wr_id {w})").into()),
@@ -573,9 +581,9 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
     }
 
     // READ it back into a cleared buffer.
-    local.as_mut_slice().fill(0);
+    whole_mut(&mut local)?.fill(0);
     rdma_op(&id, &mut reaper, read, WR_READ, sge, WcOpcode::RdmaRead)?;
-    check_pattern(local.as_slice(), pattern_b, "RDMA READ after RDMA WRITE")?;
+    check_pattern(whole(&local)?, pattern_b, "RDMA READ after RDMA WRITE")?;
 
     id.disconnect()?;
     wait_cm(&ch, CmEventKind::Disconnected, CM_TIMEOUT)?;

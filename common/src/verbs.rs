@@ -316,9 +316,9 @@ mod tests {
     #[test]
     fn sge_bounds() {
         let s = ib::sge_in(0x1000, 4096, 7, 0, 4096).unwrap();
-        assert_eq!((s.addr, s.len, s.lkey), (0x1000, 4096, 7));
+        assert_eq!((s.addr(), s.len(), s.lkey()), (0x1000, 4096, 7));
         let s = ib::sge_in(0x1000, 4096, 7, 4000, 96).unwrap();
-        assert_eq!(s.addr, 0x1000 + 4000);
+        assert_eq!(s.addr(), 0x1000 + 4000);
         assert!(ib::sge_in(0x1000, 4096, 7, 4000, 97).is_none());
         assert!(ib::sge_in(0x1000, 4096, 7, 4097, 0).is_none());
         assert!(ib::sge_in(0x1000, 4096, 7, 4096, 0).is_some());

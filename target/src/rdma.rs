@@ -403,11 +403,7 @@ fn run_connection(
         held: None,
         reposts: [RecvWr {
             wr_id: 0,
-            sge: verbs::Sge {
-                addr: 0,
-                len: 0,
-                lkey: 0,
-            },
+            sge: verbs::Sge::default(),
         }; 32],
         n_reposts: 0,
         closing: None,
@@ -705,7 +701,10 @@ impl Driver<'_> {
                         let Some(large) = &self.large else {
                             return Err(ConnError::Protocol("no parameter-data buffer".into()));
                         };
-                        let data = &large.bounce.as_slice()[start..start + read.len as usize];
+                        let Some(data) = large.bounce.bytes(start..start + read.len as usize)
+                        else {
+                            return Err(ConnError::Protocol("RDMA READ beyond its buffer".into()));
+                        };
                         self.conn.handle_rdma_read_done(now, read.tag, data);
                         self.free_bounce.push(b);
                     }
@@ -734,7 +733,11 @@ impl Driver<'_> {
     /// One received message: an iSCSI PDU behind its iSER header, or a Hello.
     fn received(&mut self, now: Instant, slot: usize, len: usize) -> Result<(), ConnError> {
         let start = slot * RECV_SLOT_LEN;
-        let msg = &self.recv.as_slice()[start..start + len.min(RECV_SLOT_LEN)];
+        let Some(msg) = self.recv.bytes(start..start + len.min(RECV_SLOT_LEN)) else {
+            return Err(ConnError::Protocol(
+                "receive slot outside its buffer".into(),
+            ));
+        };
         let header = Header::decode(msg)
             .map_err(|e| ConnError::Protocol(format!("bad iSER header: {e}")))?;
         let (write, read) = match header {
@@ -796,7 +799,11 @@ impl Driver<'_> {
             ord: self.hello_credits,
         };
         reply
-            .encode_into(&mut self.send.as_mut_slice()[start..start + HEADER_LEN])
+            .encode_into(
+                self.send
+                    .bytes_mut(start..start + HEADER_LEN)
+                    .ok_or_else(|| ConnError::Protocol("send slot outside its buffer".into()))?,
+            )
             .map_err(|e| ConnError::Protocol(e.to_string()))?;
         self.post(
             wr::id(wr::SEND, slot as usize),
@@ -873,7 +880,10 @@ impl Driver<'_> {
             return Ok(Posted::Blocked(Action::Send(pdu)));
         };
         let start = slot as usize * SEND_SLOT_LEN;
-        let slot_buf = &mut self.send.as_mut_slice()[start..start + SEND_SLOT_LEN];
+        let Some(slot_buf) = self.send.bytes_mut(start..start + SEND_SLOT_LEN) else {
+            self.free_send.push(slot);
+            return Err(ConnError::Protocol("send slot outside its buffer".into()));
+        };
         let total = match encode_pdu(&self.conn, &pdu, slot_buf) {
             Ok(n) => n,
             Err(e) => {
@@ -938,7 +948,12 @@ impl Driver<'_> {
                 let Some(large) = self.large.as_mut() else {
                     return Err(ConnError::Protocol("Data-In before login".into()));
                 };
-                large.datain.as_mut_slice()[start..start + v.len()].copy_from_slice(&v);
+                let Some(dst) = large.datain.bytes_mut(start..start + v.len()) else {
+                    return Err(ConnError::Protocol(
+                        "Data-In slot outside its buffer".into(),
+                    ));
+                };
+                dst.copy_from_slice(&v);
                 let sge = Self::buffer_sge(&large.datain, start, v.len())?;
                 self.post(wr::id(wr::DATAIN, slot as usize), op, sge)?;
                 Ok(Posted::Done)

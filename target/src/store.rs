@@ -312,11 +312,7 @@ impl RdmaRegion {
     /// The scatter entry for `len` bytes at `offset`, if they lie inside the LUN.
     pub fn sge(&self, offset: u64, len: u32) -> Option<verbs::Sge> {
         let off = self.store.check(offset, len as usize).ok()?;
-        Some(verbs::Sge {
-            addr: self.mr.addr() + off as u64,
-            len,
-            lkey: self.mr.lkey(),
-        })
+        self.mr.sge(off, len)
     }
 }
 

@@ -137,6 +137,18 @@ fn buffer(pd: &Arc<ProtectionDomain>, len: usize, access: Access) -> Result<Regi
     })
 }
 
+/// All of a buffer that no work request is writing now.
+fn whole_mut(b: &mut RegisteredBuffer) -> Result<&mut [u8]> {
+    let n = b.len();
+    b.bytes_mut(0..n).context("buffer range")
+}
+
+/// One byte of a buffer (the flag byte the write-latency loop polls).
+fn set_byte(b: &mut RegisteredBuffer, at: usize, v: u8) -> Result<()> {
+    b.bytes_mut(at..at + 1).context("byte outside its buffer")?[0] = v;
+    Ok(())
+}
+
 fn sge(b: &RegisteredBuffer, len: usize) -> Result<Sge> {
     b.sge(0, len as u32)
         .ok_or_else(|| anyhow!("{len} bytes do not fit a {}-byte buffer", b.len()))
@@ -254,7 +266,7 @@ impl Conn {
     }
 
     fn post(&self, wr_id: u64, op: SendOp, sge: Sge) -> Result<()> {
-        let inline = !matches!(op, SendOp::RdmaRead { .. }) && sge.len <= self.max_inline;
+        let inline = !matches!(op, SendOp::RdmaRead { .. }) && sge.len() <= self.max_inline;
         self.id.post_send(&SendWr {
             wr_id,
             op,
@@ -348,7 +360,7 @@ impl Conn {
             .ok_or_else(|| anyhow!("receive completion for unknown slot {slot}"))?;
         let len = (wc.byte_len as usize).min(b.len());
         // The slot's receive has completed: nothing writes it until repost.
-        let f = Frame::decode_rdma(&b.as_slice()[..len])
+        let f = Frame::decode_rdma(b.bytes(0..len).context("receive beyond its slot")?)
             .with_context(|| format!("message from {}", self.peer));
         self.repost(slot)?;
         f
@@ -460,7 +472,10 @@ impl Client {
         let pd = Arc::clone(&parts.pd);
         let bsz = bs as usize;
         let mut msg = buffer(&pd, RDMA_HDR_LEN + bsz, Access::empty())?;
-        for (i, b) in msg.as_mut_slice()[RDMA_HDR_LEN..].iter_mut().enumerate() {
+        let payload = msg
+            .bytes_mut(RDMA_HDR_LEN..RDMA_HDR_LEN + bsz)
+            .context("message buffer")?;
+        for (i, b) in payload.iter_mut().enumerate() {
             *b = i as u8;
         }
         let ctl = buffer(&pd, RDMA_HDR_LEN, Access::empty())?;
@@ -528,7 +543,7 @@ impl Client {
     }
 
     fn control(&mut self, f: Frame) -> Result<()> {
-        f.encode_rdma(self.ctl.as_mut_slice());
+        f.encode_rdma(whole_mut(&mut self.ctl)?);
         let s = sge(&self.ctl, RDMA_HDR_LEN)?;
         self.conn.post(WR_SEND, SendOp::Send, s)?;
         self.await_reply(f.seq)
@@ -546,7 +561,7 @@ impl Client {
             data_len: self.bs as u32,
             ..Frame::new(Op::Data, seq)
         }
-        .encode_rdma(self.msg.as_mut_slice());
+        .encode_rdma(whole_mut(&mut self.msg)?);
         let s = sge(&self.msg, RDMA_HDR_LEN + self.bs)?;
         let t = Instant::now();
         self.conn.post(WR_SEND, SendOp::Send, s)?;
@@ -589,8 +604,8 @@ impl Client {
     /// Put the server into ib_write_lat mode.
     pub(super) fn wlat_start(&mut self) -> Result<()> {
         let last = self.bs - 1;
-        self.wdst.as_mut_slice()[last] = 0;
-        self.wsrc.as_mut_slice()[last] = 0;
+        set_byte(&mut self.wdst, last, 0)?;
+        set_byte(&mut self.wsrc, last, 0)?;
         self.wlat_n = 0;
         let seq = self.next_seq();
         self.control(Frame {
@@ -609,7 +624,7 @@ impl Client {
         let want = marker(self.wlat_n);
         self.wlat_n += 1;
         // The previous WRITE from wsrc has completed (reaped below).
-        self.wsrc.as_mut_slice()[last] = want;
+        set_byte(&mut self.wsrc, last, want)?;
         let s = sge(&self.wsrc, self.bs)?;
         let op = SendOp::RdmaWrite {
             remote_addr: self.accept.write_addr,
@@ -781,7 +796,7 @@ fn serve_connection(
     let parts = Parts::new(&mut id, RDMA_HDR_LEN + bs)?;
     let pd = Arc::clone(&parts.pd);
     let mut rsrc = buffer(&pd, bs, Access::REMOTE_READ)?;
-    for (i, b) in rsrc.as_mut_slice().iter_mut().enumerate() {
+    for (i, b) in whole_mut(&mut rsrc)?.iter_mut().enumerate() {
         *b = i as u8;
     }
     let mut bufs = ServerBufs {
@@ -845,7 +860,7 @@ impl Replier {
                 _ => return Err(unexpected(&wc)),
             }
         }
-        Frame::new(Op::Reply, seq).encode_rdma(bufs.reply.as_mut_slice());
+        Frame::new(Op::Reply, seq).encode_rdma(whole_mut(&mut bufs.reply)?);
         conn.post(WR_SEND, SendOp::Send, sge(&bufs.reply, RDMA_HDR_LEN)?)?;
         self.send_done = false;
         Ok(())
@@ -883,8 +898,8 @@ fn message_loop(conn: &mut Conn, bufs: &mut ServerBufs) -> Result<()> {
                             );
                         }
                         let last = bufs.bs - 1;
-                        bufs.wdst.as_mut_slice()[last] = 0;
-                        bufs.wsrc.as_mut_slice()[last] = 0;
+                        set_byte(&mut bufs.wdst, last, 0)?;
+                        set_byte(&mut bufs.wsrc, last, 0)?;
                         rep.reply(conn, bufs, f.seq)?;
                         let stop = write_lat(conn, bufs, &mut rep, &f)?;
                         rep.reply(conn, bufs, stop)?;
@@ -975,7 +990,7 @@ fn write_lat(conn: &mut Conn, bufs: &mut ServerBufs, rep: &mut Replier, f: &Fram
                 _ => return Err(unexpected(&wc)),
             }
         }
-        bufs.wsrc.as_mut_slice()[last] = want;
+        set_byte(&mut bufs.wsrc, last, want)?;
         conn.post(WR_WRITE, op, sge(&bufs.wsrc, bufs.bs)?)?;
         write_pending = true;
         n += 1;

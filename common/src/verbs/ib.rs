@@ -385,8 +385,9 @@ impl Drop for Mapping {
 /// given. For message buffers and bounce buffers.
 ///
 /// The HCA writes into this memory (receives, RDMA READ results, remote
-/// writes): look at a range with [`as_slice`](Self::as_slice) only when no
-/// work request or remote access that writes it is outstanding.
+/// writes): look at a range with [`bytes`](Self::bytes) only when no work
+/// request or remote access that writes it is outstanding. Access is by
+/// range (a slot), never the whole buffer at once.
 pub struct RegisteredBuffer {
     // Field order matters: the MR is deregistered before the memory goes.
     mr: MemoryRegion,
@@ -410,16 +411,34 @@ impl RegisteredBuffer {
         Ok(RegisteredBuffer { mr, mem })
     }
 
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `mem` is a live mapping of `mem.len` bytes, zero-filled at
-        // creation, so every byte is initialised.
-        unsafe { std::slice::from_raw_parts(self.mem.ptr.as_ptr(), self.mem.len) }
+    /// The bytes in `range`, or `None` when it is not inside the buffer.
+    ///
+    /// Only the range is borrowed: the adapter may be writing other parts
+    /// of the buffer (other slots' receives) meanwhile. The caller looks
+    /// only at a range no outstanding work request or remote access writes.
+    pub fn bytes(&self, range: std::ops::Range<usize>) -> Option<&[u8]> {
+        if range.start > range.end || range.end > self.mem.len {
+            return None;
+        }
+        // SAFETY: the range lies inside `mem`, a live mapping zero-filled at
+        // creation (every byte initialised). The reference covers this range
+        // only, which the caller owns for as long as it holds it.
+        Some(unsafe {
+            std::slice::from_raw_parts(self.mem.ptr.as_ptr().add(range.start), range.len())
+        })
     }
 
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in as_slice, and &mut self makes this the only Rust
-        // reference into the memory.
-        unsafe { std::slice::from_raw_parts_mut(self.mem.ptr.as_ptr(), self.mem.len) }
+    /// The bytes in `range` for writing, or `None` when it is not inside
+    /// the buffer. As [`bytes`](Self::bytes); `&mut self` makes this the
+    /// only Rust reference into the buffer.
+    pub fn bytes_mut(&mut self, range: std::ops::Range<usize>) -> Option<&mut [u8]> {
+        if range.start > range.end || range.end > self.mem.len {
+            return None;
+        }
+        // SAFETY: as in `bytes`, and no other Rust reference exists.
+        Some(unsafe {
+            std::slice::from_raw_parts_mut(self.mem.ptr.as_ptr().add(range.start), range.len())
+        })
     }
 
     /// Raw pointer to the start, for callers that do their own
@@ -771,11 +790,31 @@ impl WorkCompletion {
 // ---------------------------------------------------------------- work requests
 
 /// A scatter/gather entry: `len` bytes at `addr` in a region with `lkey`.
+///
+/// Made only by [`MemoryRegion::sge`] and [`RegisteredBuffer::sge`], which
+/// check the range against the registered memory: safe code cannot point
+/// the adapter at memory it does not own. The default is the empty entry
+/// (no bytes), a placeholder to be overwritten before posting.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Sge {
-    pub addr: u64,
-    pub len: u32,
-    pub lkey: u32,
+    addr: u64,
+    len: u32,
+    lkey: u32,
+}
+
+impl Sge {
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    pub fn len(&self) -> u32 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn lkey(&self) -> u32 {
+        self.lkey
+    }
 }
 
 /// The send-queue operations we use. (Never SEND_WITH_INV: the target

@@ -580,7 +580,12 @@ impl IserSession {
         };
         let tag = Tag(u32::from(task.generation) << 16 | slot as u32);
         if out_len > 0 {
-            fill(&mut task.buf.as_mut_slice()[..out_len]);
+            let Some(dst) = task.buf.bytes_mut(0..out_len) else {
+                return Err(Error::InvalidArgument(format!(
+                    "{out_len} bytes of Data-Out exceed the task buffer"
+                )));
+            };
+            fill(dst);
         }
         let neg = &self.negotiated;
         let imm_len = if neg.immediate_data {
@@ -629,7 +634,10 @@ impl IserSession {
             self.turn_or_timeout(deadline, "a free send slot")?;
         }
         let task = &self.tasks[slot];
-        let imm = &task.buf.as_slice()[..imm_len];
+        let imm = task
+            .buf
+            .bytes(0..imm_len)
+            .ok_or_else(|| Error::Rdma("immediate data beyond the task buffer".into()))?;
         if let Err(e) = self.rdma.post_pdu(&header, &b, imm) {
             return Err(self.fail(e));
         }
@@ -700,7 +708,10 @@ impl IserSession {
     pub fn data_in(&self, tag: Tag) -> Result<&[u8], Error> {
         match self.tasks.get(tag.slot()) {
             Some(t) if t.generation == tag.generation() => match t.state {
-                TaskState::Done { data_in_len } => Ok(&t.buf.as_slice()[..data_in_len as usize]),
+                TaskState::Done { data_in_len } => t
+                    .buf
+                    .bytes(0..data_in_len as usize)
+                    .ok_or_else(|| Error::Rdma("Data-In beyond the task buffer".into())),
                 _ => Err(Error::InvalidArgument(format!("{tag:?} has not completed"))),
             },
             _ => Err(Error::InvalidArgument(format!(
@@ -1191,9 +1202,8 @@ impl IserSession {
     fn message(&mut self, slot: usize, len: usize) -> Result<(), Error> {
         self.stats.largest_message = self.stats.largest_message.max(len as u32);
         let (bhs, rx) = {
-            let buf = self.rdma.recv[slot].as_slice();
-            let msg = buf
-                .get(..len)
+            let msg = self.rdma.recv[slot]
+                .bytes(0..len)
                 .ok_or_else(|| Error::Rdma(format!("{len}-byte receive completion")))?;
             match Header::decode(msg) {
                 Ok(Header::Control { .. }) => {}

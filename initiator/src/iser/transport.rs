@@ -168,7 +168,10 @@ impl Rdma {
             .pop()
             .ok_or_else(|| Error::Rdma("no free send slot".into()))?;
         let start = slot * SEND_SLOT_LEN;
-        let msg = &mut self.send.as_mut_slice()[start..start + total];
+        let msg = self
+            .send
+            .bytes_mut(start..start + total)
+            .ok_or_else(|| Error::Rdma(format!("{total}-byte message exceeds its send slot")))?;
         header
             .encode_into(msg)
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
