@@ -121,6 +121,9 @@ pub struct RunArgs {
     /// Seconds of idleness before the target pings the initiator (NOP-In).
     #[arg(long)]
     pub nop_interval: Option<u64>,
+    /// Seconds a NOP-In ping may go unanswered before the connection is dropped.
+    #[arg(long, value_name = "SECS")]
+    pub nop_timeout: Option<u64>,
     /// Seconds a login may take before the connection is closed.
     #[arg(long, value_name = "SECS")]
     pub login_timeout: Option<u64>,
@@ -161,6 +164,7 @@ struct FileConfig {
     allow_any: bool,
     cmd_window: Option<u32>,
     nop_interval: Option<u64>,
+    nop_timeout: Option<u64>,
     login_timeout: Option<u64>,
     max_connections: Option<u32>,
     max_connections_per_host: Option<u32>,
@@ -382,6 +386,12 @@ impl Config {
                 return Err(invalid("nop_interval must be at least 1 second"));
             }
             limits.nop_interval = Duration::from_secs(n);
+        }
+        if let Some(n) = args.nop_timeout.or(file.nop_timeout) {
+            if !(1..=3600).contains(&n) {
+                return Err(invalid("nop_timeout must be between 1 and 3600 seconds"));
+            }
+            limits.nop_timeout = Duration::from_secs(n);
         }
         if let Some(n) = args.login_timeout.or(file.login_timeout) {
             if !(1..=3600).contains(&n) {

@@ -8,7 +8,8 @@
 # 512 B..256 KiB at random LBAs, pipelined I/O, idle > 5 s with the idle
 # NOP-Out ping, target NOP-In pings answered, SendTargets over an iSER
 # discovery session, logout. Then an initiator SIGKILLed mid-transfer: its
-# connection alone ends and a new session works. Client and server share one
+# connection alone ends and a new session works; and one frozen (SIGSTOP),
+# which the target must drop by itself within NOP interval + NOP timeout. Client and server share one
 # rxe address (rxe cannot connect across its two devices in one namespace).
 #
 # Build first (on the host):
@@ -24,6 +25,8 @@ SECS=${1:-5}
 IQN=iqn.2026-11.org.ramslog:iser-initiators
 # The target pings after this many idle seconds; the check waits for one.
 NOP_INTERVAL=8
+# An unanswered ping ends the connection after this many seconds.
+NOP_TIMEOUT=10
 
 BIN=${RAMSLOG_TARGET_BIN:-$(pick_bin ramslog-target)} || { echo "build ramslog-target first"; exit 1; }
 CHECK=${ISER_CHECK_BIN:-$(pick_bin iser-initiator-check)} ||
@@ -47,7 +50,7 @@ mkdir -p "$RESULTS"
 # Spin budget 0: busy polling on emulated CPUs starves rxe and the initiator.
 "$BIN" --size 256M --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --ephemeral \
   --allow "iqn.2026-11.org.ramslog:check-illumos" --allow "iqn.2026-11.org.ramslog:check-linux" \
-  --nop-interval "$NOP_INTERVAL" --iser-spin 0 >"$LOG" 2>&1 &
+  --nop-interval "$NOP_INTERVAL" --nop-timeout "$NOP_TIMEOUT" --iser-spin 0 >"$LOG" 2>&1 &
 TARGET_PID=$!
 ready=0
 for _ in $(seq 1 150); do
@@ -96,6 +99,35 @@ if [ "$fail" = 0 ]; then
     echo "a new session works after the crash"
   else
     echo "no working session after an initiator crash"; fail=1
+  fi
+fi
+
+if [ "$fail" = 0 ]; then
+  # A frozen initiator (SIGSTOP: its QP lives on in the kernel, but it
+  # polls, answers and reposts nothing) sends no RST and no disconnect. The
+  # target must drop it by itself — NOP-In unanswered, or its sends making
+  # no progress — within NOP interval + NOP timeout, and keep serving.
+  step "a frozen initiator is dropped within NopInterval + NopTimeout ($NOP_INTERVAL + $NOP_TIMEOUT s)"
+  closed_before=$(grep -c "iSER connection closed" "$LOG" || true)
+  "$CHECK" --profile linux --target "$RXE_ADDR_A:3260" --iqn "$IQN" --seconds 120 >/tmp/frozen.log 2>&1 &
+  frozen=$!
+  for _ in $(seq 1 100); do grep -q "login" /tmp/frozen.log 2>/dev/null && break; sleep 0.2; done
+  sleep 3
+  kill -STOP "$frozen"
+  t_stop=$(date +%s)
+  closed=0
+  for _ in $(seq 1 $(( (NOP_INTERVAL + NOP_TIMEOUT + 20) * 5 ))); do
+    [ "$(grep -c "iSER connection closed" "$LOG")" -gt "$closed_before" ] && { closed=1; break; }
+    sleep 0.2
+  done
+  echo "frozen initiator: connection closed=$closed after $(( $(date +%s) - t_stop )) s"
+  grep -E "NOP-In|no send completed|closing" "$LOG" | tail -3 || true
+  kill -9 "$frozen" 2>/dev/null; kill -CONT "$frozen" 2>/dev/null; wait "$frozen" 2>/dev/null || true
+  [ "$closed" = 1 ] || { echo "the target kept a frozen initiator's connection"; fail=1; }
+  if [ "$fail" = 0 ] && timeout 600 "$CHECK" --profile illumos --target "$RXE_ADDR_A:3260" --iqn "$IQN" --seconds 2; then
+    echo "a new session works after the frozen initiator"
+  else
+    echo "no working session after a frozen initiator"; fail=1
   fi
 fi
 

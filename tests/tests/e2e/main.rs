@@ -1,7 +1,6 @@
 //! End-to-end tests: the real `ramslog-target` binary on 127.0.0.1, driven by
 //! ramslog-initiator. One test binary, one module per area.
 
-mod bad_input;
 mod identity;
 mod integrity;
 mod sessions;

@@ -7,10 +7,14 @@
 //! start), sampled every 100 ms; each case records its figure in
 //! `build/hostile/memory.json`.
 
+mod classes;
 mod flood;
+mod malformed;
 mod memory;
 
 use std::time::Duration;
+
+use rand::Rng;
 
 use ramslog_common::iscsi::{Bhs, Opcode};
 use ramslog_common::scsi_wire::sense_key;
@@ -25,7 +29,7 @@ pub const TOTAL_LIMIT: u64 = 256 << 20;
 
 /// A well-behaved session with a known pattern on the LUN, checked after the abuse.
 pub struct Bystander {
-    s: Session,
+    pub s: Session,
     pattern: Vec<u8>,
     lba: u64,
 }
@@ -71,6 +75,34 @@ pub fn scsi_cmd(c: &mut Connection, cdb: &[u8], flags: u8, edtl: u32) -> Bhs {
     b.0[32..32 + cdb.len()].copy_from_slice(cdb);
     c.fill_sn(&mut b, false);
     b
+}
+
+/// Log in and consume the power-on unit attention, as real initiators do.
+pub async fn open(t: &TargetProcess, initiator: &str) -> Session {
+    let s = Session::login(t.addr(), LoginParams::normal(initiator, t.target_name()))
+        .await
+        .unwrap_or_else(|e| panic!("login to {}: {e}", t.addr()));
+    for _ in 0..8 {
+        let r = s.test_unit_ready(0).await.expect("TEST UNIT READY");
+        if r.sense.is_none_or(|x| x.key != sense_key::UNIT_ATTENTION) {
+            return s;
+        }
+    }
+    panic!("unit attentions never cleared");
+}
+
+pub fn random_bytes(n: usize) -> Vec<u8> {
+    let mut rng = rand::thread_rng();
+    (0..n).map(|_| rng.gen::<u8>()).collect()
+}
+
+pub const SHORT: Duration = Duration::from_millis(500);
+
+pub fn sense(r: &ramslog_initiator::ScsiResult) -> (u8, u8, u8) {
+    let s = r
+        .sense
+        .unwrap_or_else(|| panic!("expected sense, got status {:#x}", r.status));
+    (s.key, s.asc, s.ascq)
 }
 
 pub fn read10(lba: u32, blocks: u16) -> [u8; 10] {

@@ -1,6 +1,8 @@
-//! Hostile input, one test per class. Each shows the right Reject, sense or
-//! closed connection, and that the target keeps serving another session with
-//! no block changed.
+//! Malformed and abusive PDUs, one test per class: unknown opcodes, PDUs of
+//! the wrong phase, lying lengths (data segment, AHS), CmdSN outside the
+//! window, login key abuse, malformed text, mid-transfer disconnects. Each
+//! shows the right Reject, sense or closed connection, and that the target
+//! keeps serving another session with no block changed.
 
 use ramslog_common::iscsi::{text, Bhs, Opcode, RejectReason, RESERVED_TAG};
 use ramslog_common::scsi_wire::{sense_key, status};
