@@ -16,7 +16,11 @@ command -v setpriv >/dev/null || need_pkgs+=(util-linux)
 command -v python3 >/dev/null || need_pkgs+=(python3)
 # Building the iSER transport: rdma-sys runs bindgen against the rdma-core headers.
 pkg-config --exists libibverbs librdmacm 2>/dev/null || need_pkgs+=(pkg-config libibverbs-dev librdmacm-dev)
-compgen -G '/usr/lib/llvm-*/lib/libclang*.so*' >/dev/null || need_pkgs+=(libclang-dev)
+# bindgen loads libclang.so* or libclang-<N>.so*; libclang-cpp.so.<N> (which
+# other packages bring) is a different library and does not count.
+compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null ||
+  compgen -G '/usr/lib/llvm-*/lib/libclang-[0-9]*.so*' >/dev/null ||
+  need_pkgs+=(libclang-dev)
 if ((${#need_pkgs[@]})); then
   step "installing ${need_pkgs[*]}"
   if [ "$(id -u)" = 0 ]; then
