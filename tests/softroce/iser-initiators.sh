@@ -78,28 +78,46 @@ for profile in illumos linux; do
   kill -0 "$TARGET_PID" 2>/dev/null || { echo "ramslog-target died"; fail=1; break; }
 done
 
-if [ "$fail" = 0 ]; then
-  step "an initiator killed mid-transfer: its connection ends, the target keeps serving"
-  closed_before=$(grep -c "iSER connection closed" "$LOG" || true)
-  "$CHECK" --profile linux --target "$RXE_ADDR_A:3260" --iqn "$IQN" --seconds 60 >/tmp/victim.log 2>&1 &
-  victim=$!
-  # Into the write/read-verify loop, then SIGKILL: no logout, I/O in flight.
-  for _ in $(seq 1 100); do grep -q "login" /tmp/victim.log 2>/dev/null && break; sleep 0.2; done
+closed_count() { grep -c "iSER connection closed" "$LOG" || true; }
+
+# Start a linux-profile check in the background and wait until it logged in
+# and is 3 s into its write/read-verify loop; its pid in $SUBJECT.
+start_subject() {
+  "$CHECK" --profile linux --target "$RXE_ADDR_A:3260" --iqn "$IQN" --seconds "$1" >"$2" 2>&1 &
+  SUBJECT=$!
+  for _ in $(seq 1 100); do grep -q "login" "$2" 2>/dev/null && break; sleep 0.2; done
   sleep 3
-  kill -9 "$victim"; wait "$victim" 2>/dev/null || true
-  closed=0
-  for _ in $(seq 1 100); do
-    [ "$(grep -c "iSER connection closed" "$LOG")" -gt "$closed_before" ] && { closed=1; break; }
+}
+
+# Wait up to $2 seconds for more closed connections than $1; 0 when one came.
+wait_closed() {
+  local _
+  for _ in $(seq 1 $(($2 * 5))); do
+    [ "$(closed_count)" -gt "$1" ] && return 0
     sleep 0.2
   done
-  kill -0 "$TARGET_PID" 2>/dev/null || { echo "ramslog-target died with its initiator"; fail=1; }
-  [ "$closed" = 1 ] || { echo "the target did not close the killed initiator's connection"; fail=1; }
-  grep -A3 "iSER connection accepted" "$LOG" | tail -4
-  if [ "$fail" = 0 ] && timeout 600 "$CHECK" --profile illumos --target "$RXE_ADDR_A:3260" --iqn "$IQN" --seconds 2; then
-    echo "a new session works after the crash"
+  return 1
+}
+
+# After an initiator went away: the target lives and a new session works.
+new_session_works() {
+  kill -0 "$TARGET_PID" 2>/dev/null || { echo "ramslog-target died with its initiator"; return 1; }
+  if timeout 600 "$CHECK" --profile illumos --target "$RXE_ADDR_A:3260" --iqn "$IQN" --seconds 2; then
+    echo "a new session works after $1"
   else
-    echo "no working session after an initiator crash"; fail=1
+    echo "no working session after $1"; return 1
   fi
+}
+
+if [ "$fail" = 0 ]; then
+  step "an initiator killed mid-transfer: its connection ends, the target keeps serving"
+  before=$(closed_count)
+  # Into the write/read-verify loop, then SIGKILL: no logout, I/O in flight.
+  start_subject 60 /tmp/victim.log
+  kill -9 "$SUBJECT"; wait "$SUBJECT" 2>/dev/null || true
+  wait_closed "$before" 20 || { echo "the target did not close the killed initiator's connection"; fail=1; }
+  grep -A3 "iSER connection accepted" "$LOG" | tail -4
+  [ "$fail" = 0 ] && { new_session_works "the crash" || fail=1; }
 fi
 
 if [ "$fail" = 0 ]; then
@@ -108,27 +126,17 @@ if [ "$fail" = 0 ]; then
   # target must drop it by itself — NOP-In unanswered, or its sends making
   # no progress — within NOP interval + NOP timeout, and keep serving.
   step "a frozen initiator is dropped within NopInterval + NopTimeout ($NOP_INTERVAL + $NOP_TIMEOUT s)"
-  closed_before=$(grep -c "iSER connection closed" "$LOG" || true)
-  "$CHECK" --profile linux --target "$RXE_ADDR_A:3260" --iqn "$IQN" --seconds 120 >/tmp/frozen.log 2>&1 &
-  frozen=$!
-  for _ in $(seq 1 100); do grep -q "login" /tmp/frozen.log 2>/dev/null && break; sleep 0.2; done
-  sleep 3
-  kill -STOP "$frozen"
+  before=$(closed_count)
+  start_subject 120 /tmp/frozen.log
+  kill -STOP "$SUBJECT"
   t_stop=$(date +%s)
   closed=0
-  for _ in $(seq 1 $(( (NOP_INTERVAL + NOP_TIMEOUT + 20) * 5 ))); do
-    [ "$(grep -c "iSER connection closed" "$LOG")" -gt "$closed_before" ] && { closed=1; break; }
-    sleep 0.2
-  done
+  wait_closed "$before" $((NOP_INTERVAL + NOP_TIMEOUT + 20)) && closed=1
   echo "frozen initiator: connection closed=$closed after $(( $(date +%s) - t_stop )) s"
   grep -E "NOP-In|no send completed|closing" "$LOG" | tail -3 || true
-  kill -9 "$frozen" 2>/dev/null; kill -CONT "$frozen" 2>/dev/null; wait "$frozen" 2>/dev/null || true
+  kill -9 "$SUBJECT" 2>/dev/null; kill -CONT "$SUBJECT" 2>/dev/null; wait "$SUBJECT" 2>/dev/null || true
   [ "$closed" = 1 ] || { echo "the target kept a frozen initiator's connection"; fail=1; }
-  if [ "$fail" = 0 ] && timeout 600 "$CHECK" --profile illumos --target "$RXE_ADDR_A:3260" --iqn "$IQN" --seconds 2; then
-    echo "a new session works after the frozen initiator"
-  else
-    echo "no working session after a frozen initiator"; fail=1
-  fi
+  [ "$fail" = 0 ] && { new_session_works "a frozen initiator" || fail=1; }
 fi
 
 step "target log (iSER lines)"

@@ -23,10 +23,13 @@ async fn pipelined_reads_without_reading_stay_bounded() {
     let by = Bystander::new(&t, 500_000).await;
     let sampler = RssSampler::start(t.pid());
     let mut c = raw_login(&t, |_| {}).await;
+    // All 120 in one burst of 5,760 bytes: the target reads them at once.
+    let mut burst = Vec::new();
     for i in 0..120u32 {
         let b = scsi_cmd(&mut c, &read10((i % 16) * 32768, 32768), 0xc1, 16 << 20);
-        c.send_pdu(&b, &[], &[]).await.expect("send READ");
+        burst.extend_from_slice(&b.0);
     }
+    c.send_raw(&burst).await.expect("send the READs");
     tokio::time::sleep(Duration::from_secs(3)).await;
     let above = record("pipelined-reads", 1, sampler.peak(), LUN_BYTES);
     assert!(

@@ -36,16 +36,8 @@ pub struct Bystander {
 
 impl Bystander {
     pub async fn new(t: &TargetProcess, lba: u64) -> Bystander {
-        let s = Session::login(t.addr(), LoginParams::normal(BYSTANDER, t.target_name()))
-            .await
-            .expect("bystander login");
-        for _ in 0..8 {
-            let r = s.test_unit_ready(0).await.expect("TEST UNIT READY");
-            if r.sense.is_none_or(|x| x.key != sense_key::UNIT_ATTENTION) {
-                break;
-            }
-        }
-        let pattern: Vec<u8> = (0..65536).map(|_| rand::random::<u8>()).collect();
+        let s = open(t, BYSTANDER).await;
+        let pattern = random_bytes(64 * 1024);
         s.write(0, lba, &pattern, true).await.expect("canary write");
         Bystander { s, pattern, lba }
     }

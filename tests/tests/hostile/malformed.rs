@@ -6,56 +6,12 @@
 
 use ramslog_common::iscsi::{text, Bhs, Opcode, RejectReason, RESERVED_TAG};
 use ramslog_common::scsi_wire::{sense_key, status};
-use ramslog_initiator::{Connection, Error, LoginParams, Pdu, Residual, Session};
+use ramslog_initiator::{Connection, Error, Pdu, Residual};
 use ramslog_tests::TargetProcess;
 
 use super::*;
 
 const CANARY_LBA: u64 = 1000;
-
-/// A bystander session with a known pattern on the LUN, checked after the abuse.
-struct Bystander {
-    s: Session,
-    pattern: Vec<u8>,
-}
-
-impl Bystander {
-    async fn new(t: &TargetProcess) -> Bystander {
-        let s = open(t, "iqn.2026-11.org.ramslog:bystander").await;
-        let pattern = random_bytes(64 * 1024);
-        s.write(0, CANARY_LBA, &pattern, true)
-            .await
-            .expect("canary write");
-        Bystander { s, pattern }
-    }
-
-    async fn still_fine(&self) {
-        let got = self
-            .s
-            .read(0, CANARY_LBA, 128, 512)
-            .await
-            .expect("bystander read");
-        assert!(got == self.pattern, "a block changed under the bystander");
-    }
-}
-
-async fn raw_login(t: &TargetProcess, tweak: impl FnOnce(&mut LoginParams)) -> Connection {
-    let mut c = Connection::connect(t.addr()).await.expect("connect");
-    let mut p = LoginParams::normal(INITIATOR, t.target_name());
-    tweak(&mut p);
-    c.login(&p).await.expect("login");
-    c
-}
-
-fn scsi_cmd(c: &mut Connection, cdb: &[u8], flags: u8, edtl: u32) -> Bhs {
-    let mut b = Bhs::new(Opcode::ScsiCommand);
-    b.set_flags(flags)
-        .set_itt(c.next_itt())
-        .set_expected_data_len(edtl);
-    b.0[32..32 + cdb.len()].copy_from_slice(cdb);
-    c.fill_sn(&mut b, false);
-    b
-}
 
 async fn expect_reject(c: &mut Connection, reason: RejectReason) -> Pdu {
     let p = c
@@ -99,7 +55,7 @@ async fn tur_works(c: &mut Connection) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_opcode_is_rejected() {
     let t = TargetProcess::start();
-    let by = Bystander::new(&t).await;
+    let by = Bystander::new(&t, CANARY_LBA).await;
     let mut c = raw_login(&t, |_| {}).await;
     let mut b = Bhs::default();
     b.0[0] = 0x1d; // not an iSCSI opcode
@@ -119,7 +75,7 @@ async fn unknown_opcode_is_rejected() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pdus_of_the_wrong_phase() {
     let t = TargetProcess::start();
-    let by = Bystander::new(&t).await;
+    let by = Bystander::new(&t, CANARY_LBA).await;
     // A SCSI command before login: the connection is dropped.
     let mut c = Connection::connect(t.addr()).await.expect("connect");
     let b = scsi_cmd(&mut c, &[0; 6], 0x81, 0);
@@ -146,7 +102,7 @@ async fn pdus_of_the_wrong_phase() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_segment_longer_than_negotiated() {
     let t = TargetProcess::start();
-    let by = Bystander::new(&t).await;
+    let by = Bystander::new(&t, CANARY_LBA).await;
     let mut c = raw_login(&t, |_| {}).await;
     let b = scsi_cmd(&mut c, &[0x2a, 0, 0, 0, 0, 0, 0, 0x08, 0, 0], 0xa1, 1 << 20);
     let big = vec![0x5a; 1 << 20]; // the target declared 256 KiB
@@ -158,7 +114,7 @@ async fn data_segment_longer_than_negotiated() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_segment_longer_than_the_bytes_sent() {
     let t = TargetProcess::start();
-    let by = Bystander::new(&t).await;
+    let by = Bystander::new(&t, CANARY_LBA).await;
     let mut c = raw_login(&t, |_| {}).await;
     let mut b = scsi_cmd(&mut c, &[0x2a, 0, 0, 0, 0x03, 0xe8, 0, 0, 8, 0], 0xa1, 4096);
     b.set_data_segment_len(4096);
@@ -173,7 +129,7 @@ async fn data_segment_longer_than_the_bytes_sent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ahs_length_lies() {
     let t = TargetProcess::start();
-    let by = Bystander::new(&t).await;
+    let by = Bystander::new(&t, CANARY_LBA).await;
     let mut c = raw_login(&t, |_| {}).await;
     let mut b = scsi_cmd(&mut c, &[0; 6], 0x81, 0);
     // TotalAHSLength says 8 bytes; the AHS inside claims 100.
@@ -189,7 +145,7 @@ async fn ahs_length_lies() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cmdsn_outside_the_window_is_ignored() {
     let t = TargetProcess::start();
-    let by = Bystander::new(&t).await;
+    let by = Bystander::new(&t, CANARY_LBA).await;
     let mut c = raw_login(&t, |_| {}).await;
     tur_works(&mut c).await;
     let good = c.next_cmdsn();
@@ -235,7 +191,7 @@ fn login_text(extra: &[(&str, &str)], name: &str) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_login_keys() {
     let t = TargetProcess::start();
-    let by = Bystander::new(&t).await;
+    let by = Bystander::new(&t, CANARY_LBA).await;
     let name = t.target_name().to_string();
     let dup = login_text(
         &[("MaxBurstLength", "65536"), ("MaxBurstLength", "65536")],
@@ -295,7 +251,7 @@ async fn text_request_without_equals_is_rejected() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lba_past_the_end_and_length_mismatch() {
     let t = TargetProcess::start();
-    let by = Bystander::new(&t).await;
+    let by = Bystander::new(&t, CANARY_LBA).await;
     let s = open(&t, INITIATOR).await;
     let last = (256u64 << 20) / 512;
     let r = s
@@ -343,7 +299,7 @@ async fn lba_past_the_end_and_length_mismatch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_dropped_mid_r2t_changes_nothing_outside_the_write() {
     let t = TargetProcess::start();
-    let by = Bystander::new(&t).await;
+    let by = Bystander::new(&t, CANARY_LBA).await;
     let mut c = raw_login(&t, |p| {
         p.initial_r2t = true;
         p.immediate_data = false;
