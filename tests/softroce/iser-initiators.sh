@@ -8,8 +8,10 @@
 # 512 B..256 KiB at random LBAs, pipelined I/O, idle > 5 s with the idle
 # NOP-Out ping, target NOP-In pings answered, SendTargets over an iSER
 # discovery session, logout. Then an initiator SIGKILLed mid-transfer: its
-# connection alone ends and a new session works; and one frozen (SIGSTOP),
-# which the target must drop by itself within NOP interval + NOP timeout. Client and server share one
+# connection alone ends and a new session works; one frozen (SIGSTOP),
+# which the target must drop by itself within NOP interval + NOP timeout;
+# and one that floods pings but posts no receives, which the target must
+# stop reading and drop when its sends make no progress. Client and server share one
 # rxe address (rxe cannot connect across its two devices in one namespace).
 #
 # Build first (on the host):
@@ -137,6 +139,38 @@ if [ "$fail" = 0 ]; then
   kill -9 "$SUBJECT" 2>/dev/null; kill -CONT "$SUBJECT" 2>/dev/null; wait "$SUBJECT" 2>/dev/null || true
   [ "$closed" = 1 ] || { echo "the target kept a frozen initiator's connection"; fail=1; }
   [ "$fail" = 0 ] && { new_session_works "a frozen initiator" || fail=1; }
+fi
+
+if [ "$fail" = 0 ]; then
+  # A peer that takes nothing: it floods immediate NOP-Out pings (each asks
+  # for a NOP-In) and never reposts a receive buffer, so the target's SENDs
+  # wait in RNR retry (7 = for ever) and its send slots run out. The target
+  # must stop consuming that peer's messages and end the connection when no
+  # send completes for its output stall timeout (30 s). A second target with
+  # a 300 s NOP interval, so that only the stall can end it.
+  step "a peer that posts no receives: the connection ends after the 30 s output stall"
+  LOG2=$RESULTS/ramslog-target-iser-stall.log
+  "$BIN" --size 64M --listen "$RXE_ADDR_A:3261" --target-name "$IQN" --ephemeral \
+    --allow "iqn.2026-11.org.ramslog:check-linux" --nop-interval 300 --iser-spin 0 >"$LOG2" 2>&1 &
+  STALL_PID=$!
+  for _ in $(seq 1 150); do grep -q "iSER listening on $RXE_ADDR_A:3261" "$LOG2" 2>/dev/null && break; sleep 0.2; done
+  "$CHECK" --profile linux --target "$RXE_ADDR_A:3261" --iqn "$IQN" --flood-pings 450 >/tmp/flood.log 2>&1 &
+  SUBJECT=$!
+  for _ in $(seq 1 300); do grep -q "now silent" /tmp/flood.log 2>/dev/null && break; sleep 0.2; done
+  grep "sent .* pings" /tmp/flood.log || { echo "the flood client did not get going"; cat /tmp/flood.log; fail=1; }
+  t_flood=$(date +%s)
+  closed=0
+  for _ in $(seq 1 $((60 * 5))); do
+    grep -q "iSER connection closed" "$LOG2" && { closed=1; break; }
+    sleep 0.2
+  done
+  echo "peer taking nothing: connection closed=$closed after $(( $(date +%s) - t_flood )) s"
+  grep -E "no send completed|connection ended" "$LOG2" | tail -2 || true
+  grep -q "no send completed" "$LOG2" || { echo "the output stall did not end the connection"; fail=1; }
+  [ "$closed" = 1 ] || { echo "the target kept a peer that takes nothing"; fail=1; }
+  kill -9 "$SUBJECT" 2>/dev/null; wait "$SUBJECT" 2>/dev/null || true
+  kill -0 "$STALL_PID" 2>/dev/null || { echo "the second target died"; fail=1; }
+  stop_pid "$STALL_PID"
 fi
 
 step "target log (iSER lines)"

@@ -168,6 +168,10 @@ pub struct IserOptions {
     /// without pinging): illumos `ISCSI_DEFAULT_NOP_DELAY`, open-iscsi
     /// `noop_out_interval`, both 5 s. `None`: never on our own.
     pub idle_ping: Option<Duration>,
+    /// How often the target may retry a SEND that finds no receive posted
+    /// (the CM connect parameter; 7 means for ever). `None`: the profile's
+    /// value (Linux 6, illumos 2).
+    pub rnr_retry: Option<u8>,
 }
 
 impl IserOptions {
@@ -179,6 +183,7 @@ impl IserOptions {
             spin: 0,
             timeout: Duration::from_secs(30),
             idle_ping: Some(Duration::from_secs(5)),
+            rnr_retry: None,
         }
     }
 }
@@ -857,6 +862,44 @@ impl IserSession {
                 "unexpected {rsp:?} answering a NOP-Out"
             )))),
         }
+    }
+
+    /// A test hook for targets: behave as a peer that takes nothing. Send up
+    /// to `count` immediate NOP-Out pings, each of which asks for a NOP-In,
+    /// while never handling a receive or reposting a receive buffer (send
+    /// completions are still reaped, to reuse send slots). Stops at
+    /// `deadline` or once the send queue makes no progress for a second.
+    /// Returns the pings sent; the session is useless afterwards.
+    #[doc(hidden)]
+    pub fn flood_pings_taking_nothing(
+        &mut self,
+        count: usize,
+        deadline: Instant,
+    ) -> Result<usize, Error> {
+        self.check()?;
+        let mut sent = 0;
+        let mut wcs = [WorkCompletion::default(); 16];
+        while sent < count && Instant::now() < deadline {
+            let stalled_at = Instant::now();
+            while self.rdma.free_send.is_empty() {
+                let n = self.rdma.send_cq.poll(&mut wcs)?;
+                for wc in &wcs[..n] {
+                    if !wc.is_ok() {
+                        return Ok(sent);
+                    }
+                    self.rdma.free_send.push((wc.wr_id & !SEND_WR) as usize);
+                }
+                if stalled_at.elapsed() > Duration::from_secs(1) || Instant::now() >= deadline {
+                    return Ok(sent);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let itt = self.ctl_itt();
+            let b = self.ping(itt);
+            self.rdma.post_pdu(&Header::PLAIN, &b, PING_DATA)?;
+            sent += 1;
+        }
+        Ok(sent)
     }
 
     fn ping(&self, itt: u32) -> Bhs {

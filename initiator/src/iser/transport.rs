@@ -113,7 +113,7 @@ impl Rdma {
                 responder_resources: attrs.max_qp_rd_atom.min(255) as u8,
                 initiator_depth: 1,
                 retry_count: 7,
-                rnr_retry_count: 6,
+                rnr_retry_count: opts.rnr_retry.unwrap_or(6),
             },
             // iser_ib_open_rc_channel: oc_rdma_ra_in/out = 4, path retry and
             // RNR retry 2.
@@ -122,7 +122,7 @@ impl Rdma {
                 responder_resources: 4,
                 initiator_depth: 4,
                 retry_count: 2,
-                rnr_retry_count: 2,
+                rnr_retry_count: opts.rnr_retry.unwrap_or(2),
             },
         };
         rdma.id.connect(&param)?;

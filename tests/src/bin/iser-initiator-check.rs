@@ -3,7 +3,7 @@
 //!
 //!   iser-initiator-check --profile illumos|linux --target ADDR:PORT --iqn IQN
 //!       [--seconds N] [--initiator-name IQN] [--lun N] [--seed N]
-//!       [--target-nop-interval S]
+//!       [--target-nop-interval S] [--flood-pings N]
 //!
 //! Connects with the profile's CM private data and logs in; checks the
 //! negotiated keys (illumos: ImmediateData=No, InitialR2T=Yes,
@@ -33,7 +33,8 @@ use rand::{Rng, RngCore, SeedableRng};
 
 const USAGE: &str =
     "usage: iser-initiator-check --profile illumos|linux --target ADDR:PORT --iqn IQN \
-[--seconds N] [--initiator-name IQN] [--lun N] [--seed N] [--target-nop-interval S]";
+[--seconds N] [--initiator-name IQN] [--lun N] [--seed N] [--target-nop-interval S] \
+[--flood-pings N]";
 
 const UNIT_ATTENTION: u8 = 0x06;
 
@@ -85,6 +86,10 @@ struct Args {
     seconds: u64,
     seed: u64,
     target_nop_interval: Option<u64>,
+    /// Instead of the checks: log in, send this many pings while taking
+    /// nothing, then stay connected and silent (a peer whose receive queue
+    /// never refills).
+    flood_pings: Option<u64>,
 }
 
 /// The arguments, or None for --help.
@@ -97,6 +102,7 @@ fn parse_args() -> Result<Option<Args>, String> {
     let mut seconds = 10;
     let mut seed = None;
     let mut target_nop_interval = None;
+    let mut flood_pings = None;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         let mut value = || {
@@ -128,6 +134,7 @@ fn parse_args() -> Result<Option<Args>, String> {
             "--seconds" => seconds = num(value()?)?,
             "--seed" => seed = Some(num(value()?)?),
             "--target-nop-interval" => target_nop_interval = Some(num(value()?)?),
+            "--flood-pings" => flood_pings = Some(num(value()?)?),
             "-h" | "--help" => return Ok(None),
             _ => return Err(format!("unknown argument {a:?}\n{USAGE}")),
         }
@@ -143,6 +150,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         seconds,
         seed: seed.unwrap_or_else(rand::random),
         target_nop_interval,
+        flood_pings,
     }))
 }
 
@@ -196,11 +204,25 @@ fn run(a: &Args) -> Result<(), String> {
         a.seed
     );
 
+    if a.flood_pings.is_some() {
+        // A peer that takes nothing and asks to be retried for ever.
+        opts.rnr_retry = Some(7);
+    }
     step("connect (profile's CM private data) and log in");
     let p = LoginParams::normal(a.initiator.clone(), a.iqn.clone());
     let mut s =
         IserSession::connect(a.target, &p, &opts).map_err(|e| format!("connect/login: {e}"))?;
     check_keys(a.profile, &s)?;
+
+    if let Some(n) = a.flood_pings {
+        step("flood: pings while taking nothing (no receive handled or reposted)");
+        let sent = s
+            .flood_pings_taking_nothing(n as usize, Instant::now() + Duration::from_secs(20))
+            .map_err(|e| format!("flood: {e}"))?;
+        println!("sent {sent} pings; now silent, holding the connection");
+        std::thread::sleep(Duration::from_secs(600));
+        return Ok(());
+    }
 
     step("TEST UNIT READY, INQUIRY, READ CAPACITY (16)");
     // The first command of a new I_T nexus may report UNIT ATTENTION
