@@ -823,6 +823,7 @@ impl Session {
         let datasn = bhs.datasn();
         let ttt = bhs.ttt();
         let last = bhs.final_bit();
+        let failing_already = task.failure.is_some();
         let placed_ok = if is_reserved(ttt) {
             match task.unsolicited.as_mut() {
                 Some(seq) => {
@@ -861,12 +862,15 @@ impl Session {
             }
         };
         if !placed_ok {
-            tracing::warn!(
-                itt = task.itt,
-                datasn,
-                offset,
-                "Data-Out out of sequence; the command will fail once its transfer is over"
-            );
+            if !failing_already {
+                // Once per task: a peer must not be able to fill the log.
+                tracing::warn!(
+                    itt = task.itt,
+                    datasn,
+                    offset,
+                    "Data-Out out of sequence; the command will fail once its transfer is over"
+                );
+            }
             task.fail(WriteFailure::DataPhase);
         } else if task.failure.is_none() && !self.place(&mut task, offset, data) {
             task.fail(WriteFailure::Placement);
