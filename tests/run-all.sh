@@ -43,6 +43,8 @@ cargo build -j2 --workspace --all-targets
 
 step "tests: unit, integration, conformance"
 cargo nextest run -j2 --workspace --no-fail-fast
+# nextest runs no doctests; some are compile-fail checks of the verbs API.
+cargo test -j2 --doc --workspace
 
 if [ "$FAST" = 1 ]; then exit 0; fi
 

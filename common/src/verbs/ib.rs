@@ -388,6 +388,21 @@ impl Drop for Mapping {
 /// writes): look at a range with [`bytes`](Self::bytes) only when no work
 /// request or remote access that writes it is outstanding. Access is by
 /// range (a slot), never the whole buffer at once.
+///
+/// ```
+/// # use ramslog_common::verbs::RegisteredBuffer;
+/// fn first_slot(b: &RegisteredBuffer) -> Option<&[u8]> {
+///     b.bytes(0..512)
+/// }
+/// ```
+///
+/// ```compile_fail,E0599
+/// # use ramslog_common::verbs::RegisteredBuffer;
+/// // The whole buffer, while the adapter may write other slots: gone.
+/// fn everything(b: &RegisteredBuffer) -> &[u8] {
+///     b.as_slice()
+/// }
+/// ```
 pub struct RegisteredBuffer {
     // Field order matters: the MR is deregistered before the memory goes.
     mr: MemoryRegion,
@@ -795,6 +810,19 @@ impl WorkCompletion {
 /// check the range against the registered memory: safe code cannot point
 /// the adapter at memory it does not own. The default is the empty entry
 /// (no bytes), a placeholder to be overwritten before posting.
+///
+/// ```
+/// use ramslog_common::verbs::{RegisteredBuffer, Sge};
+/// // The way to an entry: a range of registered memory, checked.
+/// fn slot(b: &RegisteredBuffer, i: usize) -> Option<Sge> {
+///     b.sge(i * 512, 512)
+/// }
+/// ```
+///
+/// ```compile_fail,E0451
+/// // Any address and key from safe code: refused by the compiler.
+/// let _ = ramslog_common::verbs::Sge { addr: 0x1000, len: 4096, lkey: 1 };
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Sge {
     addr: u64,
