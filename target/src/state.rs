@@ -50,7 +50,7 @@ pub struct LunRecord {
     pub serial: String,
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct StateFile {
     #[serde(default)]
     lun: Vec<LunRecord>,
@@ -141,23 +141,27 @@ impl StateDir {
             naa: naa_hex(&id.naa),
             serial: id.serial.clone(),
         };
-        match self
-            .file
+        // Change a copy: a record that cannot be saved must not linger in
+        // memory and fail every later save.
+        let mut next = self.file.clone();
+        match next
             .lun
             .iter_mut()
             .find(|r| r.target == target && r.lun == lun)
         {
             Some(r) => *r = rec,
-            None => self.file.lun.push(rec),
+            None => next.lun.push(rec),
         }
-        self.save()
+        self.save(&next)?;
+        self.file = next;
+        Ok(())
     }
 
-    fn save(&self) -> Result<(), StateError> {
+    fn save(&self, file: &StateFile) -> Result<(), StateError> {
         let f = self.path.join(FILE);
         let tmp = self.path.join(format!("{FILE}.tmp"));
         // A failed serialisation must not replace the file with nothing.
-        let text = toml::to_string(&self.file).map_err(|e| StateError::Write {
+        let text = toml::to_string(file).map_err(|e| StateError::Write {
             path: f.clone(),
             source: std::io::Error::other(e),
         })?;
@@ -202,6 +206,29 @@ mod tests {
             StateDir::open(&dir),
             Err(StateError::Parse { .. })
         ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A record TOML cannot hold (integers beyond i64) fails the change and
+    /// leaves the file as it was; it never replaces it with nothing.
+    #[test]
+    fn a_record_that_cannot_be_written_keeps_the_file() {
+        let dir = std::env::temp_dir().join(format!("ramslog-state-ser-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut s = StateDir::open(&dir).unwrap();
+        let Recall::New(id) = s.recall("iqn.x", 0).unwrap() else {
+            panic!("expected new")
+        };
+        let before = std::fs::read_to_string(dir.join(FILE)).unwrap();
+        assert!(matches!(
+            s.set("iqn.x", u64::MAX, &Identity::generate()),
+            Err(StateError::Write { .. })
+        ));
+        assert_eq!(std::fs::read_to_string(dir.join(FILE)).unwrap(), before);
+        s.set("iqn.x", 1, &Identity::generate())
+            .expect("the failed record is not kept");
+        let mut s = StateDir::open(&dir).unwrap();
+        assert_eq!(s.recall("iqn.x", 0).unwrap(), Recall::ContentLost(id));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
