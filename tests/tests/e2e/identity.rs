@@ -214,3 +214,55 @@ async fn control_requests_are_bounded() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The socket's credentials check holds even when an admin loosened the
+/// socket's mode: another user's `accept-empty` is refused with a reason and
+/// changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "defect 11")]
+async fn another_user_is_refused_by_the_control_socket() {
+    use std::os::unix::fs::PermissionsExt;
+    assert!(
+        ramslog_tests::find_in_path("setpriv").is_some(),
+        "setpriv (util-linux) is needed; tests/run-all.sh installs it"
+    );
+    let dir = std::env::temp_dir().join(format!("ramslog-e2e-peercred-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
+    let t = TargetProcess::start_with(TargetOptions {
+        ephemeral: false,
+        state_dir: Some(dir.clone()),
+        ..Default::default()
+    });
+    let socket = dir.join("control.sock");
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+    let before = cli(&["status"], &dir);
+    assert!(before.status.success(), "status as the daemon's user");
+
+    let (uid, gid) = ("65534", "65534");
+    let other = Command::new("setpriv")
+        .args(["--reuid", uid, "--regid", gid, "--clear-groups"])
+        .arg(target_binary())
+        .args(["accept-empty", t.target_name(), "0", "--control-socket"])
+        .arg(&socket)
+        .output()
+        .expect("run accept-empty as another user");
+    let err = String::from_utf8_lossy(&other.stderr);
+    assert!(
+        !other.status.success(),
+        "another user's accept-empty ran: {err}"
+    );
+    let after = cli(&["status"], &dir);
+    assert_eq!(
+        String::from_utf8_lossy(&before.stdout),
+        String::from_utf8_lossy(&after.stdout),
+        "another user's request changed the daemon"
+    );
+    assert!(
+        err.contains("refused") && err.contains(uid),
+        "defect 11: the refusal does not say why: {err}"
+    );
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
