@@ -215,6 +215,20 @@ pub async fn serve(path: PathBuf, control: Arc<Control>) -> std::io::Result<()> 
                         uid = c.uid(),
                         "control socket: refusing a client of another user"
                     );
+                    let reply = Reply::Error(format!(
+                        "refused: uid {} may not use this control socket; run as root or uid {owner}",
+                        c.uid()
+                    ));
+                    // Best effort and off the accept loop: a reader that never
+                    // reads must not hold it.
+                    tokio::spawn(async move {
+                        let (_, mut wr) = stream.into_split();
+                        let _ = tokio::time::timeout(
+                            std::time::Duration::from_secs(1),
+                            write_reply(&mut wr, &reply),
+                        )
+                        .await;
+                    });
                     continue;
                 }
                 Err(e) => {
@@ -299,14 +313,15 @@ pub async fn request(path: &Path, req: &Request) -> Result<Reply, String> {
     let (rd, mut wr) = stream.into_split();
     let mut line = serde_json::to_string(req).map_err(|e| e.to_string())?;
     line.push('\n');
-    wr.write_all(line.as_bytes())
-        .await
-        .map_err(|e| e.to_string())?;
+    // A daemon that refuses the client answers and closes without reading:
+    // its reply explains a failed write.
+    let sent = wr.write_all(line.as_bytes()).await;
     let mut lines = BufReader::new(rd).lines();
-    let reply = lines
-        .next_line()
-        .await
-        .map_err(|e| e.to_string())?
-        .ok_or("daemon closed the control socket")?;
+    let reply = match (lines.next_line().await, sent) {
+        (Ok(Some(reply)), _) => reply,
+        (_, Err(e)) => return Err(format!("cannot send the request to the daemon: {e}")),
+        (Err(e), Ok(())) => return Err(e.to_string()),
+        (Ok(None), Ok(())) => return Err("daemon closed the control socket".into()),
+    };
     serde_json::from_str(&reply).map_err(|e| format!("bad reply from daemon: {e}"))
 }
