@@ -830,3 +830,67 @@ fn iser_parameter_data_beyond_the_bounce_buffer_is_refused() {
     assert_eq!(r[0].bhs.0[3], status::CHECK_CONDITION);
     assert!(!h.closed);
 }
+
+/// Defect 11: a unit attention must not be used up by a command that is then
+/// refused with TASK SET FULL. Here the engine decides the unit attention
+/// before the task-set check, so the refused command carries it; whichever
+/// order, the nexus sees each condition exactly once.
+#[test]
+fn a_unit_attention_is_not_lost_to_task_set_full() {
+    let mut h = harness_with_limits(Limits {
+        cmd_window: 4,
+        ..Limits::default()
+    });
+    h.login(&[("InitialR2T", "Yes")]);
+    let tur = [0u8; 6];
+    while h.command(&tur, 0x80, 0, &[]).1[0].bhs.0[3] != status::GOOD {}
+    let immediate_write = |h: &mut Harness, lba: u32| {
+        let itt = h.next_itt();
+        let mut b = Bhs::new(Opcode::ScsiCommand);
+        b.set_immediate(true)
+            .set_flags(0xa1)
+            .set_itt(itt)
+            .set_expected_data_len(4096)
+            .set_cmdsn(h.cmdsn);
+        b.0[32..42].copy_from_slice(&write10(lba, 8));
+        h.send(&b, &[])
+    };
+    for i in 0..4 {
+        let r = immediate_write(&mut h, i * 8);
+        assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
+    }
+    // Another session's admin action raises two unit attentions.
+    let scsi = h.conn.scsi_target().expect("logged in").clone();
+    assert!(scsi.accept_empty(0, crate::scsi::Identity::generate()));
+    let (mut seen, mut full) = (Vec::new(), 0);
+    for _ in 0..4 {
+        let r = immediate_write(&mut h, 64);
+        assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
+        match r[0].bhs.0[3] {
+            status::CHECK_CONDITION => {
+                let s = sense_of(&r[0]);
+                seen.push((s.key, s.asc, s.ascq));
+            }
+            status::TASK_SET_FULL => full += 1,
+            other => panic!("unexpected status {other:#x}"),
+        }
+    }
+    assert!(full > 0, "the task set never filled");
+    // TEST UNIT READY needs no task slot: any condition not yet reported
+    // comes with it.
+    for _ in 0..4 {
+        let r = h.command(&tur, 0x80, 0, &[]).1;
+        if r[0].bhs.0[3] == status::CHECK_CONDITION {
+            let s = sense_of(&r[0]);
+            seen.push((s.key, s.asc, s.ascq));
+        }
+    }
+    assert_eq!(
+        seen,
+        vec![
+            (sense_key::UNIT_ATTENTION, 0x3f, 0x03),
+            (sense_key::UNIT_ATTENTION, 0x3f, 0x0e)
+        ],
+        "defect 11: each unit attention is reported exactly once"
+    );
+}
