@@ -201,9 +201,9 @@ fn seconds(s: f64, what: &str) -> Result<Duration> {
 }
 
 fn describe(w: &Workload) -> String {
-    let bs = if w.bs % (1024 * 1024) == 0 {
+    let bs = if w.bs.is_multiple_of(1024 * 1024) {
         format!("{} MiB", w.bs / (1024 * 1024))
-    } else if w.bs % 1024 == 0 {
+    } else if w.bs.is_multiple_of(1024) {
         format!("{} KiB", w.bs / 1024)
     } else {
         format!("{} B", w.bs)

@@ -62,7 +62,7 @@ impl Progress {
         Progress {
             label: label.into(),
             expected,
-            enabled: !quiet && expected.map_or(true, |d| d > Duration::from_secs(2)),
+            enabled: !quiet && expected.is_none_or(|d| d > Duration::from_secs(2)),
         }
     }
 
@@ -150,7 +150,7 @@ pub fn connect(url: &TargetUrl, w: Workload, o: &ConnectOptions) -> Result<Box<d
 
 /// Blocks per I/O and the number of I/O-sized slots on the LUN.
 fn geometry(w: Workload, last_lba: u64, block: u32) -> Result<(u32, u64)> {
-    if block == 0 || w.bs % block != 0 {
+    if block == 0 || !w.bs.is_multiple_of(block) {
         bail!(
             "--bs {} is not a multiple of the LUN's {block}-byte blocks",
             w.bs

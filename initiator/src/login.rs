@@ -131,7 +131,7 @@ impl LoginParams {
             return bad("empty InitiatorName");
         }
         if self.session_type == SessionType::Normal
-            && self.target_name.as_deref().map_or(true, str::is_empty)
+            && self.target_name.as_deref().is_none_or(str::is_empty)
         {
             return bad("a Normal session needs a TargetName");
         }

@@ -400,7 +400,7 @@ impl Session {
                         )))
                     } else if len == 0
                         || len > neg.max_burst_length as usize
-                        || off.checked_add(len).map_or(true, |e| e > out.len())
+                        || off.checked_add(len).is_none_or(|e| e > out.len())
                         || ttt == RESERVED_TAG
                     {
                         Err(Error::proto(format!(
@@ -467,7 +467,7 @@ impl Session {
     /// blocks (block size from READ CAPACITY (16), asked once per LUN and cached).
     pub async fn write(&self, lun: u64, lba: u64, data: &[u8], fua: bool) -> Result<(), Error> {
         let bs = self.block_size(lun).await?;
-        if data.is_empty() || data.len() % bs as usize != 0 {
+        if data.is_empty() || !data.len().is_multiple_of(bs as usize) {
             return Err(Error::InvalidArgument(format!(
                 "{} bytes is not a whole number of {bs}-byte blocks",
                 data.len()

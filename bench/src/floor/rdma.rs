@@ -301,7 +301,7 @@ impl Conn {
             }
             if spins < self.spin {
                 spins += 1;
-                if spins % 1024 == 0 && Instant::now() >= deadline {
+                if spins.is_multiple_of(1024) && Instant::now() >= deadline {
                     return Err(self.timeout(what));
                 }
                 std::hint::spin_loop();
@@ -388,7 +388,7 @@ impl Conn {
             } else {
                 std::thread::yield_now();
             }
-            if polls % 1024 == 0 {
+            if polls.is_multiple_of(1024) {
                 if Instant::now() >= deadline {
                     return Err(self.timeout("an RDMA WRITE (ib_write_lat)"));
                 }

@@ -772,7 +772,7 @@ impl IserSession {
 
     fn blocks(&mut self, lun: u64, len: usize) -> Result<u32, Error> {
         let bs = self.block_size(lun)? as usize;
-        if len == 0 || len % bs != 0 {
+        if len == 0 || !len.is_multiple_of(bs) {
             return Err(Error::InvalidArgument(format!(
                 "{len} bytes is not a whole number of {bs}-byte blocks"
             )));
