@@ -115,6 +115,9 @@ pub struct RunArgs {
     /// Control socket for `status` and `accept-empty` (default: <state-dir>/control.sock).
     #[arg(long)]
     pub control_socket: Option<PathBuf>,
+    /// Where LUN images go at a clean stop (default: <state-dir>/images; mode 0700).
+    #[arg(long, conflicts_with = "ephemeral")]
+    pub image_dir: Option<PathBuf>,
     /// Commands an initiator may have outstanding per session.
     #[arg(long)]
     pub cmd_window: Option<u32>,
@@ -159,6 +162,7 @@ struct FileConfig {
     listen: Vec<SocketAddr>,
     state_dir: Option<PathBuf>,
     control_socket: Option<PathBuf>,
+    image_dir: Option<PathBuf>,
     hugepages: Option<String>,
     #[serde(default)]
     allow_any: bool,
@@ -237,6 +241,8 @@ pub struct Config {
     pub listen: Vec<SocketAddr>,
     pub state_dir: Option<PathBuf>,
     pub control_socket: Option<PathBuf>,
+    /// Set exactly when `state_dir` is.
+    pub image_dir: Option<PathBuf>,
     pub hugepages: HugePages,
     pub allow_any: bool,
     pub limits: Limits,
@@ -374,6 +380,12 @@ impl Config {
             .clone()
             .or(file.control_socket)
             .or_else(|| state_dir.as_ref().map(|d| d.join("control.sock")));
+        let image_dir = state_dir.as_ref().map(|d| {
+            args.image_dir
+                .clone()
+                .or(file.image_dir)
+                .unwrap_or_else(|| d.join("images"))
+        });
         let mut limits = Limits::default();
         if let Some(w) = args.cmd_window.or(file.cmd_window) {
             if !(1..=4096).contains(&w) {
@@ -522,6 +534,7 @@ impl Config {
             listen,
             state_dir,
             control_socket,
+            image_dir,
             hugepages,
             allow_any: args.allow_any || file.allow_any,
             limits,

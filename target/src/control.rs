@@ -1,9 +1,9 @@
-//! The root-only control socket: `ramslog-target status` and
-//! `ramslog-target accept-empty`. One JSON request per line, one JSON reply.
+//! The root-only control socket: `ramslog-target status`, `accept-empty`
+//! and `stop`. One JSON request per line, one JSON reply.
 
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -11,13 +11,18 @@ use tokio::net::{UnixListener, UnixStream};
 
 use crate::portal::Portal;
 use crate::scsi::{Identity, Readiness};
-use crate::state::{naa_hex, StateDir};
+use crate::state::naa_hex;
 
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "kebab-case")]
 pub enum Request {
     Status,
-    AcceptEmpty { target: String, lun: u64 },
+    AcceptEmpty {
+        target: String,
+        lun: u64,
+    },
+    /// Fence, dump and exit; the reply comes when the dump is done.
+    Stop,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -28,6 +33,20 @@ pub struct LunStatus {
     pub naa: String,
     pub serial: String,
     pub ready: bool,
+    /// Why the LUN is NOT READY.
+    #[serde(default)]
+    pub not_ready_reason: Option<String>,
+    #[serde(default)]
+    pub generation: u64,
+    /// The image the content was restored from at start.
+    #[serde(default)]
+    pub restored_from: Option<String>,
+    /// When that image was taken (seconds since the epoch).
+    #[serde(default)]
+    pub restored_taken_unix: Option<u64>,
+    /// What the next dump writes.
+    #[serde(default)]
+    pub written_bytes: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -62,12 +81,17 @@ pub enum Reply {
         naa: String,
         serial: String,
     },
+    Stopped(String),
     Error(String),
 }
 
 pub struct Control {
     pub portal: Arc<Portal>,
-    pub state: Option<Mutex<StateDir>>,
+    pub state_dir: Option<PathBuf>,
+    /// Asks the daemon to stop; the outcome of the dump comes back on
+    /// `stopped`.
+    pub stop: Arc<tokio::sync::Notify>,
+    pub stopped: tokio::sync::watch::Receiver<Option<Result<String, String>>>,
 }
 
 impl Control {
@@ -75,6 +99,19 @@ impl Control {
         match req {
             Request::Status => Reply::Status(self.status()),
             Request::AcceptEmpty { target, lun } => self.accept_empty(&target, lun),
+            Request::Stop => Reply::Error("stop is answered when the dump is done".into()),
+        }
+    }
+
+    /// Ask the daemon to stop and wait for the dump's outcome.
+    async fn stop(&self) -> Reply {
+        self.stop.notify_one();
+        let mut rx = self.stopped.clone();
+        let outcome = rx.wait_for(Option::is_some).await.map(|v| v.clone());
+        match outcome {
+            Ok(Some(Ok(msg))) => Reply::Stopped(msg),
+            Ok(Some(Err(msg))) => Reply::Error(format!("stopped, but: {msg}")),
+            _ => Reply::Error("the daemon ended without reporting its dump".into()),
         }
     }
 
@@ -88,17 +125,25 @@ impl Control {
                 luns: t
                     .scsi
                     .luns()
-                    .filter_map(|lu| {
-                        let lun = lu.lun();
-                        let (id, readiness) = t.scsi.identity(lun)?;
-                        Some(LunStatus {
-                            lun,
-                            size: lu.store().len(),
-                            block_size: t.scsi.block_size(lun),
-                            naa: naa_hex(&id.naa),
-                            serial: id.serial,
-                            ready: readiness == Readiness::Ready,
-                        })
+                    .map(|lu| {
+                        let v = lu.volume();
+                        let st = v.status();
+                        LunStatus {
+                            lun: lu.lun(),
+                            size: v.size(),
+                            block_size: v.block_size(),
+                            naa: naa_hex(&st.identity.naa),
+                            serial: st.identity.serial,
+                            ready: st.readiness == Readiness::Ready,
+                            not_ready_reason: st.not_ready_reason,
+                            generation: st.generation,
+                            restored_from: st
+                                .restored
+                                .as_ref()
+                                .map(|r| r.image.display().to_string()),
+                            restored_taken_unix: st.restored.map(|r| r.taken_unix),
+                            written_bytes: st.written_bytes,
+                        }
                     })
                     .collect(),
             })
@@ -115,13 +160,7 @@ impl Control {
                 peer: s.peer.to_string(),
             })
             .collect();
-        let state_dir = self.state.as_ref().map(|s| {
-            s.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .path()
-                .display()
-                .to_string()
-        });
+        let state_dir = self.state_dir.as_ref().map(|d| d.display().to_string());
         Status {
             state_dir,
             targets,
@@ -139,13 +178,9 @@ impl Control {
             return Reply::Error(format!("target {target} has no LUN {lun}"));
         }
         let id = Identity::generate();
-        if let Some(state) = &self.state {
-            let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
-            if let Err(e) = s.set(&t.name, lun, &id) {
-                return Reply::Error(format!("identity not changed: {e}"));
-            }
+        if let Err(e) = t.scsi.accept_empty(lun, id.clone()) {
+            return Reply::Error(e);
         }
-        t.scsi.accept_empty(lun, id.clone());
         tracing::warn!(
             target = %t.name, lun, naa = %naa_hex(&id.naa), serial = %id.serial,
             "accept-empty: LUN accepted as an empty device under a new identity; it is ready"
@@ -284,6 +319,7 @@ async fn serve_client(stream: UnixStream, control: Arc<Control>) {
             .map_err(|e| e.to_string())
             .and_then(|l| serde_json::from_str::<Request>(l.trim_end()).map_err(|e| e.to_string()))
         {
+            Ok(Request::Stop) => control.stop().await,
             Ok(req) => control.handle(req),
             Err(e) => Reply::Error(format!("bad request: {e}")),
         };

@@ -2,17 +2,21 @@
 //!
 //! Layers, top to bottom (each only calls the ones below it):
 //! `tcp`, `rdma` (transport drivers) → `engine` (sans-IO iSCSI) → `scsi` (one SBC
-//! device) → `store` (the LUN memory). `config`, `portal`, `state` and
+//! device) → `volume` (a LUN's memory, identity, readiness and persistence) →
+//! `store` (the memory itself). `config`, `portal`, `state` and
 //! `control` form the control plane and stay off the I/O path.
 #![deny(unsafe_code)]
 
 pub mod config;
 pub mod control;
 pub mod engine;
+pub mod lifecycle;
 pub mod portal;
 pub mod rdma;
 pub mod scsi;
 pub mod state;
 pub mod store;
 pub mod tcp;
+#[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
+pub mod volume;

@@ -2,16 +2,17 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 use ramslog_target::config::{Config, RunArgs, DEFAULT_STATE_DIR};
 use ramslog_target::control::{self, Control, Reply, Request};
+use ramslog_target::lifecycle::{self, StartError};
 use ramslog_target::portal::{Acl, Portal, TargetDef};
-use ramslog_target::scsi::{LuConfig, Readiness, ScsiTarget};
-use ramslog_target::state::{naa_hex, Recall, StateDir};
-use ramslog_target::store::Store;
+use ramslog_target::scsi::ScsiTarget;
 use ramslog_target::tcp;
+use tokio::signal::unix::{signal, SignalKind};
 
 #[derive(Parser)]
 #[command(
@@ -31,6 +32,9 @@ struct Cli {
 enum Cmd {
     /// Show targets, LUNs (identity, readiness) and sessions of the running daemon.
     Status(SocketArgs),
+    /// Stop the daemon cleanly: refuse logins, close connections, dump every
+    /// changed LUN to its image, exit. Waits for the dump and reports it.
+    Stop(SocketArgs),
     /// Accept a LUN whose content was lost as an empty device: new identity, ready.
     AcceptEmpty {
         /// Target IQN.
@@ -85,6 +89,7 @@ fn main() -> ExitCode {
     let result = match cli.cmd {
         None => rt.block_on(run(cli.run)),
         Some(Cmd::Status(s)) => rt.block_on(status(s)),
+        Some(Cmd::Stop(s)) => rt.block_on(stop(s)),
         Some(Cmd::AcceptEmpty {
             target,
             lun,
@@ -111,14 +116,24 @@ async fn status(s: SocketArgs) -> Result<(), String> {
                 out += &format!("target {}\n", t.name);
                 for l in &t.luns {
                     let state = if l.ready {
-                        "ready"
+                        "ready".to_string()
                     } else {
-                        "NOT READY: content lost, run accept-empty"
+                        format!(
+                            "NOT READY: {}; run accept-empty",
+                            l.not_ready_reason.as_deref().unwrap_or("content lost")
+                        )
                     };
                     out += &format!(
                         "  LUN {}  {} bytes, {}-byte blocks  naa.{}  serial {}  {}\n",
                         l.lun, l.size, l.block_size, l.naa, l.serial, state
                     );
+                    out += &format!(
+                        "    generation {}  written {} bytes (the next dump)\n",
+                        l.generation, l.written_bytes
+                    );
+                    if let (Some(from), Some(taken)) = (&l.restored_from, l.restored_taken_unix) {
+                        out += &format!("    restored from {from} (taken at unix time {taken})\n");
+                    }
                 }
             }
             out += &format!("sessions: {}\n", st.sessions.len());
@@ -130,6 +145,14 @@ async fn status(s: SocketArgs) -> Result<(), String> {
             }
             print_stdout(&out)
         }
+        Reply::Error(e) => Err(e),
+        other => Err(format!("unexpected reply: {other:?}")),
+    }
+}
+
+async fn stop(s: SocketArgs) -> Result<(), String> {
+    match control::request(&s.path(), &Request::Stop).await? {
+        Reply::Stopped(msg) => print_stdout(&format!("stopped: {msg}\n")),
         Reply::Error(e) => Err(e),
         other => Err(format!("unexpected reply: {other:?}")),
     }
@@ -165,59 +188,55 @@ fn print_stdout(text: &str) -> Result<(), String> {
 
 async fn run(args: RunArgs) -> Result<(), String> {
     let cfg = Config::load(&args).map_err(|e| e.to_string())?;
-    let mut state = match &cfg.state_dir {
-        Some(dir) => Some(StateDir::open(dir).map_err(|e| e.to_string())?),
-        None => {
-            tracing::warn!(
-                "--ephemeral: no state directory, every start is a first start with a new identity. \
-                 Unsafe as a ZFS log: use it for demos and tests only"
+    if cfg.state_dir.is_none() {
+        tracing::warn!(
+            "--ephemeral: no state directory, every start is a first start with a new identity. \
+             Unsafe as a ZFS log: use it for demos and tests only"
+        );
+    }
+    // Installed first: a stop during the restore must not kill the daemon
+    // half-way, and must not dump (the image on disk is still the valid one).
+    let mut term = signal(SignalKind::terminate())
+        .map_err(|e| format!("cannot install SIGTERM handler: {e}"))?;
+    let mut interrupt = signal(SignalKind::interrupt())
+        .map_err(|e| format!("cannot install SIGINT handler: {e}"))?;
+    let persistence = lifecycle::open_persistence(&cfg)?;
+    let cancelled = Arc::new(AtomicBool::new(false));
+    let mut opening = {
+        let (cfg, persistence, cancelled) = (cfg.clone(), persistence.clone(), cancelled.clone());
+        tokio::task::spawn_blocking(move || {
+            lifecycle::open_volumes(&cfg, persistence.as_ref(), &cancelled)
+        })
+    };
+    let opened = tokio::select! {
+        r = &mut opening => r.map_err(|e| format!("start-up failed: {e}"))?,
+        _ = term.recv() => Err(StartError::Cancelled),
+        _ = interrupt.recv() => Err(StartError::Cancelled),
+    };
+    let volumes = match opened {
+        Ok(v) => v,
+        Err(StartError::Cancelled) => {
+            cancelled.store(true, Ordering::Release);
+            let _ = opening.await;
+            tracing::info!(
+                "stopped during start-up: exiting without a dump; the images on disk stay valid"
             );
-            None
+            return Ok(());
         }
+        Err(StartError::Failed(msg)) => return Err(msg),
     };
 
     let mut targets = Vec::new();
-    for t in &cfg.targets {
-        let mut lus = Vec::new();
-        for l in &t.luns {
-            let store = Store::new(l.size, cfg.hugepages)
-                .map_err(|e| format!("target {} LUN {}: {e}", t.name, l.lun))?;
-            tracing::info!(target = %t.name, lun = l.lun, size = l.size, "LUN memory locked in RAM ({})", store.page_kind());
-            let (identity, readiness) = match state.as_mut() {
-                Some(s) => match s.recall(&t.name, l.lun).map_err(|e| e.to_string())? {
-                    Recall::New(id) => {
-                        tracing::info!(target = %t.name, lun = l.lun, naa = %naa_hex(&id.naa), serial = %id.serial, "new LUN identity");
-                        (id, Readiness::Ready)
-                    }
-                    Recall::ContentLost(id) => {
-                        tracing::warn!(
-                            target = %t.name, lun = l.lun, naa = %naa_hex(&id.naa),
-                            "LUN content did not survive the restart: it answers NOT READY (manual intervention \
-                             required) until `ramslog-target accept-empty {} {}`",
-                            t.name, l.lun
-                        );
-                        (id, Readiness::NeedsAcceptance)
-                    }
-                },
-                None => (ramslog_target::scsi::Identity::generate(), Readiness::Ready),
-            };
-            lus.push((
-                LuConfig {
-                    lun: l.lun,
-                    block_size: l.block_size,
-                    identity,
-                    readiness,
-                },
-                Arc::new(store),
-            ));
-        }
+    for (t, volumes) in cfg.targets.iter().zip(volumes) {
         if t.open_access && !cfg.listen.iter().all(|a| a.ip().is_loopback()) && t.chap.is_none() {
             tracing::warn!(target = %t.name, "--allow-any: any initiator that reaches this portal may write to the LUN");
         }
         targets.push(TargetDef {
             name: t.name.clone(),
             alias: t.alias.clone(),
-            scsi: Arc::new(ScsiTarget::new(lus)),
+            scsi: Arc::new(
+                ScsiTarget::try_new(volumes).map_err(|e| format!("target {}: {e}", t.name))?,
+            ),
             acl: if t.open_access {
                 Acl::Any
             } else {
@@ -231,10 +250,14 @@ async fn run(args: RunArgs) -> Result<(), String> {
     portal.discovery_chap = cfg.discovery_chap.clone();
     let portal = Arc::new(portal);
 
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let (stopped_tx, stopped_rx) = tokio::sync::watch::channel(None);
     if let Some(path) = &cfg.control_socket {
         let control = Arc::new(Control {
             portal: portal.clone(),
-            state: state.map(Mutex::new),
+            state_dir: cfg.state_dir.clone(),
+            stop: stop.clone(),
+            stopped: stopped_rx,
         });
         control::serve(path.clone(), control)
             .await
@@ -264,16 +287,28 @@ async fn run(args: RunArgs) -> Result<(), String> {
         );
     }
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| format!("cannot install SIGTERM handler: {e}"))?;
     tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+        _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
+        _ = stop.notified() => tracing::info!("stop requested on the control socket"),
     }
-    tracing::info!("shutting down: closing sessions");
-    portal.terminate_all();
+    let outcome = {
+        let portal = portal.clone();
+        tokio::task::spawn_blocking(move || lifecycle::shutdown(&portal))
+            .await
+            .unwrap_or_else(|e| Err(format!("shutdown failed: {e}")))
+    };
+    let _ = stopped_tx.send(Some(outcome.clone()));
+    // Let a waiting `ramslog-target stop` read its answer.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     if let Some(path) = &cfg.control_socket {
         let _ = std::fs::remove_file(path);
     }
-    Ok(())
+    match outcome {
+        Ok(_) => {
+            tracing::info!("stopped cleanly");
+            Ok(())
+        }
+        Err(msg) => Err(format!("stopped, but the content was not saved: {msg}")),
+    }
 }

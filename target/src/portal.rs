@@ -429,6 +429,8 @@ pub enum Refusal {
     PendingPerSource(u32),
     #[error("{0} iSER connections (the limit)")]
     Iser(u32),
+    #[error("the target is shutting down")]
+    ShuttingDown,
 }
 
 #[derive(Default)]
@@ -438,6 +440,11 @@ struct GateCounts {
     /// (connections, of which not yet logged in) per source; entries go
     /// when their count reaches zero, so the map is bounded by `total`.
     by_source: HashMap<IpAddr, (u32, u32)>,
+    /// Each live connection's way to be ended, by permit number.
+    controls: HashMap<u64, Arc<dyn SessionControl>>,
+    next_permit: u64,
+    /// Shutdown began: nothing is admitted any more.
+    closed: bool,
 }
 
 /// Counts connections against [`ConnectionLimits`]. Touched at connect,
@@ -465,6 +472,9 @@ impl ConnectionGate {
         let l = self.limits;
         let mut c = self.counts();
         let (from_source, pending) = c.by_source.get(&source).copied().unwrap_or((0, 0));
+        if c.closed {
+            return Err(Refusal::ShuttingDown);
+        }
         if c.total >= l.total {
             return Err(Refusal::Total(l.total));
         }
@@ -482,12 +492,28 @@ impl ConnectionGate {
             c.iser += 1;
         }
         c.by_source.insert(source, (from_source + 1, pending + 1));
+        c.next_permit += 1;
         Ok(Permit {
             gate: self.clone(),
+            number: c.next_permit,
             source,
             link,
             pending: true,
         })
+    }
+
+    /// Shutdown: admit nothing more and end every connection, logged in or
+    /// not. Returns how many were told to end.
+    pub fn close(&self) -> usize {
+        let controls: Vec<_> = {
+            let mut c = self.counts();
+            c.closed = true;
+            c.controls.values().cloned().collect()
+        };
+        for control in &controls {
+            control.terminate();
+        }
+        controls.len()
     }
 
     /// Connections now counted: (total, iSER).
@@ -500,12 +526,26 @@ impl ConnectionGate {
 /// One admitted connection; gives its place back when dropped.
 pub struct Permit {
     gate: Arc<ConnectionGate>,
+    number: u64,
     source: IpAddr,
     link: Link,
     pending: bool,
 }
 
 impl Permit {
+    /// The connection can be ended through `control` (at shutdown). A
+    /// connection that registers after the gate closed is ended at once.
+    pub fn watch(&self, control: Arc<dyn SessionControl>) {
+        let closed = {
+            let mut c = self.gate.counts();
+            c.controls.insert(self.number, control.clone());
+            c.closed
+        };
+        if closed {
+            control.terminate();
+        }
+    }
+
     /// The connection finished login: it no longer counts as pending.
     pub fn logged_in(&mut self) {
         if std::mem::replace(&mut self.pending, false) {
@@ -520,6 +560,7 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         let mut c = self.gate.counts();
+        c.controls.remove(&self.number);
         c.total = c.total.saturating_sub(1);
         if self.link == Link::Iser {
             c.iser = c.iser.saturating_sub(1);

@@ -168,7 +168,7 @@ fn device_resources(
     let mut regions = Vec::new();
     for t in &portal.targets {
         for lu in t.scsi.luns() {
-            regions.push(lu.store().register_rdma(&pd)?);
+            regions.push(lu.volume().store().register_rdma(&pd)?);
         }
     }
     tracing::info!(
@@ -380,6 +380,7 @@ fn run_connection(
     let control = Arc::new(IserControl {
         terminated: AtomicBool::new(false),
     });
+    permit.watch(control.clone());
     let output_stall_timeout = portal.limits.output_stall_timeout;
     let conn = Connection::new_iser(portal, info, control.clone(), Instant::now(), RECV_DATA_LEN);
     let mut driver = Driver {
@@ -903,7 +904,7 @@ impl Driver<'_> {
             .and_then(|lu| {
                 self.regions
                     .iter()
-                    .find(|r| Arc::ptr_eq(r.store(), lu.store()))
+                    .find(|r| Arc::ptr_eq(r.store(), lu.volume().store()))
             })
             .and_then(|r| r.sge(offset, len))
             .ok_or_else(|| {

@@ -1,6 +1,8 @@
-//! The state directory: each LUN's identity across restarts (the identity rule
-//! of DESIGN.md). A LUN whose content did not survive comes back under its old
-//! identity but NOT READY until the admin accepts the empty device.
+//! The state directory: each LUN's identity and generation across restarts
+//! (the identity rule, docs/persistence.md). A LUN whose content did not
+//! survive comes back under its old identity but NOT READY until the admin
+//! accepts the empty device. The daemon holds an exclusive lock on the
+//! directory for its lifetime.
 
 use std::path::{Path, PathBuf};
 
@@ -34,6 +36,25 @@ pub enum StateError {
         target: String,
         lun: u64,
     },
+    #[error("{path} holds a generation beyond the supported range for {target} LUN {lun}; move the file aside to start over")]
+    BadGeneration {
+        path: PathBuf,
+        target: String,
+        lun: u64,
+    },
+    #[error("state directory {path} is in use by another ramslog-target (it holds the lock); stop it first, or give this one its own --state-dir")]
+    Locked { path: PathBuf },
+    #[error("cannot lock state directory {path}: {source}")]
+    Lock {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("no record for {target} LUN {lun} in {path}")]
+    Unknown {
+        path: PathBuf,
+        target: String,
+        lun: u64,
+    },
     #[error("cannot write {path}: {source}")]
     Write {
         path: PathBuf,
@@ -48,6 +69,14 @@ pub struct LunRecord {
     /// NAA designator, 16 hex digits.
     pub naa: String,
     pub serial: String,
+    /// The current generation: bumped durably before the first write of a
+    /// run is acknowledged and at every new identity; never reset, never
+    /// reused, at most i64::MAX.
+    #[serde(default)]
+    pub generation: u64,
+    /// The generation whose image is complete, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clean: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -61,13 +90,24 @@ struct StateFile {
 pub enum Recall {
     /// Never seen: a fresh identity, the LUN is ready.
     New(Identity),
-    /// Seen before and its content is gone: same identity, not ready.
-    ContentLost(Identity),
+    /// Seen before: its identity and generation; the content is back only
+    /// if a clean image of exactly this generation verifies.
+    Known {
+        identity: Identity,
+        generation: u64,
+        /// Whether the state marks `generation` cleanly dumped.
+        clean: bool,
+    },
 }
+
+/// Highest generation the state accepts (stays within i64 for any reader).
+pub const MAX_GENERATION: u64 = i64::MAX as u64;
 
 pub struct StateDir {
     path: PathBuf,
     file: StateFile,
+    /// Holds the exclusive lock for as long as the daemon runs.
+    _lock: std::fs::File,
 }
 
 pub fn naa_hex(naa: &[u8; 8]) -> String {
@@ -91,6 +131,22 @@ impl StateDir {
             path: path.into(),
             source,
         })?;
+        let lock = std::fs::File::open(path).map_err(|source| StateError::Lock {
+            path: path.into(),
+            source,
+        })?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(StateError::Locked { path: path.into() })
+            }
+            Err(std::fs::TryLockError::Error(source)) => {
+                return Err(StateError::Lock {
+                    path: path.into(),
+                    source,
+                })
+            }
+        }
         let f = path.join(FILE);
         let file = match std::fs::read_to_string(&f) {
             Ok(s) => toml::from_str(&s).map_err(|source| StateError::Parse {
@@ -100,9 +156,22 @@ impl StateDir {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => StateFile::default(),
             Err(source) => return Err(StateError::Read { path: f, source }),
         };
+        let file: StateFile = file;
+        if let Some(r) = file
+            .lun
+            .iter()
+            .find(|r| r.generation > MAX_GENERATION || r.clean.is_some_and(|c| c > r.generation))
+        {
+            return Err(StateError::BadGeneration {
+                path: f,
+                target: r.target.clone(),
+                lun: r.lun,
+            });
+        }
         Ok(StateDir {
             path: path.into(),
             file,
+            _lock: lock,
         })
     }
 
@@ -110,47 +179,129 @@ impl StateDir {
         &self.path
     }
 
-    /// Look up (and if new, record) a LUN's identity.
-    pub fn recall(&mut self, target: &str, lun: u64) -> Result<Recall, StateError> {
-        if let Some(r) = self
-            .file
+    fn record(&self, target: &str, lun: u64) -> Option<&LunRecord> {
+        self.file
             .lun
             .iter()
             .find(|r| r.target == target && r.lun == lun)
-        {
+    }
+
+    /// Look up (and if new, record) a LUN's identity.
+    pub fn recall(&mut self, target: &str, lun: u64) -> Result<Recall, StateError> {
+        if let Some(r) = self.record(target, lun) {
             let naa = parse_naa(&r.naa).ok_or_else(|| StateError::BadNaa {
                 path: self.path.join(FILE),
                 target: target.into(),
                 lun,
             })?;
-            return Ok(Recall::ContentLost(Identity {
-                naa,
-                serial: r.serial.clone(),
-            }));
+            return Ok(Recall::Known {
+                identity: Identity {
+                    naa,
+                    serial: r.serial.clone(),
+                },
+                generation: r.generation,
+                clean: r.clean == Some(r.generation),
+            });
         }
         let id = Identity::generate();
         self.set(target, lun, &id)?;
         Ok(Recall::New(id))
     }
 
-    /// Record a new identity for a LUN (first start or accept-empty).
-    pub fn set(&mut self, target: &str, lun: u64, id: &Identity) -> Result<(), StateError> {
+    /// Record a new identity for a LUN (first start or accept-empty), under
+    /// a new generation with no image. Returns that generation.
+    pub fn set(&mut self, target: &str, lun: u64, id: &Identity) -> Result<u64, StateError> {
+        let generation = match self.record(target, lun) {
+            Some(r) => self.next_generation(r)?,
+            None => 1,
+        };
         let rec = LunRecord {
             target: target.into(),
             lun,
             naa: naa_hex(&id.naa),
             serial: id.serial.clone(),
+            generation,
+            clean: None,
         };
-        // Change a copy: a record that cannot be saved must not linger in
-        // memory and fail every later save.
+        self.change(target, lun, |r| *r = rec.clone(), Some(rec.clone()))?;
+        Ok(generation)
+    }
+
+    fn next_generation(&self, r: &LunRecord) -> Result<u64, StateError> {
+        r.generation
+            .checked_add(1)
+            .filter(|g| *g <= MAX_GENERATION)
+            .ok_or_else(|| StateError::BadGeneration {
+                path: self.path.join(FILE),
+                target: r.target.clone(),
+                lun: r.lun,
+            })
+    }
+
+    /// Start a new generation for a LUN, durably (file and directory
+    /// fsynced) before this returns. Returns it.
+    pub fn bump_generation(&mut self, target: &str, lun: u64) -> Result<u64, StateError> {
+        let r = self
+            .record(target, lun)
+            .ok_or_else(|| StateError::Unknown {
+                path: self.path.join(FILE),
+                target: target.into(),
+                lun,
+            })?;
+        let g = self.next_generation(r)?;
+        self.change(target, lun, |r| r.generation = g, None)?;
+        Ok(g)
+    }
+
+    /// Record that `generation` of a LUN has a complete image.
+    pub fn mark_clean(
+        &mut self,
+        target: &str,
+        lun: u64,
+        generation: u64,
+    ) -> Result<(), StateError> {
+        match self.record(target, lun) {
+            Some(r) if r.generation == generation => {}
+            _ => {
+                return Err(StateError::Unknown {
+                    path: self.path.join(FILE),
+                    target: target.into(),
+                    lun,
+                })
+            }
+        }
+        self.change(target, lun, |r| r.clean = Some(generation), None)
+    }
+
+    /// The current generation of a LUN.
+    pub fn generation(&self, target: &str, lun: u64) -> Option<u64> {
+        self.record(target, lun).map(|r| r.generation)
+    }
+
+    /// Whether the state marks `generation` of a LUN as cleanly dumped and
+    /// it is the current one.
+    pub fn is_clean(&self, target: &str, lun: u64, generation: u64) -> bool {
+        self.record(target, lun)
+            .is_some_and(|r| r.generation == generation && r.clean == Some(generation))
+    }
+
+    /// Change a copy and save it: a record that cannot be saved must not
+    /// linger in memory and fail every later save.
+    fn change(
+        &mut self,
+        target: &str,
+        lun: u64,
+        edit: impl FnOnce(&mut LunRecord),
+        insert: Option<LunRecord>,
+    ) -> Result<(), StateError> {
         let mut next = self.file.clone();
         match next
             .lun
             .iter_mut()
             .find(|r| r.target == target && r.lun == lun)
         {
-            Some(r) => *r = rec,
-            None => next.lun.push(rec),
+            Some(r) => edit(r),
+            None => next.lun.extend(insert),
         }
         self.save(&next)?;
         self.file = next;
@@ -184,23 +335,52 @@ impl StateDir {
 mod tests {
     use super::*;
 
-    #[test]
-    fn first_start_new_then_content_lost() {
-        let dir = std::env::temp_dir().join(format!("ramslog-state-{}", std::process::id()));
+    fn fresh_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("ramslog-state-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn known(id: &Identity, generation: u64, clean: bool) -> Recall {
+        Recall::Known {
+            identity: id.clone(),
+            generation,
+            clean,
+        }
+    }
+
+    #[test]
+    fn identities_and_generations_survive_reopening() {
+        let dir = fresh_dir("gen");
         let mut s = StateDir::open(&dir).unwrap();
         let Recall::New(id) = s.recall("iqn.x", 0).unwrap() else {
             panic!("expected new")
         };
+        assert_eq!(s.generation("iqn.x", 0), Some(1));
+        drop(s);
         let mut s = StateDir::open(&dir).unwrap();
-        assert_eq!(
-            s.recall("iqn.x", 0).unwrap(),
-            Recall::ContentLost(id.clone())
+        assert_eq!(s.recall("iqn.x", 0).unwrap(), known(&id, 1, false));
+        s.mark_clean("iqn.x", 0, 1).unwrap();
+        assert!(s.is_clean("iqn.x", 0, 1));
+        assert!(
+            s.mark_clean("iqn.x", 0, 2).is_err(),
+            "only the current generation"
         );
-        let fresh = Identity::generate();
-        s.set("iqn.x", 0, &fresh).unwrap();
+        drop(s);
         let mut s = StateDir::open(&dir).unwrap();
-        assert_eq!(s.recall("iqn.x", 0).unwrap(), Recall::ContentLost(fresh));
+        assert_eq!(s.recall("iqn.x", 0).unwrap(), known(&id, 1, true));
+        // The first write of a run: the clean image is no longer current.
+        assert_eq!(s.bump_generation("iqn.x", 0).unwrap(), 2);
+        drop(s);
+        let mut s = StateDir::open(&dir).unwrap();
+        assert_eq!(s.recall("iqn.x", 0).unwrap(), known(&id, 2, false));
+        // accept-empty: new identity, the generation goes on.
+        let fresh = Identity::generate();
+        assert_eq!(s.set("iqn.x", 0, &fresh).unwrap(), 3);
+        drop(s);
+        let mut s = StateDir::open(&dir).unwrap();
+        assert_eq!(s.recall("iqn.x", 0).unwrap(), known(&fresh, 3, false));
+        drop(s);
         std::fs::write(dir.join(FILE), "lun = 5").unwrap();
         assert!(matches!(
             StateDir::open(&dir),
@@ -209,12 +389,49 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    #[test]
+    fn a_second_opener_is_refused() {
+        let dir = fresh_dir("lock");
+        let s = StateDir::open(&dir).unwrap();
+        assert!(matches!(
+            StateDir::open(&dir),
+            Err(StateError::Locked { .. })
+        ));
+        drop(s);
+        StateDir::open(&dir).expect("free again once the holder is gone");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn generations_stay_within_i64() {
+        let dir = fresh_dir("max");
+        std::fs::create_dir_all(&dir).unwrap();
+        let rec = |g: u64| {
+            format!(
+                "[[lun]]\ntarget = \"iqn.x\"\nlun = 0\nnaa = \"3000000000000001\"\nserial = \"s\"\ngeneration = {g}\n"
+            )
+        };
+        std::fs::write(dir.join(FILE), rec(MAX_GENERATION)).unwrap();
+        let mut s = StateDir::open(&dir).unwrap();
+        assert!(matches!(
+            s.bump_generation("iqn.x", 0),
+            Err(StateError::BadGeneration { .. })
+        ));
+        drop(s);
+        // A clean mark ahead of the generation is damage, not trust.
+        std::fs::write(dir.join(FILE), rec(4) + "clean = 5\n").unwrap();
+        assert!(matches!(
+            StateDir::open(&dir),
+            Err(StateError::BadGeneration { .. })
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A record TOML cannot hold (integers beyond i64) fails the change and
     /// leaves the file as it was; it never replaces it with nothing.
     #[test]
     fn a_record_that_cannot_be_written_keeps_the_file() {
-        let dir = std::env::temp_dir().join(format!("ramslog-state-ser-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir = fresh_dir("ser");
         let mut s = StateDir::open(&dir).unwrap();
         let Recall::New(id) = s.recall("iqn.x", 0).unwrap() else {
             panic!("expected new")
@@ -227,8 +444,9 @@ mod tests {
         assert_eq!(std::fs::read_to_string(dir.join(FILE)).unwrap(), before);
         s.set("iqn.x", 1, &Identity::generate())
             .expect("the failed record is not kept");
+        drop(s);
         let mut s = StateDir::open(&dir).unwrap();
-        assert_eq!(s.recall("iqn.x", 0).unwrap(), Recall::ContentLost(id));
+        assert_eq!(s.recall("iqn.x", 0).unwrap(), known(&id, 1, false));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -15,7 +15,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
 use crate::engine::{Action, ConnInfo, Connection, OutData, OutPdu};
-use crate::portal::{Link, Permit, Portal, SessionControl};
+use crate::portal::{Link, Permit, Portal, Refusal, SessionControl};
 
 /// Largest AHS the 8-bit TotalAHSLength field allows.
 const MAX_AHS: usize = 255 * 4;
@@ -39,6 +39,11 @@ pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
             Ok((stream, peer)) => {
                 let permit = match portal.gate.admit(peer.ip(), Link::Tcp) {
                     Ok(p) => p,
+                    Err(why @ Refusal::ShuttingDown) => {
+                        tracing::debug!(%peer, "connection refused: {why}");
+                        drop(stream);
+                        continue;
+                    }
                     Err(why) => {
                         tracing::warn!(%peer, "connection refused: {why}");
                         drop(stream);
@@ -74,6 +79,7 @@ async fn run_connection(
         terminated: AtomicBool::new(false),
         notify: Notify::new(),
     });
+    permit.watch(control.clone());
     let stall_limit = portal.limits.output_stall_timeout;
     let mut conn = Connection::new(
         portal,

@@ -9,8 +9,9 @@ use ramslog_common::iscsi::{login, text, Bhs, Opcode};
 
 use crate::engine::{ConnInfo, Connection};
 use crate::portal::{Acl, Limits, Portal, SessionControl, TargetDef};
-use crate::scsi::{Identity, LuConfig, Readiness, ScsiTarget};
+use crate::scsi::{Identity, Readiness, ScsiTarget};
 use crate::store::{HugePages, Store};
+use crate::volume::{Volume, VolumeConfig};
 
 /// A session control nobody terminates.
 pub struct NoControl;
@@ -23,16 +24,20 @@ impl SessionControl for NoControl {
 /// blocks), open to every initiator.
 pub fn ram_portal(target_name: &str, size: u64) -> Arc<Portal> {
     let store = Arc::new(Store::new(size, HugePages::Off).expect("RAM for the test LUN"));
-    let lu = LuConfig {
-        lun: 0,
-        block_size: 512,
-        identity: Identity::generate(),
-        readiness: Readiness::Ready,
-    };
+    let volume = Volume::in_memory(
+        VolumeConfig {
+            target: target_name.into(),
+            lun: 0,
+            block_size: 512,
+            identity: Identity::generate(),
+            readiness: Readiness::Ready,
+        },
+        store,
+    );
     let target = TargetDef {
         name: target_name.into(),
         alias: None,
-        scsi: Arc::new(ScsiTarget::new(vec![(lu, store)])),
+        scsi: Arc::new(ScsiTarget::new(vec![Arc::new(volume)])),
         acl: Acl::Any,
         chap: None,
         mutual_chap: None,

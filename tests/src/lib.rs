@@ -21,8 +21,9 @@ pub const DEFAULT_TARGET_NAME: &str = "iqn.2026-11.org.ramslog:test";
 /// Block size of the LUN served by `ramslog-target`.
 pub const BLOCK_SIZE: u32 = 512;
 
-/// How long [`TargetProcess::stop`] waits after SIGTERM before sending SIGKILL.
-const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How long [`TargetProcess::stop`] waits after SIGTERM (which fences and
+/// dumps the LUN to its image) before sending SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(60);
 
 static INSTANCE: AtomicU32 = AtomicU32::new(0);
 
@@ -330,7 +331,15 @@ impl TargetProcess {
             }
             thread::sleep(Duration::from_millis(20));
         }
-        let _ = self.child.kill(); // SIGKILL
+        self.kill()
+    }
+
+    /// SIGKILL at once: a crash or a power cut, with no dump. Idempotent.
+    pub fn kill(&mut self) -> ExitStatus {
+        if let Some(s) = self.try_exit_status() {
+            return s;
+        }
+        let _ = self.child.kill();
         let s = self.child.wait().expect("wait for killed ramslog-target");
         self.exit = Some(s);
         s

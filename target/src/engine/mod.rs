@@ -342,7 +342,7 @@ impl Connection {
         self.scsi
             .as_ref()
             .and_then(|s| s.lu(lun))
-            .is_some_and(|lu| lu.store().read(offset, out).is_ok())
+            .is_some_and(|lu| lu.volume().store().read(offset, out).is_ok())
     }
 
     /// A PDU whose data digest did not match (the header was good).

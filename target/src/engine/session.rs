@@ -678,7 +678,12 @@ impl Session {
                 .scsi
                 .as_ref()
                 .and_then(|s| s.lu(task.lun))
-                .is_some_and(|lu| lu.store().write(base + u64::from(offset), useful).is_ok()),
+                .is_some_and(|lu| {
+                    lu.volume()
+                        .store()
+                        .write(base + u64::from(offset), useful)
+                        .is_ok()
+                }),
             OutPlacement::Buffer => match task.buf.get_mut(offset as usize..end as usize) {
                 Some(dst) => {
                     dst.copy_from_slice(useful);

@@ -11,8 +11,9 @@ use ramslog_common::scsi_wire::{sense_key, status, Sense};
 
 use super::*;
 use crate::portal::{Acl, AclEntry, ChapSecret, Limits, Portal, SessionControl, TargetDef};
-use crate::scsi::{Identity, LuConfig, Readiness, ScsiTarget};
+use crate::scsi::{Identity, Readiness, ScsiTarget};
 use crate::store::{HugePages, Store};
+use crate::volume::{Volume, VolumeConfig};
 
 const IQN: &str = "iqn.2026-11.org.ramslog:test";
 const INI: &str = "iqn.1994-05.com.example:ini";
@@ -57,16 +58,20 @@ fn portal_sized(
     acl: Acl,
 ) -> Arc<Portal> {
     let store = Arc::new(Store::new(size, HugePages::Off).unwrap());
-    let lu = LuConfig {
-        lun: 0,
-        block_size: 512,
-        identity: Identity::generate(),
-        readiness: Readiness::Ready,
-    };
+    let volume = Volume::in_memory(
+        VolumeConfig {
+            target: IQN.into(),
+            lun: 0,
+            block_size: 512,
+            identity: Identity::generate(),
+            readiness: Readiness::Ready,
+        },
+        store,
+    );
     let target = TargetDef {
         name: IQN.into(),
         alias: None,
-        scsi: Arc::new(ScsiTarget::new(vec![(lu, store)])),
+        scsi: Arc::new(ScsiTarget::new(vec![Arc::new(volume)])),
         acl,
         chap,
         mutual_chap: mutual,
@@ -1067,7 +1072,16 @@ fn iser_write_takes_immediate_data_and_rdma_reads_the_rest() {
     };
     assert_eq!(offset, 4 * 512 + 4096);
     // Play the HCA: place the bytes, then report the completion.
-    let lu_store = h.conn.scsi.as_ref().unwrap().lu(0).unwrap().store().clone();
+    let lu_store = h
+        .conn
+        .scsi
+        .as_ref()
+        .unwrap()
+        .lu(0)
+        .unwrap()
+        .volume()
+        .store()
+        .clone();
     lu_store.write(offset, &data[4096..]).unwrap();
     h.conn.handle_rdma_read_done(h.now, tag, &[]);
     let r = h.drain();

@@ -32,10 +32,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use ramslog_common::scsi_wire::{sense_key, FieldPointer, Sense};
 
-use crate::store::Store;
+use crate::volume::Volume;
 use cdb::{opc, Geometry, Op};
 use pr::PrState;
 
+pub use crate::volume::Readiness;
 pub use inquiry::encode_lun;
 pub use sense::SenseReason;
 
@@ -91,23 +92,6 @@ impl Identity {
         }
         Identity { naa, serial }
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Readiness {
-    Ready,
-    /// Content lost: every medium access fails with NOT READY, MANUAL
-    /// INTERVENTION REQUIRED until `accept_empty`.
-    NeedsAcceptance,
-}
-
-#[derive(Debug, Clone)]
-pub struct LuConfig {
-    pub lun: u64,
-    /// 512 or 4096.
-    pub block_size: u32,
-    pub identity: Identity,
-    pub readiness: Readiness,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -205,8 +189,6 @@ struct NexusEntry {
 }
 
 struct LuState {
-    identity: Identity,
-    readiness: Readiness,
     nexuses: HashMap<NexusId, NexusEntry>,
     /// SPC-2 RESERVE(6) holder.
     spc2: Option<NexusId>,
@@ -254,8 +236,7 @@ impl LuState {
     }
 
     fn needs_attention(&self) -> bool {
-        self.readiness != Readiness::Ready
-            || self.spc2.is_some()
+        self.spc2.is_some()
             || self.pr.reserved()
             || self.nexuses.values().any(|n| !n.uas.is_empty())
     }
@@ -265,7 +246,7 @@ impl LuState {
 pub struct LogicalUnit {
     lun: u64,
     geo: Geometry,
-    store: Arc<Store>,
+    volume: Arc<Volume>,
     /// Something in `state` may affect a command: take the slow path.
     attention: AtomicBool,
     /// Bumped whenever tasks of some nexus are aborted from outside its
@@ -298,8 +279,8 @@ impl LogicalUnit {
     pub fn blocks(&self) -> u64 {
         self.geo.blocks
     }
-    pub fn store(&self) -> &Arc<Store> {
-        &self.store
+    pub fn volume(&self) -> &Arc<Volume> {
+        &self.volume
     }
 
     fn lock(&self) -> MutexGuard<'_, LuState> {
@@ -332,6 +313,13 @@ impl LogicalUnit {
     fn offset(&self, lba: u64) -> u64 {
         lba * u64::from(self.geo.block_size)
     }
+
+    /// `blocks` from `lba` changed: see [`Volume::commit_write`]; an error
+    /// means the command is not acknowledged.
+    fn commit_write(&self, lba: u64, blocks: u64) -> Result<(), SenseReason> {
+        self.volume
+            .commit_write(self.offset(lba), blocks * u64::from(self.geo.block_size))
+    }
 }
 
 /// Configuration errors `ScsiTarget::try_new` reports.
@@ -353,42 +341,41 @@ pub struct ScsiTarget {
 
 impl ScsiTarget {
     /// Panics on an invalid configuration; see `try_new`.
-    pub fn new(lus: Vec<(LuConfig, Arc<Store>)>) -> Self {
-        match Self::try_new(lus) {
+    pub fn new(volumes: Vec<Arc<Volume>>) -> Self {
+        match Self::try_new(volumes) {
             Ok(t) => t,
             Err(e) => panic!("invalid SCSI target configuration: {e}"),
         }
     }
 
-    pub fn try_new(lus: Vec<(LuConfig, Arc<Store>)>) -> Result<Self, ConfigError> {
-        let mut out: Vec<Arc<LogicalUnit>> = Vec::with_capacity(lus.len());
-        for (cfg, store) in lus {
-            if !matches!(cfg.block_size, 512 | 4096) {
+    pub fn try_new(volumes: Vec<Arc<Volume>>) -> Result<Self, ConfigError> {
+        let mut out: Vec<Arc<LogicalUnit>> = Vec::with_capacity(volumes.len());
+        for volume in volumes {
+            let (lun, block_size) = (volume.lun(), volume.block_size());
+            if !matches!(block_size, 512 | 4096) {
                 return Err(ConfigError::BlockSize {
-                    lun: cfg.lun,
-                    size: cfg.block_size,
+                    lun,
+                    size: block_size,
                 });
             }
-            if cfg.lun >= 0x4000 {
-                return Err(ConfigError::LunTooLarge(cfg.lun));
+            if lun >= 0x4000 {
+                return Err(ConfigError::LunTooLarge(lun));
             }
-            if out.iter().any(|l| l.lun == cfg.lun) {
-                return Err(ConfigError::DuplicateLun(cfg.lun));
+            if out.iter().any(|l| l.lun == lun) {
+                return Err(ConfigError::DuplicateLun(lun));
             }
             let st = LuState {
-                identity: cfg.identity,
-                readiness: cfg.readiness,
                 nexuses: HashMap::new(),
                 spc2: None,
                 pr: PrState::default(),
             };
             let lu = LogicalUnit {
-                lun: cfg.lun,
+                lun,
                 geo: Geometry {
-                    blocks: store.len() / u64::from(cfg.block_size),
-                    block_size: cfg.block_size,
+                    blocks: volume.size() / u64::from(block_size),
+                    block_size,
                 },
-                store,
+                volume,
                 attention: AtomicBool::new(false),
                 abort_epoch: AtomicU64::new(0),
                 state: Mutex::new(st),
@@ -472,23 +459,22 @@ impl ScsiTarget {
     }
 
     /// The admin accepted that `lun` lost its content: give it `new`
-    /// identity, make it ready, and tell every session that inquiry data and
-    /// the LUN inventory changed.
-    pub fn accept_empty(&self, lun: u64, new: Identity) -> bool {
-        let Some(lu) = self.lu(lun) else { return false };
+    /// identity (durably, where the volume persists), make it ready, and
+    /// tell every session that inquiry data and the LUN inventory changed.
+    pub fn accept_empty(&self, lun: u64, new: Identity) -> Result<(), String> {
+        let Some(lu) = self.lu(lun) else {
+            return Err(format!("no LUN {lun}"));
+        };
         let mut st = lu.lock();
-        st.identity = new;
-        st.readiness = Readiness::Ready;
+        lu.volume.accept_empty(new)?;
         st.raise_all(sense::ua::INQUIRY_DATA_CHANGED);
         st.raise_all(sense::ua::REPORTED_LUNS_CHANGED);
         lu.refresh(&st);
-        true
+        Ok(())
     }
 
     pub fn identity(&self, lun: u64) -> Option<(Identity, Readiness)> {
-        let lu = self.lu(lun)?;
-        let st = lu.lock();
-        Some((st.identity.clone(), st.readiness))
+        Some(self.lu(lun)?.volume.identity())
     }
 
     /// Whether the command of `plan` was aborted from outside its session
@@ -513,7 +499,7 @@ impl ScsiTarget {
             return prepare_absent(lun, cdb);
         };
         let epoch = lu.abort_epoch.load(Ordering::Acquire);
-        if !lu.attention.load(Ordering::Acquire) {
+        if !lu.attention.load(Ordering::Acquire) && lu.volume.is_ready() {
             return Ok(plan(lun, cdb::decode(cdb, lu.geo)?, epoch));
         }
         let mut st = lu.lock();
@@ -525,7 +511,7 @@ impl ScsiTarget {
             }
         }
         let d = cdb::decode(cdb, lu.geo)?;
-        if st.readiness == Readiness::NeedsAcceptance && d.op.needs_medium() {
+        if !lu.volume.is_ready() && d.op.needs_medium() {
             return Err(SenseReason::NotReadyManualIntervention);
         }
         if matches!(st.spc2, Some(h) if h != nexus) && !d.op.spc2_allowed() {
@@ -559,12 +545,15 @@ impl ScsiTarget {
                     len: plan.data_in_len,
                 }
             }),
-            (Op::Write { .. }, Some(_)) => Ok(DataIn::None),
+            (Op::Write { lba, blocks }, Some(lu)) => {
+                lu.commit_write(lba, u64::from(blocks))?;
+                Ok(DataIn::None)
+            }
             (Op::Inquiry { evpd, page, alloc }, lu) => {
                 match (evpd, lu) {
                     (false, lu) => inquiry::standard(data_in, lu.is_some()),
                     (true, Some(lu)) => {
-                        let id = lu.lock().identity.clone();
+                        let id = lu.volume.identity().0;
                         inquiry::vpd(data_in, page, &id, lu.geo)
                     }
                     (true, None) => inquiry::absent_vpd(data_in, page),
@@ -584,7 +573,7 @@ impl ScsiTarget {
                         lu.refresh(&st);
                         match ua {
                             Some((asc, ascq)) => SenseReason::UnitAttention { asc, ascq }.sense(),
-                            None if st.readiness == Readiness::NeedsAcceptance => {
+                            None if !lu.volume.is_ready() => {
                                 SenseReason::NotReadyManualIntervention.sense()
                             }
                             None => None,
@@ -634,9 +623,11 @@ impl ScsiTarget {
             Op::WriteVerify { lba, blocks } => {
                 let n = whole_blocks(data_out, blocks, bs);
                 let _g = lu.atomic.lock().unwrap_or_else(|e| e.into_inner());
-                lu.store
+                lu.volume
+                    .store()
                     .write(lu.offset(lba), &data_out[..n])
                     .map_err(store_err)?;
+                lu.commit_write(lba, (n / bs) as u64)?;
                 // The verify half is the write itself: RAM reads back what
                 // was just copied in.
                 Ok(DataIn::None)
@@ -660,7 +651,8 @@ impl ScsiTarget {
                     } else {
                         break;
                     };
-                    lu.store
+                    lu.volume
+                        .store()
                         .read(lu.offset(lba) + (i * bs) as u64, &mut buf)
                         .map_err(store_err)?;
                     if let Some(j) = first_diff(&buf, expect) {
@@ -693,16 +685,20 @@ impl ScsiTarget {
                         let mut done = 0u64;
                         while done < total {
                             let n = (total - done).min(run.len() as u64) as usize;
-                            lu.store.write(start + done, &run[..n]).map_err(store_err)?;
+                            lu.volume
+                                .store()
+                                .write(start + done, &run[..n])
+                                .map_err(store_err)?;
                             done += n as u64;
                         }
                     }
                     _ => {
                         let len = usize::try_from(total)
                             .map_err(|_| SenseReason::InternalTargetFailure)?;
-                        lu.store.zero(start, len).map_err(store_err)?;
+                        lu.volume.store().zero(start, len).map_err(store_err)?;
                     }
                 }
+                lu.commit_write(lba, blocks)?;
                 Ok(DataIn::None)
             }
             Op::CompareAndWrite { lba, blocks } => {
@@ -716,11 +712,18 @@ impl ScsiTarget {
                 };
                 let _g = lu.atomic.lock().unwrap_or_else(|e| e.into_inner());
                 let mut cur = vec![0u8; n];
-                lu.store.read(lu.offset(lba), &mut cur).map_err(store_err)?;
+                lu.volume
+                    .store()
+                    .read(lu.offset(lba), &mut cur)
+                    .map_err(store_err)?;
                 if let Some(j) = first_diff(&cur, verify) {
                     return Err(SenseReason::Miscompare { offset: j as u32 });
                 }
-                lu.store.write(lu.offset(lba), write).map_err(store_err)?;
+                lu.volume
+                    .store()
+                    .write(lu.offset(lba), write)
+                    .map_err(store_err)?;
+                lu.commit_write(lba, u64::from(blocks))?;
                 Ok(DataIn::None)
             }
             Op::ModeSense(req) => {

@@ -7,18 +7,20 @@ use ramslog_common::scsi_wire::{be16, be32, be64, sense_key, status, FieldPointe
 
 use super::*;
 use crate::store::{HugePages, Store};
+use crate::volume::{Volume, VolumeConfig};
 
 const SIZE: u64 = 1 << 20;
 
 fn target_with(bs: u32, readiness: Readiness) -> ScsiTarget {
     let store = Arc::new(Store::new(SIZE, HugePages::Off).expect("store"));
-    let cfg = LuConfig {
+    let cfg = VolumeConfig {
+        target: "iqn.2026-11.org.test:t".into(),
         lun: 0,
         block_size: bs,
         identity: Identity::generate(),
         readiness,
     };
-    ScsiTarget::new(vec![(cfg, store)])
+    ScsiTarget::new(vec![Arc::new(Volume::in_memory(cfg, store))])
 }
 
 fn nexus(id: u32) -> Nexus {
@@ -57,7 +59,12 @@ fn run(
     let out = &out[..out.len().min(plan.data_out_len as usize)];
     let buf_out = match plan.out_placement {
         OutPlacement::Store { offset } => {
-            t.lu(lun).unwrap().store().write(offset, out).unwrap();
+            t.lu(lun)
+                .unwrap()
+                .volume()
+                .store()
+                .write(offset, out)
+                .unwrap();
             &[][..]
         }
         OutPlacement::Buffer => out,
@@ -73,7 +80,12 @@ fn run(
         DataIn::Store { offset, len } => {
             assert_eq!(len, plan.data_in_len);
             let mut v = vec![0; len as usize];
-            t.lu(lun).unwrap().store().read(offset, &mut v).unwrap();
+            t.lu(lun)
+                .unwrap()
+                .volume()
+                .store()
+                .read(offset, &mut v)
+                .unwrap();
             Ok(v)
         }
     }
@@ -308,15 +320,16 @@ fn absent_lun() {
 #[test]
 fn report_luns_encoding() {
     let mk = |lun| {
-        (
-            LuConfig {
+        Arc::new(Volume::in_memory(
+            VolumeConfig {
+                target: "iqn.2026-11.org.test:t".into(),
                 lun,
                 block_size: 512,
                 identity: Identity::generate(),
                 readiness: Readiness::Ready,
             },
             Arc::new(Store::new(SIZE, HugePages::Off).unwrap()),
-        )
+        ))
     };
     let t = ScsiTarget::new(vec![mk(300), mk(1)]);
     let n = NexusId(9);
@@ -335,8 +348,16 @@ fn report_luns_encoding() {
         ScsiTarget::try_new(vec![mk(1), mk(1)]),
         Err(ConfigError::DuplicateLun(1))
     ));
-    let mut bad = mk(2);
-    bad.0.block_size = 1024;
+    let bad = Arc::new(Volume::in_memory(
+        VolumeConfig {
+            target: "iqn.2026-11.org.test:t".into(),
+            lun: 2,
+            block_size: 1024,
+            identity: Identity::generate(),
+            readiness: Readiness::Ready,
+        },
+        Arc::new(Store::new(SIZE, HugePages::Off).unwrap()),
+    ));
     assert!(ScsiTarget::try_new(vec![bad]).is_err());
 }
 
@@ -915,8 +936,8 @@ fn needs_acceptance_then_accept_empty() {
     let (old, r) = t.identity(0).unwrap();
     assert_eq!(r, Readiness::NeedsAcceptance);
     let new = Identity::generate();
-    assert!(t.accept_empty(0, new.clone()));
-    assert!(!t.accept_empty(7, Identity::generate()));
+    t.accept_empty(0, new.clone()).expect("accept-empty");
+    assert!(t.accept_empty(7, Identity::generate()).is_err());
     assert_eq!(t.identity(0).unwrap(), (new.clone(), Readiness::Ready));
     assert_ne!(old, new);
     assert_sense(
@@ -1010,7 +1031,8 @@ fn ua_queue_and_detach() {
     let (t, a) = setup(512);
     // A reset supersedes queued UAs and they stay bounded.
     for _ in 0..40 {
-        t.accept_empty(0, Identity::generate());
+        t.accept_empty(0, Identity::generate())
+            .expect("accept-empty");
     }
     t.reset(ResetScope::Target, a);
     assert_sense(

@@ -1,6 +1,6 @@
-//! The identity rule: a restart that lost the content keeps the identity but
-//! answers NOT READY (04h/03h) until `accept-empty`, which makes the LUN ready
-//! under a new identity.
+//! The identity rule: a restart that lost the content (a crash, kill -9)
+//! keeps the identity but answers NOT READY (04h/03h) until `accept-empty`,
+//! which makes the LUN ready under a new identity.
 
 use std::path::Path;
 use std::process::Command;
@@ -41,7 +41,8 @@ async fn restart_is_not_ready_until_accept_empty() {
         .await
         .expect("write before restart");
     drop(s);
-    t.stop();
+    // A crash: no dump, so the acknowledged write is gone.
+    t.kill();
 
     let t = TargetProcess::start_with(TargetOptions {
         port: Some(t.port()),

@@ -3,6 +3,7 @@
 
 mod identity;
 mod integrity;
+mod persistence;
 mod sessions;
 mod startup;
 

@@ -34,7 +34,8 @@ fn data_out(itt: u32, ttt: u32, offset: u32, datasn: u32, last: bool) -> Bhs {
 fn fill_lun(h: &mut Harness, byte: u8) {
     let scsi = h.conn.scsi_target().expect("logged in").clone();
     let lu = scsi.lu(0).expect("LUN 0");
-    lu.store()
+    lu.volume()
+        .store()
         .write(0, &vec![byte; LUN_BYTES as usize])
         .expect("fill");
 }
@@ -372,15 +373,16 @@ fn chap_portal(discovery: bool) -> Arc<Portal> {
         vec![TargetDef {
             name: IQN.into(),
             alias: None,
-            scsi: Arc::new(ScsiTarget::new(vec![(
-                LuConfig {
+            scsi: Arc::new(ScsiTarget::new(vec![Arc::new(Volume::in_memory(
+                VolumeConfig {
+                    target: IQN.into(),
                     lun: 0,
                     block_size: 512,
                     identity: Identity::generate(),
                     readiness: Readiness::Ready,
                 },
                 Arc::new(Store::new(1 << 20, HugePages::Off).unwrap()),
-            )])),
+            ))])),
             acl: Acl::Any,
             chap: Some(secret.clone()),
             mutual_chap: None,
@@ -861,7 +863,8 @@ fn a_unit_attention_is_not_lost_to_task_set_full() {
     }
     // Another session's admin action raises two unit attentions.
     let scsi = h.conn.scsi_target().expect("logged in").clone();
-    assert!(scsi.accept_empty(0, crate::scsi::Identity::generate()));
+    scsi.accept_empty(0, crate::scsi::Identity::generate())
+        .expect("accept-empty");
     let (mut seen, mut full) = (Vec::new(), 0);
     for _ in 0..4 {
         let r = immediate_write(&mut h, 64);

@@ -1,0 +1,417 @@
+//! A volume: one LUN's memory, its identity, its readiness and its
+//! persistence across restarts. SCSI (and later NVMe) sit on top of it.
+//!
+//! Persistence in one paragraph (docs/persistence.md has the whole story):
+//! the state directory keeps a generation per volume. The first command of a
+//! run that changes the medium bumps it (durably) before it is acknowledged,
+//! and every write marks its chunks as written before its status goes out.
+//! At a clean stop the volume is fenced and its written chunks are dumped to
+//! an image of that generation, which the state then marks clean. At start an
+//! image is loaded only if it is the current, clean generation of this very
+//! identity and every byte of it verifies.
+
+pub mod image;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::SystemTime;
+
+use crate::scsi::SenseReason;
+use crate::state::StateDir;
+use crate::store::Store;
+
+pub use crate::scsi::Identity;
+
+/// Granularity of written-chunk tracking and of the image.
+pub const CHUNK_SIZE: u64 = 1 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readiness {
+    Ready,
+    /// Content lost (or not trusted): every medium access fails with NOT
+    /// READY, MANUAL INTERVENTION REQUIRED until `accept_empty`.
+    NeedsAcceptance,
+}
+
+/// Where a volume's content came from at start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Restored {
+    pub image: PathBuf,
+    /// When the image was written (seconds since the epoch).
+    pub taken_unix: u64,
+    pub generation: u64,
+}
+
+/// What a volume's owner sets up at start.
+#[derive(Debug, Clone)]
+pub struct VolumeConfig {
+    pub target: String,
+    pub lun: u64,
+    /// 512 or 4096.
+    pub block_size: u32,
+    pub identity: Identity,
+    pub readiness: Readiness,
+}
+
+/// The state directory and image directory a daemon's volumes share.
+pub struct Persistence {
+    state: Mutex<StateDir>,
+    pub image_dir: PathBuf,
+}
+
+impl Persistence {
+    pub fn new(state: StateDir, image_dir: PathBuf) -> Persistence {
+        Persistence {
+            state: Mutex::new(state),
+            image_dir,
+        }
+    }
+
+    pub fn state(&self) -> MutexGuard<'_, StateDir> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// One bit per chunk, set on the write path without allocating or locking.
+pub struct WrittenChunks {
+    words: Box<[AtomicU64]>,
+    chunks: u64,
+}
+
+impl WrittenChunks {
+    fn new(size: u64) -> WrittenChunks {
+        let chunks = size.div_ceil(CHUNK_SIZE);
+        WrittenChunks {
+            words: (0..chunks.div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            chunks,
+        }
+    }
+
+    /// Mark every chunk `len` bytes at `offset` touch.
+    pub fn mark(&self, offset: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let first = offset / CHUNK_SIZE;
+        let last = (offset.saturating_add(len) - 1) / CHUNK_SIZE;
+        for c in first..=last.min(self.chunks.saturating_sub(1)) {
+            let (w, bit) = ((c / 64) as usize, 1u64 << (c % 64));
+            // SeqCst pairs with the fence (see `Volume::commit_write`).
+            if self.words[w].load(Ordering::Relaxed) & bit == 0 {
+                self.words[w].fetch_or(bit, Ordering::SeqCst);
+            }
+        }
+    }
+
+    pub fn is_marked(&self, chunk: u64) -> bool {
+        chunk < self.chunks
+            && self.words[(chunk / 64) as usize].load(Ordering::SeqCst) & (1 << (chunk % 64)) != 0
+    }
+
+    pub fn count(&self) -> u64 {
+        self.words
+            .iter()
+            .map(|w| u64::from(w.load(Ordering::SeqCst).count_ones()))
+            .sum()
+    }
+
+    fn clear(&self) {
+        for w in self.words.iter() {
+            w.store(0, Ordering::SeqCst);
+        }
+    }
+
+    pub fn chunks(&self) -> u64 {
+        self.chunks
+    }
+}
+
+struct Meta {
+    identity: Identity,
+    readiness: Readiness,
+    /// Why the volume is NOT READY, for `status` and the log.
+    not_ready_reason: Option<String>,
+    restored: Option<Restored>,
+    /// This run's generation, once bumped (or the restored one until then).
+    generation: u64,
+}
+
+/// A volume's state as `status` shows it.
+#[derive(Debug, Clone)]
+pub struct VolumeStatus {
+    pub identity: Identity,
+    pub readiness: Readiness,
+    pub not_ready_reason: Option<String>,
+    pub restored: Option<Restored>,
+    pub generation: u64,
+    /// Bytes the next dump writes (written chunks × chunk size).
+    pub written_bytes: u64,
+    pub fenced: bool,
+}
+
+pub struct Volume {
+    target: String,
+    lun: u64,
+    block_size: u32,
+    store: Arc<Store>,
+    written: WrittenChunks,
+    /// Set when the medium changed since the last clean image (or since
+    /// start for a volume never imaged).
+    dirty: AtomicBool,
+    /// The generation of this run was bumped and made durable.
+    generation_open: AtomicBool,
+    /// Shutdown began: nothing more is acknowledged.
+    fenced: AtomicBool,
+    /// Mirrors `Meta::readiness` for the I/O path.
+    ready: AtomicBool,
+    meta: Mutex<Meta>,
+    persistence: Option<Arc<Persistence>>,
+}
+
+impl std::fmt::Debug for Volume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Volume")
+            .field("target", &self.target)
+            .field("lun", &self.lun)
+            .field("size", &self.store.len())
+            .finish()
+    }
+}
+
+impl Volume {
+    /// A volume over `store`. With `persistence`, its generation lives in the
+    /// state directory; `generation` is the state's current one.
+    pub fn new(
+        cfg: VolumeConfig,
+        store: Arc<Store>,
+        persistence: Option<Arc<Persistence>>,
+        generation: u64,
+    ) -> Volume {
+        let ready = cfg.readiness == Readiness::Ready;
+        Volume {
+            target: cfg.target,
+            lun: cfg.lun,
+            block_size: cfg.block_size,
+            written: WrittenChunks::new(store.len()),
+            store,
+            dirty: AtomicBool::new(false),
+            generation_open: AtomicBool::new(false),
+            fenced: AtomicBool::new(false),
+            ready: AtomicBool::new(ready),
+            meta: Mutex::new(Meta {
+                identity: cfg.identity,
+                readiness: cfg.readiness,
+                not_ready_reason: None,
+                restored: None,
+                generation,
+            }),
+            persistence,
+        }
+    }
+
+    /// A volume with no state directory (tests, `--ephemeral`).
+    pub fn in_memory(cfg: VolumeConfig, store: Arc<Store>) -> Volume {
+        Volume::new(cfg, store, None, 0)
+    }
+
+    fn meta(&self) -> MutexGuard<'_, Meta> {
+        self.meta.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn target(&self) -> &str {
+        &self.target
+    }
+    pub fn lun(&self) -> u64 {
+        self.lun
+    }
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+    pub fn size(&self) -> u64 {
+        self.store.len()
+    }
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+    pub fn written(&self) -> &WrittenChunks {
+        &self.written
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    pub fn identity(&self) -> (Identity, Readiness) {
+        let m = self.meta();
+        (m.identity.clone(), m.readiness)
+    }
+
+    pub fn status(&self) -> VolumeStatus {
+        let m = self.meta();
+        VolumeStatus {
+            identity: m.identity.clone(),
+            readiness: m.readiness,
+            not_ready_reason: m.not_ready_reason.clone(),
+            restored: m.restored.clone(),
+            generation: m.generation,
+            written_bytes: (self.written.count() * CHUNK_SIZE).min(self.size()),
+            fenced: self.fenced.load(Ordering::SeqCst),
+        }
+    }
+
+    /// NOT READY from now on, with the reason kept for `status`.
+    pub fn set_not_ready(&self, reason: String) {
+        let mut m = self.meta();
+        m.readiness = Readiness::NeedsAcceptance;
+        m.not_ready_reason = Some(reason);
+        self.ready.store(false, Ordering::Release);
+    }
+
+    /// The content was loaded from `from`: the chunks it held count as
+    /// written (the next dump must carry them again).
+    pub fn set_restored(&self, from: Restored, chunks: impl IntoIterator<Item = u64>) {
+        for c in chunks {
+            self.written.mark(c * CHUNK_SIZE, 1);
+        }
+        let mut m = self.meta();
+        m.generation = from.generation;
+        m.restored = Some(from);
+        m.readiness = Readiness::Ready;
+        m.not_ready_reason = None;
+        self.ready.store(true, Ordering::Release);
+    }
+
+    /// Called for every medium-changing command after its bytes are in
+    /// place and before its status is sent: marks the chunks, and the first
+    /// time in a run, makes the new generation durable. An error means the
+    /// command must not be acknowledged.
+    ///
+    /// Ordering with [`Self::fence`]: the chunk bits are set (SeqCst) before
+    /// `fenced` is read (SeqCst), and the fence sets `fenced` before the dump
+    /// reads the bits. So either this write is refused, or the dump sees its
+    /// chunk and the bytes that were stored before it.
+    pub fn commit_write(&self, offset: u64, len: u64) -> Result<(), SenseReason> {
+        self.written.mark(offset, len);
+        if !self.dirty.load(Ordering::Relaxed) {
+            self.dirty.store(true, Ordering::SeqCst);
+        }
+        if !self.generation_open.load(Ordering::Acquire) {
+            self.open_generation()?;
+        }
+        if self.fenced.load(Ordering::SeqCst) {
+            return Err(SenseReason::NotReadyManualIntervention);
+        }
+        Ok(())
+    }
+
+    /// Bump the generation, once per run, before the first write is
+    /// acknowledged: from then on the previous image is no longer the
+    /// current one, so a crash cannot bring it back. One fsync, once.
+    fn open_generation(&self) -> Result<(), SenseReason> {
+        let Some(p) = &self.persistence else {
+            self.generation_open.store(true, Ordering::Release);
+            return Ok(());
+        };
+        let mut m = self.meta();
+        if self.generation_open.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if m.readiness != Readiness::Ready {
+            return Err(SenseReason::NotReadyManualIntervention);
+        }
+        match p.state().bump_generation(&self.target, self.lun) {
+            Ok(g) => {
+                tracing::info!(target = %self.target, lun = self.lun, generation = g, "first write of this run: generation bumped");
+                m.generation = g;
+                self.generation_open.store(true, Ordering::Release);
+                Ok(())
+            }
+            Err(e) => {
+                let reason = format!(
+                    "the new generation could not be made durable ({e}); nothing written since is acknowledged"
+                );
+                tracing::error!(target = %self.target, lun = self.lun, "{reason}");
+                m.readiness = Readiness::NeedsAcceptance;
+                m.not_ready_reason = Some(reason);
+                self.ready.store(false, Ordering::Release);
+                Err(SenseReason::NotReadyManualIntervention)
+            }
+        }
+    }
+
+    /// Shutdown: from now on no write is acknowledged.
+    pub fn fence(&self) {
+        self.fenced.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the next dump has anything to do: the medium changed since
+    /// the last clean image, or the current generation has none.
+    pub fn needs_dump(&self) -> bool {
+        if self.dirty.load(Ordering::SeqCst) || self.generation_open.load(Ordering::SeqCst) {
+            return true;
+        }
+        let Some(p) = &self.persistence else {
+            return false;
+        };
+        let generation = self.meta().generation;
+        !p.state().is_clean(&self.target, self.lun, generation)
+    }
+
+    /// The admin accepted an empty device: a fresh identity and generation,
+    /// zeroed memory, the old identity's images deleted.
+    pub fn accept_empty(&self, new: Identity) -> Result<(), String> {
+        let mut m = self.meta();
+        let old = m.identity.clone();
+        if let Some(p) = &self.persistence {
+            let g = p
+                .state()
+                .set(&self.target, self.lun, &new)
+                .map_err(|e| format!("identity not changed: {e}"))?;
+            m.generation = g;
+            if let Err(e) = image::remove_images(&p.image_dir, &old.naa, None) {
+                tracing::warn!(target = %self.target, lun = self.lun, "cannot remove the old identity's images: {e}");
+            }
+        }
+        // Whatever a failed restore left behind goes.
+        let _ = self.store.zero(0, self.store.len() as usize);
+        self.written.clear();
+        self.dirty.store(false, Ordering::SeqCst);
+        self.generation_open.store(false, Ordering::SeqCst);
+        m.identity = new;
+        m.readiness = Readiness::Ready;
+        m.not_ready_reason = None;
+        m.restored = None;
+        self.ready.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    pub fn persistence(&self) -> Option<&Arc<Persistence>> {
+        self.persistence.as_ref()
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.meta().generation
+    }
+
+    /// Record a clean image of the current generation.
+    pub fn mark_clean(&self, generation: u64) -> Result<(), String> {
+        let Some(p) = &self.persistence else {
+            return Ok(());
+        };
+        p.state()
+            .mark_clean(&self.target, self.lun, generation)
+            .map_err(|e| e.to_string())?;
+        self.dirty.store(false, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// Seconds since the epoch, for image headers.
+pub fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}

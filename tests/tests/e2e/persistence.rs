@@ -1,0 +1,317 @@
+//! Power-safe RAM: a clean stop dumps each LUN to a verified image and the
+//! next start restores it under the same identity; anything that is not the
+//! current, clean, intact image of this very LUN is never loaded.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ramslog_common::scsi_wire::{sense_key, status};
+use ramslog_tests::{target_binary, TargetOptions, TargetProcess};
+use rand::{Rng, SeedableRng};
+
+use super::*;
+
+const LUN_BYTES: usize = 256 << 20;
+const CHUNK: usize = 1 << 20;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("ramslog-e2e-persist-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn options(state_dir: &Path, port: Option<u16>, extra: &[&str]) -> TargetOptions {
+    TargetOptions {
+        ephemeral: false,
+        state_dir: Some(state_dir.into()),
+        port,
+        extra_args: extra.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+fn cli(args: &[&str], state_dir: &Path) -> std::process::Output {
+    Command::new(target_binary())
+        .args(args)
+        .arg("--state-dir")
+        .arg(state_dir)
+        .output()
+        .expect("run ramslog-target subcommand")
+}
+
+fn status_text(state_dir: &Path) -> String {
+    let out = cli(&["status"], state_dir);
+    assert!(out.status.success(), "status: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// SIGTERM and the exit status, which must be a clean one.
+fn stop_cleanly(t: &mut TargetProcess) {
+    let st = t.stop();
+    assert!(
+        st.success(),
+        "a clean stop exits 0: {st:?}\n{}",
+        t.output_tail(30)
+    );
+}
+
+async fn identity_of(s: &Session) -> (Vec<u8>, Vec<u8>) {
+    (
+        s.inquiry(0, true, 0x80, 255).await.expect("VPD 80h"),
+        s.inquiry(0, true, 0x83, 255).await.expect("VPD 83h"),
+    )
+}
+
+/// Write `pattern` over the whole LUN, 1 MiB at a time, 8 in flight.
+async fn write_all(s: &Arc<Session>, pattern: &Arc<Vec<u8>>) {
+    let mut jobs = Vec::new();
+    for lane in 0..8 {
+        let (s, p) = (s.clone(), pattern.clone());
+        jobs.push(tokio::spawn(async move {
+            for c in (lane..LUN_BYTES / CHUNK).step_by(8) {
+                let lba = (c * CHUNK / 512) as u64;
+                s.write(0, lba, &p[c * CHUNK..(c + 1) * CHUNK], false)
+                    .await
+                    .expect("WRITE");
+            }
+        }));
+    }
+    for j in jobs {
+        j.await.expect("writer");
+    }
+}
+
+async fn assert_content(s: &Session, pattern: &[u8]) {
+    for c in 0..LUN_BYTES / CHUNK {
+        let got = s
+            .read(0, (c * CHUNK / 512) as u64, (CHUNK / 512) as u32, 512)
+            .await
+            .expect("READ");
+        if got[..] != pattern[c * CHUNK..(c + 1) * CHUNK] {
+            panic!("chunk {c} differs after the restart");
+        }
+    }
+}
+
+fn random_pattern(seed: u64) -> Arc<Vec<u8>> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut v = vec![0u8; LUN_BYTES];
+    rng.fill(&mut v[..]);
+    Arc::new(v)
+}
+
+async fn expect_not_ready(t: &TargetProcess) {
+    let s = Session::login(t.addr(), LoginParams::normal(INITIATOR, t.target_name()))
+        .await
+        .expect("login");
+    for _ in 0..4 {
+        let r = s.test_unit_ready(0).await.expect("TUR");
+        if r.status == status::CHECK_CONDITION && sense(&r) == (sense_key::NOT_READY, 0x04, 0x03) {
+            return;
+        }
+    }
+    panic!("the LUN should answer NOT READY 04h/03h");
+}
+
+/// (a) SIGTERM → restart → same identity, READY, every byte equal;
+/// (b) restart again without writing → restored again;
+/// (c) restored, written, kill -9 → NOT READY: the older image never comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_stop_keeps_every_byte_and_a_crash_after_it_does_not_revive_it() {
+    let dir = scratch("cycle");
+    let pattern = random_pattern(1);
+    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let port = t.port();
+    let s = Arc::new(open(&t, INITIATOR).await);
+    let id = identity_of(&s).await;
+    write_all(&s, &pattern).await;
+    drop(s);
+    stop_cleanly(&mut t);
+    assert!(t.output().contains("dumped to"), "{}", t.output_tail(20));
+
+    // (a)
+    let mut t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let s = open(&t, INITIATOR).await;
+    assert_eq!(
+        identity_of(&s).await,
+        id,
+        "same identity after a clean restart"
+    );
+    assert!(s.test_unit_ready(0).await.expect("TUR").is_good());
+    assert_content(&s, &pattern).await;
+    let st = status_text(&dir);
+    assert!(
+        st.contains("restored from") && !st.contains("NOT READY"),
+        "{st}"
+    );
+    drop(s);
+    stop_cleanly(&mut t);
+    assert!(
+        t.output()
+            .contains("nothing written since its last clean image"),
+        "reading only: no new image; {}",
+        t.output_tail(20)
+    );
+
+    // (b)
+    let mut t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let s = open(&t, INITIATOR).await;
+    assert_eq!(identity_of(&s).await, id);
+    assert_content(&s, &pattern).await;
+
+    // (c)
+    s.write(0, 8, &[0x5a; 4096], true).await.expect("WRITE");
+    drop(s);
+    t.kill();
+    let t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    expect_not_ready(&t).await;
+    let st = status_text(&dir);
+    assert!(
+        st.contains("NOT READY") && st.contains("no clean image"),
+        "{st}"
+    );
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// (d) SIGTERM in the middle of a QD32 writer: every write that was
+/// acknowledged is there after the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_acknowledged_write_survives_a_stop_under_load() {
+    let dir = scratch("load");
+    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let port = t.port();
+    let s = Arc::new(open(&t, INITIATOR).await);
+    let blocks = (LUN_BYTES / 4096) as u64;
+    let mut lanes = Vec::new();
+    for lane in 0..32u64 {
+        let s = s.clone();
+        lanes.push(tokio::spawn(async move {
+            // Each block is written at most once, so an unacknowledged write
+            // can never be mistaken for an acknowledged one.
+            let mut acked = Vec::new();
+            let mut lba4k = lane;
+            while lba4k < blocks {
+                let fill = (lba4k as u8) ^ 0xa5 ^ (lba4k >> 8) as u8;
+                let mut data = vec![fill; 4096];
+                data[..8].copy_from_slice(&lba4k.to_be_bytes());
+                if s.write(0, lba4k * 8, &data, false).await.is_err() {
+                    break;
+                }
+                acked.push((lba4k, data));
+                lba4k += 32 * 7;
+            }
+            acked
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let mut tc = tokio::task::spawn_blocking(move || {
+        stop_cleanly(&mut t);
+        t
+    });
+    let mut acked = Vec::new();
+    for l in lanes {
+        acked.extend(l.await.expect("lane"));
+    }
+    let _t = (&mut tc).await.expect("stop");
+    assert!(
+        acked.len() > 100,
+        "the writer got going: {} writes",
+        acked.len()
+    );
+    eprintln!("{} acknowledged writes before the stop", acked.len());
+    let t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let s = open(&t, INITIATOR).await;
+    for (lba4k, data) in &acked {
+        let got = s.read(0, lba4k * 8, 8, 512).await.expect("READ");
+        assert!(
+            got == *data,
+            "acknowledged block {lba4k} lost in the restart"
+        );
+    }
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// (e) Once shutdown began, logins are refused while the dump runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logins_during_the_dump_are_refused() {
+    let dir = scratch("dump-login");
+    let pattern = random_pattern(2);
+    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let s = Arc::new(open(&t, INITIATOR).await);
+    write_all(&s, &pattern).await;
+    drop(s);
+    let (addr, name) = (t.addr(), t.target_name().to_string());
+    let pid = t.pid();
+    let _ = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+    let mut attempts = 0;
+    let mut logged_in = 0;
+    while t.is_running() {
+        if !t.output().contains("logins refused") {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            continue;
+        }
+        attempts += 1;
+        if Session::login(addr, LoginParams::normal(INITIATOR, &name))
+            .await
+            .is_ok()
+        {
+            logged_in += 1;
+        }
+    }
+    assert_eq!(
+        logged_in, 0,
+        "a login succeeded during the dump ({attempts} tried)"
+    );
+    assert!(attempts > 0, "the dump ended before a login could be tried");
+    eprintln!("{attempts} logins tried during the dump, none succeeded");
+    stop_cleanly(&mut t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// (f) One state directory, one daemon; two daemons with their own state
+/// directories may share an image directory and never read each other's images.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_directories_are_exclusive_and_images_are_never_confused() {
+    let (da, db, images) = (scratch("a"), scratch("b"), scratch("shared-images"));
+    let img = images.display().to_string();
+    let mut a = TargetProcess::start_with(options(&da, None, &["--image-dir", &img]));
+    let second = Command::new(target_binary())
+        .args(["--size", "1M", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(&da)
+        .args(["--control-socket"])
+        .arg(da.join("other.sock"))
+        .output()
+        .expect("run a second daemon");
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(1), "{err}");
+    assert!(err.contains("in use by another ramslog-target"), "{err}");
+
+    let mut b = TargetProcess::start_with(options(&db, None, &["--image-dir", &img]));
+    let (pa, pb) = (a.port(), b.port());
+    for (t, byte) in [(&a, 0x11u8), (&b, 0x22u8)] {
+        let s = open(t, INITIATOR).await;
+        s.write(0, 0, &vec![byte; CHUNK], true)
+            .await
+            .expect("WRITE");
+    }
+    stop_cleanly(&mut a);
+    stop_cleanly(&mut b);
+    let a = TargetProcess::start_with(options(&da, Some(pa), &["--image-dir", &img]));
+    let b = TargetProcess::start_with(options(&db, Some(pb), &["--image-dir", &img]));
+    for (t, byte) in [(&a, 0x11u8), (&b, 0x22u8)] {
+        let s = open(t, INITIATOR).await;
+        assert_eq!(s.read(0, 0, 8, 512).await.expect("READ"), vec![byte; 4096]);
+    }
+    drop((a, b));
+    for d in [da, db, images] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
