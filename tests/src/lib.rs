@@ -122,6 +122,8 @@ pub struct TargetOptions {
     pub env: Vec<(String, String)>,
     /// How long to wait for the port to accept connections.
     pub ready_timeout: Duration,
+    /// A command the binary runs under (e.g. `setpriv` with its options).
+    pub wrapper: Vec<String>,
 }
 
 impl Default for TargetOptions {
@@ -135,6 +137,7 @@ impl Default for TargetOptions {
             extra_args: Vec::new(),
             env: Vec::new(),
             ready_timeout: Duration::from_secs(10),
+            wrapper: Vec::new(),
         }
     }
 }
@@ -174,7 +177,14 @@ impl TargetProcess {
             .unwrap_or_else(|e| panic!("create {}: {e}", log_path.display()));
         let log2 = log.try_clone().expect("clone log file handle");
 
-        let mut cmd = Command::new(&bin);
+        let mut cmd = match opts.wrapper.split_first() {
+            Some((prog, args)) => {
+                let mut c = Command::new(prog);
+                c.args(args).arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
         let mut state_dir = None;
         if opts.ephemeral {
             cmd.arg("--ephemeral");

@@ -2,6 +2,7 @@
 //! ramslog-initiator. One test binary, one module per area.
 
 mod identity;
+mod images;
 mod integrity;
 mod persistence;
 mod sessions;

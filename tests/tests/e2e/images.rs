@@ -1,0 +1,479 @@
+//! Images that must never be loaded: each is refused, the LUN answers NOT
+//! READY under its old identity, and `status` says why. And dumps that fail
+//! (disk full, an unwritable directory) leave the generation unclean and
+//! the daemon exits non-zero.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use ramslog_tests::{find_in_path, target_binary, TargetOptions, TargetProcess};
+
+use super::*;
+
+const CHUNK: u64 = 1 << 20;
+const BLOCK: u64 = 4096;
+/// One chunk's record in the image: its 4 KiB prefix and its data.
+const RECORD: u64 = BLOCK + CHUNK;
+/// Chunks the golden image holds, in the order they are written.
+const CHUNKS: [u64; 3] = [0, 5, 9];
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ramslog-e2e-img-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// `--size` in `extra` replaces the harness's size.
+fn options(state_dir: &Path, extra: &[&str]) -> TargetOptions {
+    let mut o = TargetOptions {
+        ephemeral: false,
+        state_dir: Some(state_dir.into()),
+        ..Default::default()
+    };
+    let mut args = extra.iter();
+    while let Some(a) = args.next() {
+        match (*a, args.clone().next()) {
+            ("--size", Some(v)) => {
+                o.size = v.to_string();
+                args.next();
+            }
+            _ => o.extra_args.push(a.to_string()),
+        }
+    }
+    o
+}
+
+fn status_text(state_dir: &Path) -> String {
+    let out = Command::new(target_binary())
+        .args(["status", "--state-dir"])
+        .arg(state_dir)
+        .output()
+        .expect("status");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A state directory whose LUN was written (three chunks) and cleanly
+/// stopped: its one image.
+async fn golden(dir: &Path) -> PathBuf {
+    let mut t = TargetProcess::start_with(options(dir, &[]));
+    let s = open(&t, INITIATOR).await;
+    for c in CHUNKS {
+        s.write(0, c * CHUNK / 512, &vec![c as u8 + 1; CHUNK as usize], true)
+            .await
+            .expect("WRITE");
+    }
+    drop(s);
+    assert!(t.stop().success(), "{}", t.output_tail(20));
+    image_of(dir)
+}
+
+fn image_of(dir: &Path) -> PathBuf {
+    let mut imgs: Vec<PathBuf> = std::fs::read_dir(dir.join("images"))
+        .expect("image dir")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "img"))
+        .collect();
+    assert_eq!(imgs.len(), 1, "one image: {imgs:?}");
+    imgs.remove(0)
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    let st = Command::new("cp")
+        .arg("-a")
+        .arg(from)
+        .arg(to)
+        .status()
+        .expect("cp");
+    assert!(st.success());
+}
+
+fn flip_bit(path: &Path, offset: u64) {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open image");
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, offset).expect("read");
+    b[0] ^= 0x10;
+    f.write_all_at(&b, offset).expect("write");
+}
+
+fn record(path: &Path, i: u64) -> Vec<u8> {
+    let f = std::fs::File::open(path).expect("open image");
+    let mut v = vec![0u8; RECORD as usize];
+    f.read_exact_at(&mut v, BLOCK + i * RECORD)
+        .expect("read record");
+    v
+}
+
+fn put_record(path: &Path, i: u64, data: &[u8]) {
+    let f = OpenOptions::new()
+        .write(true)
+        .open(path)
+        .expect("open image");
+    f.write_all_at(data, BLOCK + i * RECORD)
+        .expect("write record");
+}
+
+/// Rewrite a little-endian u64 of the header and seal it again, so only the
+/// field itself is wrong.
+fn set_header_u64(path: &Path, at: u64, value: u64) {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open image");
+    let mut h = vec![0u8; BLOCK as usize];
+    f.read_exact_at(&mut h, 0).expect("read header");
+    h[at as usize..at as usize + 8].copy_from_slice(&value.to_le_bytes());
+    let crc = crc32c::crc32c(&h[..BLOCK as usize - 4]);
+    h[BLOCK as usize - 4..].copy_from_slice(&crc.to_le_bytes());
+    f.write_all_at(&h, 0).expect("write header");
+}
+
+fn edit_state(dir: &Path, edit: impl Fn(String) -> String) {
+    let p = dir.join("luns.toml");
+    let s = std::fs::read_to_string(&p).expect("luns.toml");
+    std::fs::write(&p, edit(s)).expect("write luns.toml");
+}
+
+fn state_field(dir: &Path, key: &str) -> String {
+    let s = std::fs::read_to_string(dir.join("luns.toml")).expect("luns.toml");
+    s.lines()
+        .find_map(|l| l.strip_prefix(&format!("{key} = ")))
+        .unwrap_or_else(|| panic!("{key} in {s}"))
+        .trim_matches('"')
+        .to_string()
+}
+
+/// Start on `dir` (with `extra` arguments), expect NOT READY with `why` in
+/// the status, and nothing of the image in memory after accept-empty.
+async fn refused(dir: &Path, extra: &[&str], why: &str) {
+    let t = TargetProcess::start_with(options(dir, extra));
+    let s = Session::login(t.addr(), LoginParams::normal(INITIATOR, t.target_name()))
+        .await
+        .expect("login");
+    let mut not_ready = false;
+    for _ in 0..4 {
+        let r = s.test_unit_ready(0).await.expect("TUR");
+        if r.status == 2 && sense(&r) == (2, 0x04, 0x03) {
+            not_ready = true;
+            break;
+        }
+    }
+    let st = status_text(dir);
+    assert!(not_ready, "{why}: the LUN must be NOT READY; status: {st}");
+    assert!(
+        st.contains("NOT READY") && st.contains(why),
+        "status should say {why:?}: {st}\n{}",
+        t.output_tail(10)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damaged_or_foreign_images_are_never_loaded() {
+    let base = scratch("golden");
+    let img = golden(&base).await;
+    let name = img.file_name().expect("name").to_owned();
+    let len = std::fs::metadata(&img).expect("stat").len();
+    assert_eq!(len, 2 * BLOCK + CHUNKS.len() as u64 * RECORD);
+    let generation: u64 = state_field(&base, "generation")
+        .parse()
+        .expect("generation");
+    let naa = state_field(&base, "naa");
+
+    type Mutation = Box<dyn Fn(&Path, &Path)>;
+    let cases: Vec<(&str, Mutation, &[&str], &str)> = vec![
+        (
+            "trunc-mid-chunk",
+            Box::new(|_, i| {
+                OpenOptions::new()
+                    .write(true)
+                    .open(i)
+                    .unwrap()
+                    .set_len(BLOCK + RECORD + 1000)
+                    .unwrap()
+            }),
+            &[],
+            "truncated",
+        ),
+        (
+            "trunc-at-chunk",
+            Box::new(|_, i| {
+                OpenOptions::new()
+                    .write(true)
+                    .open(i)
+                    .unwrap()
+                    .set_len(BLOCK + 2 * RECORD)
+                    .unwrap()
+            }),
+            &[],
+            "truncated",
+        ),
+        (
+            "trunc-before-commit",
+            Box::new(|_, i| {
+                OpenOptions::new()
+                    .write(true)
+                    .open(i)
+                    .unwrap()
+                    .set_len(BLOCK + 3 * RECORD)
+                    .unwrap()
+            }),
+            &[],
+            "truncated",
+        ),
+        (
+            "flip-header",
+            Box::new(|_, i| flip_bit(i, 20)),
+            &[],
+            "header",
+        ),
+        (
+            "flip-chunk-data",
+            Box::new(|_, i| flip_bit(i, BLOCK + RECORD + BLOCK + 777)),
+            &[],
+            "checksum",
+        ),
+        (
+            "flip-chunk-prefix",
+            Box::new(|_, i| flip_bit(i, BLOCK + 9)),
+            &[],
+            "chunk",
+        ),
+        (
+            "flip-commit",
+            Box::new(move |_, i| flip_bit(i, len - BLOCK + 17)),
+            &[],
+            "commit record",
+        ),
+        (
+            "swapped",
+            Box::new(|_, i| {
+                let (a, b) = (record(i, 0), record(i, 1));
+                put_record(i, 0, &b);
+                put_record(i, 1, &a);
+            }),
+            &[],
+            "out of order",
+        ),
+        (
+            "duplicated",
+            Box::new(|_, i| put_record(i, 1, &record(i, 0))),
+            &[],
+            "out of order or repeated",
+        ),
+        (
+            "trailing-bytes",
+            Box::new(move |_, i| {
+                let f = OpenOptions::new().append(true).open(i).unwrap();
+                f.write_all_at(&[0u8; 4096], len).unwrap();
+            }),
+            &[],
+            "records end",
+        ),
+        (
+            "other-lun",
+            Box::new(|_, i| set_header_u64(i, 48, 1)),
+            &[],
+            "LUN 1",
+        ),
+        (
+            "other-naa",
+            Box::new(move |d, i| {
+                let other = "3123456789abcdef";
+                edit_state(d, |s| s.replace(&naa, other));
+                let name = i
+                    .file_name()
+                    .unwrap()
+                    .to_str()
+                    .unwrap()
+                    .replace(&naa, other);
+                std::fs::rename(i, i.with_file_name(name)).unwrap();
+            }),
+            &[],
+            "identity is naa.",
+        ),
+        (
+            "other-size",
+            Box::new(|_, _| {}),
+            &["--size", "128M"],
+            "bytes of",
+        ),
+        (
+            "other-block-size",
+            Box::new(|_, _| {}),
+            &["--block-size", "4096"],
+            "4096-byte blocks",
+        ),
+        (
+            "older-generation",
+            Box::new(move |d, i| {
+                let next = generation + 1;
+                edit_state(d, |s| {
+                    s.replace(
+                        &format!("generation = {generation}"),
+                        &format!("generation = {next}"),
+                    )
+                    .replace(&format!("clean = {generation}"), &format!("clean = {next}"))
+                });
+                let name = i
+                    .file_name()
+                    .unwrap()
+                    .to_str()
+                    .unwrap()
+                    .replace(&format!("-g{generation}."), &format!("-g{next}."));
+                std::fs::rename(i, i.with_file_name(name)).unwrap();
+            }),
+            &[],
+            "the state's is",
+        ),
+        (
+            "unclean-generation",
+            Box::new(move |d, _| {
+                edit_state(d, |s| s.replace(&format!("clean = {generation}\n"), ""))
+            }),
+            &[],
+            "no clean image",
+        ),
+        (
+            "unreadable",
+            Box::new(|_, i| {
+                std::fs::remove_file(i).unwrap();
+                std::fs::create_dir(i).unwrap();
+            }),
+            &[],
+            "refused",
+        ),
+        (
+            "missing",
+            Box::new(|_, i| std::fs::remove_file(i).unwrap()),
+            &[],
+            "missing",
+        ),
+    ];
+    for (case, mutate, extra, why) in cases {
+        let dir = scratch(case);
+        copy_dir(&base, &dir);
+        let image = dir.join("images").join(&name);
+        mutate(&dir, &image);
+        refused(&dir, extra, why).await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
+}
+
+/// A dump into a filesystem too small for it fails, says so, exits non-zero
+/// and leaves the generation unclean: the next start is NOT READY.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dump_into_a_full_filesystem_fails_cleanly() {
+    assert!(
+        is_root(),
+        "this test mounts a loop filesystem: run it as root (CI does)"
+    );
+    assert!(
+        find_in_path("mkfs.ext4").is_some(),
+        "mkfs.ext4 (e2fsprogs) is needed"
+    );
+    let dir = scratch("full");
+    let images = dir.join("images");
+    std::fs::create_dir_all(&images).expect("mkdir");
+    let fs_file = dir.join("small.ext4");
+    let mk = Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-m", "0"])
+        .arg(&fs_file)
+        .arg("48M")
+        .status()
+        .expect("mkfs.ext4");
+    assert!(mk.success());
+    let mount = Command::new("mount")
+        .args(["-o", "loop"])
+        .arg(&fs_file)
+        .arg(&images)
+        .status();
+    assert!(mount.is_ok_and(|s| s.success()), "mount -o loop");
+    let unmount = || {
+        let _ = Command::new("umount").arg(&images).status();
+    };
+
+    let mut t = TargetProcess::start_with(options(&dir, &[]));
+    let s = open(&t, INITIATOR).await;
+    for c in 0..64u64 {
+        s.write(0, c * CHUNK / 512, &vec![0x77; CHUNK as usize], false)
+            .await
+            .expect("WRITE");
+    }
+    drop(s);
+    let st = t.stop();
+    let log = t.output();
+    assert_eq!(st.code(), Some(1), "a failed dump exits non-zero: {log}");
+    assert!(log.contains("not enough space"), "{log}");
+    let leftovers: Vec<_> = std::fs::read_dir(&images)
+        .expect("list")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".img"))
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "no partial image stays: {leftovers:?}"
+    );
+    refused(&dir, &[], "no clean image").await;
+    unmount();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The image directory turns unwritable while the daemon runs (root without
+/// CAP_DAC_OVERRIDE, as CI runs as root): the dump fails, the daemon exits
+/// non-zero, the generation stays unclean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dump_into_an_unwritable_directory_fails_cleanly() {
+    assert!(
+        is_root(),
+        "this test drops CAP_DAC_OVERRIDE from root: run it as root (CI does)"
+    );
+    assert!(
+        find_in_path("setpriv").is_some(),
+        "setpriv (util-linux) is needed"
+    );
+    let dir = scratch("unwritable");
+    let mut t = TargetProcess::start_with(TargetOptions {
+        wrapper: [
+            "setpriv",
+            "--inh-caps=-dac_override,-dac_read_search,-fowner",
+            "--bounding-set=-dac_override,-dac_read_search,-fowner",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+        ..options(&dir, &[])
+    });
+    let s = open(&t, INITIATOR).await;
+    s.write(0, 0, &vec![0x33; CHUNK as usize], true)
+        .await
+        .expect("WRITE");
+    drop(s);
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.join("images"), std::fs::Permissions::from_mode(0o500))
+        .expect("chmod");
+    let st = t.stop();
+    let log = t.output();
+    assert_eq!(st.code(), Some(1), "a failed dump exits non-zero: {log}");
+    assert!(
+        log.contains("dump failed") && log.contains("Permission denied"),
+        "{log}"
+    );
+    std::fs::set_permissions(dir.join("images"), std::fs::Permissions::from_mode(0o700))
+        .expect("chmod");
+    refused(&dir, &[], "no clean image").await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
