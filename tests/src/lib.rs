@@ -161,6 +161,14 @@ impl TargetProcess {
     /// Start with the given options; panics (showing the target's output) if it exits early or
     /// does not accept TCP connections within `ready_timeout`.
     pub fn start_with(opts: TargetOptions) -> Self {
+        let timeout = opts.ready_timeout;
+        let mut tp = Self::spawn_with(opts);
+        tp.wait_ready(timeout);
+        tp
+    }
+
+    /// Start without waiting for the portal (to watch the start-up itself).
+    pub fn spawn_with(opts: TargetOptions) -> Self {
         let bin = target_binary();
         let n = INSTANCE.fetch_add(1, Ordering::SeqCst);
         let port = opts.port.unwrap_or_else(free_port);
@@ -223,16 +231,14 @@ impl TargetProcess {
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
 
-        let mut tp = TargetProcess {
+        TargetProcess {
             child,
             addr,
             target_name: opts.target_name.clone(),
             log_path,
             state_dir,
             exit: None,
-        };
-        tp.wait_ready(opts.ready_timeout);
-        tp
+        }
     }
 
     fn wait_ready(&mut self, timeout: Duration) {

@@ -315,3 +315,62 @@ async fn state_directories_are_exclusive_and_images_are_never_confused() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// `ramslog-target stop` fences, dumps, reports the dump and the daemon
+/// exits 0; a SIGTERM while the image is being restored exits without a
+/// dump and leaves that image the valid one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_command_and_a_stop_during_restore() {
+    let dir = scratch("stop");
+    let pattern = random_pattern(3);
+    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let port = t.port();
+    let s = Arc::new(open(&t, INITIATOR).await);
+    write_all(&s, &pattern).await;
+    drop(s);
+    let out = cli(&["stop"], &dir);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "stop: {out:?}");
+    assert!(
+        said.contains("stopped:") && said.contains("dumped to"),
+        "{said}"
+    );
+    let mut exited = None;
+    for _ in 0..500 {
+        exited = t.try_exit_status();
+        if exited.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        exited.is_some_and(|s| s.success()),
+        "the daemon exits 0 after stop"
+    );
+
+    // Stopped while it restores: no dump, the image stays the valid one.
+    let mut t = TargetProcess::spawn_with(options(&dir, Some(port), &[]));
+    while !t.output().contains("restoring LUN content") {
+        assert!(t.is_running(), "{}", t.output_tail(20));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    stop_cleanly(&mut t);
+    let log = t.output();
+    assert!(
+        log.contains("stopped during start-up") || log.contains("nothing written since"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("dumped to"),
+        "no dump after a stop during the restore: {log}"
+    );
+    if !log.contains("stopped during start-up") {
+        eprintln!("the restore finished before the signal: the stop was an ordinary one");
+    }
+    let t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let s = open(&t, INITIATOR).await;
+    assert_content(&s, &pattern).await;
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
