@@ -14,6 +14,7 @@ need_pkgs=()
 command -v iscsi-test-cu >/dev/null || need_pkgs+=(libiscsi-bin)
 command -v setpriv >/dev/null || need_pkgs+=(util-linux)
 command -v mkfs.ext4 >/dev/null || need_pkgs+=(e2fsprogs)
+command -v systemd-analyze >/dev/null || need_pkgs+=(systemd)
 command -v python3 >/dev/null || need_pkgs+=(python3)
 # Building the iSER transport: rdma-sys runs bindgen against the rdma-core headers.
 pkg-config --exists libibverbs librdmacm 2>/dev/null || need_pkgs+=(pkg-config libibverbs-dev librdmacm-dev)

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use ramslog_target::config::{Config, RunArgs, DEFAULT_STATE_DIR};
 use ramslog_target::control::{self, Control, Reply, Request};
 use ramslog_target::lifecycle::{self, StartError};
+use ramslog_target::notify::notify;
 use ramslog_target::portal::{Acl, Portal, TargetDef};
 use ramslog_target::scsi::ScsiTarget;
 use ramslog_target::tcp;
@@ -201,6 +202,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
     let mut interrupt = signal(SignalKind::interrupt())
         .map_err(|e| format!("cannot install SIGINT handler: {e}"))?;
     let persistence = lifecycle::open_persistence(&cfg)?;
+    notify("STATUS=restoring LUN content");
     let cancelled = Arc::new(AtomicBool::new(false));
     let mut opening = {
         let (cfg, persistence, cancelled) = (cfg.clone(), persistence.clone(), cancelled.clone());
@@ -287,11 +289,13 @@ async fn run(args: RunArgs) -> Result<(), String> {
         );
     }
 
+    notify("READY=1\nSTATUS=serving");
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: stopping"),
         _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
         _ = stop.notified() => tracing::info!("stop requested on the control socket"),
     }
+    notify("STOPPING=1\nSTATUS=fencing and dumping LUN content");
     let outcome = {
         let portal = portal.clone();
         tokio::task::spawn_blocking(move || lifecycle::shutdown(&portal))

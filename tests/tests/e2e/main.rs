@@ -7,6 +7,7 @@ mod integrity;
 mod persistence;
 mod sessions;
 mod startup;
+mod systemd;
 
 use std::time::Duration;
 
