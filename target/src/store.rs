@@ -279,6 +279,70 @@ impl Store {
         })
     }
 
+    /// CRC32C of `len` bytes at `offset`, continuing `seed`, without copying
+    /// them out (the image's chunk checksums).
+    pub fn crc32c_append(&self, seed: u32, offset: u64, len: usize) -> Result<u32, StoreError> {
+        let off = self.check(offset, len)?;
+        // SAFETY: range checked above; the slice lives only for this call.
+        // A concurrent writer could tear what it sees (see `Send`); the dump
+        // that calls this runs after every writer was fenced off.
+        let bytes = unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(off), len) };
+        Ok(crc32c::crc32c_append(seed, bytes))
+    }
+
+    /// One `pwritev` to `file` at `file_offset` of, for each part, its head
+    /// (the caller's bytes) followed by `len` bytes of the LUN at `offset`:
+    /// the kernel (with O_DIRECT, the device) reads the LUN memory itself,
+    /// with no copy through a buffer. A short write is an error.
+    pub fn write_parts_to(
+        &self,
+        file: &std::fs::File,
+        file_offset: u64,
+        parts: &[(&[u8], u64, usize)],
+    ) -> std::io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        let mut iov = Vec::with_capacity(parts.len() * 2);
+        let mut total = 0usize;
+        for &(head, offset, len) in parts {
+            let off = self
+                .check(offset, len)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+            iov.push(libc::iovec {
+                iov_base: head.as_ptr() as *mut libc::c_void,
+                iov_len: head.len(),
+            });
+            iov.push(libc::iovec {
+                // SAFETY: `off` is inside the mapping (checked above).
+                iov_base: unsafe { self.base.as_ptr().add(off) }.cast(),
+                iov_len: len,
+            });
+            total += head.len() + len;
+        }
+        let offset = libc::off_t::try_from(file_offset)
+            .map_err(|_| std::io::Error::from_raw_os_error(libc::EFBIG))?;
+        // SAFETY: every iovec names memory valid for the whole call: the
+        // caller's borrowed heads and checked ranges of this mapping, which
+        // lives as long as `self`. The kernel only reads them.
+        let n = unsafe {
+            libc::pwritev(
+                file.as_raw_fd(),
+                iov.as_ptr(),
+                iov.len() as libc::c_int,
+                offset,
+            )
+        };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if n as usize != total {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::WriteZero,
+                format!("short write: {n} of {total} bytes (is the disk full?)"),
+            ));
+        }
+        Ok(total)
+    }
+
     /// Set `len` bytes at `offset` to zero.
     pub fn zero(&self, offset: u64, len: usize) -> Result<(), StoreError> {
         let off = self.check(offset, len)?;

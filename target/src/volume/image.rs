@@ -16,7 +16,6 @@
 //! The file's length is exactly the sum of these; anything else is refused.
 
 use std::fs::{File, OpenOptions};
-use std::io::Read;
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -170,10 +169,13 @@ fn sealed(block: &[u8]) -> bool {
     crc32c::crc32c(&block[..BLOCK - 4]) == get_u32(block, BLOCK - 4)
 }
 
-fn chunk_crc(index: u64, generation: u64, data: &[u8]) -> u32 {
-    let c = crc32c::crc32c(&index.to_le_bytes());
-    let c = crc32c::crc32c_append(c, &generation.to_le_bytes());
-    crc32c::crc32c_append(c, data)
+/// A chunk's checksum covers its index and generation, then its data:
+/// this is the CRC32C state before the data.
+fn chunk_seed(index: u64, generation: u64) -> u32 {
+    crc32c::crc32c_append(
+        crc32c::crc32c(&index.to_le_bytes()),
+        &generation.to_le_bytes(),
+    )
 }
 
 /// Bytes of chunk `index` of a volume of `size` bytes.
@@ -297,6 +299,30 @@ impl Output {
         self.offset += data.len() as u64;
         Ok(())
     }
+
+    /// Records straight from the LUN memory (see `Store::write_parts_to`).
+    fn write_store(&mut self, store: &Store, parts: &[(&[u8], u64, usize)]) -> std::io::Result<()> {
+        self.offset += store.write_parts_to(&self.file, self.offset, parts)? as u64;
+        Ok(())
+    }
+}
+
+/// Records the dump writes per `pwritev`.
+const RECORDS_PER_WRITE: usize = 8;
+/// Batches in flight between the checksummer and the writer.
+const WRITES_IN_FLIGHT: usize = 3;
+
+/// What the dump's writer thread writes next.
+enum Job {
+    /// One 4 KiB block (the header, the commit record).
+    Block(Aligned),
+    /// Records: `prefixes` holds their 4 KiB prefixes in order; each
+    /// record's data is `len` bytes of the LUN at `offset`.
+    Records {
+        prefixes: Aligned,
+        data: [(u64, usize); RECORDS_PER_WRITE],
+        count: usize,
+    },
 }
 
 /// What a dump did.
@@ -347,42 +373,7 @@ pub fn dump(
     let tmp = dir.join(tmp_name(&id.identity.naa, id.generation));
     let path = dir.join(image_name(&id.identity.naa, id.generation));
     let _ = std::fs::remove_file(&tmp);
-    let result = (|| -> Result<bool, ImageError> {
-        let mut out = Output::create(&tmp)?;
-        let header = encode_header(id, chunks.len() as u64, super::now_unix())
-            .map_err(ImageError::Mismatch)?;
-        let mut buf = Aligned::new(BLOCK + CHUNK_SIZE as usize);
-        buf.get_mut(BLOCK).copy_from_slice(&header);
-        out.write(buf.get(BLOCK))?;
-        let mut chain = 0u32;
-        for &c in &chunks {
-            let n = chunk_len(id.size, c) as usize;
-            let rec = buf.get_mut(BLOCK + n);
-            rec[..BLOCK].fill(0);
-            store
-                .read(c * CHUNK_SIZE, &mut rec[BLOCK..])
-                .map_err(|e| ImageError::Io(std::io::Error::other(e)))?;
-            let crc = chunk_crc(c, id.generation, &rec[BLOCK..]);
-            rec[..8].copy_from_slice(CHUNK_MAGIC);
-            put_u64(rec, 8, c);
-            put_u64(rec, 16, id.generation);
-            put_u64(rec, 24, n as u64);
-            put_u32(rec, 32, crc);
-            seal(&mut rec[..BLOCK]);
-            chain = crc32c::crc32c_append(chain, &crc.to_le_bytes());
-            out.write(buf.get(BLOCK + n))?;
-        }
-        let commit = buf.get_mut(BLOCK);
-        commit.fill(0);
-        commit[..8].copy_from_slice(COMMIT_MAGIC);
-        put_u64(commit, 8, id.generation);
-        put_u64(commit, 16, chunks.len() as u64);
-        put_u32(commit, 24, chain);
-        seal(commit);
-        out.write(buf.get(BLOCK))?;
-        out.file.sync_all()?;
-        Ok(out.direct)
-    })();
+    let result = write_image(&tmp, id, store, &chunks);
     let direct = match result {
         Ok(d) => d,
         Err(e) => {
@@ -398,6 +389,116 @@ pub fn dump(
         bytes: len,
         seconds: started.elapsed().as_secs_f64(),
         direct,
+    })
+}
+
+/// The image file: header, records, commit, fsync. The checksums are
+/// computed here while a writer thread writes the previous batch straight
+/// from the LUN memory, so the disk never waits for the CPU.
+fn write_image(
+    tmp: &Path,
+    id: &ImageIdentity,
+    store: &Store,
+    chunks: &[u64],
+) -> Result<bool, ImageError> {
+    let out = Output::create(tmp)?;
+    let batch_bytes = RECORDS_PER_WRITE * BLOCK;
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(WRITES_IN_FLIGHT);
+        let (back, spare) = std::sync::mpsc::sync_channel::<Aligned>(WRITES_IN_FLIGHT + 1);
+        for _ in 0..=WRITES_IN_FLIGHT {
+            let _ = back.send(Aligned::new(batch_bytes));
+        }
+        let writer = std::thread::Builder::new()
+            .name("image-write".into())
+            .spawn_scoped(scope, move || -> std::io::Result<Output> {
+                let mut out = out;
+                for job in rx {
+                    let buf = match job {
+                        Job::Block(buf) => {
+                            out.write(buf.get(BLOCK))?;
+                            buf
+                        }
+                        Job::Records {
+                            prefixes,
+                            data,
+                            count,
+                        } => {
+                            let mut parts = [(&[][..], 0u64, 0usize); RECORDS_PER_WRITE];
+                            for (i, part) in parts.iter_mut().enumerate().take(count) {
+                                let prefix = &prefixes.get(batch_bytes)[i * BLOCK..(i + 1) * BLOCK];
+                                *part = (prefix, data[i].0, data[i].1);
+                            }
+                            out.write_store(store, &parts[..count])?;
+                            prefixes
+                        }
+                    };
+                    let _ = back.send(buf);
+                }
+                Ok(out)
+            })?;
+        // Stops early (returning the writer's error) if the writer is gone.
+        let produce = || -> Result<(), ()> {
+            let block = |bytes: &[u8]| -> Result<Job, ()> {
+                let mut buf = spare.recv().map_err(|_| ())?;
+                buf.get_mut(BLOCK).copy_from_slice(bytes);
+                Ok(Job::Block(buf))
+            };
+            let header =
+                encode_header(id, chunks.len() as u64, super::now_unix()).map_err(|_| ())?;
+            tx.send(block(&header)?).map_err(|_| ())?;
+            let mut chain = 0u32;
+            for group in chunks.chunks(RECORDS_PER_WRITE) {
+                let mut prefixes = spare.recv().map_err(|_| ())?;
+                let mut data = [(0u64, 0usize); RECORDS_PER_WRITE];
+                for (i, &c) in group.iter().enumerate() {
+                    let n = chunk_len(id.size, c) as usize;
+                    let crc = store
+                        .crc32c_append(chunk_seed(c, id.generation), c * CHUNK_SIZE, n)
+                        .map_err(|_| ())?;
+                    let p = &mut prefixes.get_mut(batch_bytes)[i * BLOCK..(i + 1) * BLOCK];
+                    p.fill(0);
+                    p[..8].copy_from_slice(CHUNK_MAGIC);
+                    put_u64(p, 8, c);
+                    put_u64(p, 16, id.generation);
+                    put_u64(p, 24, n as u64);
+                    put_u32(p, 32, crc);
+                    seal(p);
+                    chain = crc32c::crc32c_append(chain, &crc.to_le_bytes());
+                    data[i] = (c * CHUNK_SIZE, n);
+                }
+                tx.send(Job::Records {
+                    prefixes,
+                    data,
+                    count: group.len(),
+                })
+                .map_err(|_| ())?;
+            }
+            let mut commit = vec![0u8; BLOCK];
+            commit[..8].copy_from_slice(COMMIT_MAGIC);
+            put_u64(&mut commit, 8, id.generation);
+            put_u64(&mut commit, 16, chunks.len() as u64);
+            put_u32(&mut commit, 24, chain);
+            seal(&mut commit);
+            tx.send(block(&commit)?).map_err(|_| ())
+        };
+        let produced = produce();
+        drop(tx);
+        let out = match writer.join() {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(ImageError::Io(std::io::Error::other(
+                    "image writer panicked",
+                )))
+            }
+        };
+        if produced.is_err() {
+            return Err(ImageError::Io(std::io::Error::other(
+                "image header or checksums could not be produced",
+            )));
+        }
+        out.file.sync_all()?;
+        Ok(out.direct)
     })
 }
 
@@ -420,52 +521,9 @@ fn open_for_read(path: &Path) -> std::io::Result<File> {
     }
 }
 
-/// Read exactly `buf.len()` bytes at `offset`, telling a short file apart.
-fn read_exact_at(
-    f: &File,
-    buf: &mut [u8],
-    offset: u64,
-    what: &'static str,
-) -> Result<(), ImageError> {
-    let mut done = 0;
-    while done < buf.len() {
-        match f.read_at(&mut buf[done..], offset + done as u64) {
-            Ok(0) => return Err(ImageError::Truncated(what)),
-            Ok(n) => done += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                // O_DIRECT refused this read (a short tail): read buffered.
-                let mut g = File::open(fd_path(f))?;
-                let mut tmp = vec![0u8; buf.len() - done];
-                let n = read_full(&mut g, offset + done as u64, &mut tmp)?;
-                buf[done..done + n].copy_from_slice(&tmp[..n]);
-                if n < tmp.len() {
-                    return Err(ImageError::Truncated(what));
-                }
-                done = buf.len();
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(())
-}
-
 fn fd_path(f: &File) -> String {
     use std::os::fd::AsRawFd;
     format!("/proc/self/fd/{}", f.as_raw_fd())
-}
-
-fn read_full(f: &mut File, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
-    use std::io::{Seek, SeekFrom};
-    f.seek(SeekFrom::Start(offset))?;
-    let mut done = 0;
-    while done < buf.len() {
-        match f.read(&mut buf[done..])? {
-            0 => break,
-            n => done += n,
-        }
-    }
-    Ok(done)
 }
 
 /// Verify the image at `path` against `expect` while loading it into
@@ -493,6 +551,134 @@ pub fn restore(
     })
 }
 
+/// Bytes read ahead of the verifier in one go, and how many such windows
+/// may be in flight.
+const READ_WINDOW: usize = 8 << 20;
+const READ_WINDOWS: usize = 3;
+
+/// The image read sequentially in large windows on a helper thread, so the
+/// disk keeps working while the caller verifies and copies.
+struct Stream {
+    rx: std::sync::mpsc::Receiver<std::io::Result<(Aligned, usize)>>,
+    back: std::sync::mpsc::SyncSender<Aligned>,
+    cur: Option<(Aligned, usize)>,
+    pos: usize,
+    /// File offset of the next byte handed out.
+    offset: u64,
+}
+
+impl Stream {
+    fn start(file: File) -> std::io::Result<Stream> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(READ_WINDOWS);
+        let (back, spare) = std::sync::mpsc::sync_channel::<Aligned>(READ_WINDOWS);
+        for _ in 0..READ_WINDOWS {
+            let _ = back.send(Aligned::new(READ_WINDOW));
+        }
+        std::thread::Builder::new()
+            .name("image-read".into())
+            .spawn(move || {
+                let mut file = file;
+                let mut offset = 0u64;
+                // Ends when the reader is dropped (both channels close).
+                while let Ok(mut buf) = spare.recv() {
+                    let r = read_window(&mut file, buf.get_mut(READ_WINDOW), offset);
+                    let done = !matches!(r, Ok(n) if n == READ_WINDOW);
+                    if let Ok(n) = r {
+                        offset += n as u64;
+                    }
+                    if tx.send(r.map(|n| (buf, n))).is_err() || done {
+                        return;
+                    }
+                }
+            })?;
+        Ok(Stream {
+            rx,
+            back,
+            cur: None,
+            pos: 0,
+            offset: 0,
+        })
+    }
+
+    /// Make bytes available; false at the end of the file.
+    fn fill(&mut self) -> Result<bool, ImageError> {
+        loop {
+            if let Some((_, len)) = &self.cur {
+                if self.pos < *len {
+                    return Ok(true);
+                }
+                if *len < READ_WINDOW {
+                    return Ok(false);
+                }
+                if let Some((buf, _)) = self.cur.take() {
+                    let _ = self.back.send(buf);
+                }
+            }
+            match self.rx.recv() {
+                Ok(Ok((buf, len))) => {
+                    self.cur = Some((buf, len));
+                    self.pos = 0;
+                }
+                Ok(Err(e)) => return Err(e.into()),
+                // The reader ended after a short window: the end of the file.
+                Err(_) => return Ok(false),
+            }
+        }
+    }
+
+    /// Hand the next `n` bytes to `sink`, in pieces.
+    fn read(
+        &mut self,
+        mut n: usize,
+        what: &'static str,
+        mut sink: impl FnMut(&[u8]) -> Result<(), ImageError>,
+    ) -> Result<(), ImageError> {
+        while n > 0 {
+            if !self.fill()? {
+                return Err(ImageError::Truncated(what));
+            }
+            let Some((buf, len)) = &self.cur else {
+                return Err(ImageError::Truncated(what));
+            };
+            let take = n.min(len - self.pos);
+            sink(&buf.get(READ_WINDOW)[self.pos..self.pos + take])?;
+            self.pos += take;
+            self.offset += take as u64;
+            n -= take;
+        }
+        Ok(())
+    }
+
+    fn read_block(&mut self, what: &'static str) -> Result<[u8; BLOCK], ImageError> {
+        let mut block = [0u8; BLOCK];
+        let mut at = 0;
+        self.read(BLOCK, what, |piece| {
+            block[at..at + piece.len()].copy_from_slice(piece);
+            at += piece.len();
+            Ok(())
+        })?;
+        Ok(block)
+    }
+}
+
+/// Fill `buf` from `offset` as far as the file goes; O_DIRECT where the
+/// file was opened with it, buffered if the kernel refuses a read.
+fn read_window(file: &mut File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                *file = File::open(fd_path(file))?;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
 fn load(
     path: &Path,
     expect: &ImageIdentity,
@@ -501,9 +687,9 @@ fn load(
 ) -> Result<(Vec<u64>, u64, u64), ImageError> {
     let f = open_for_read(path)?;
     let file_len = f.metadata()?.len();
-    let mut buf = Aligned::new(BLOCK + CHUNK_SIZE as usize);
-    read_exact_at(&f, buf.get_mut(BLOCK), 0, "in the header")?;
-    let h = decode_header(buf.get(BLOCK))?;
+    let mut s = Stream::start(f)?;
+    let header = s.read_block("in the header")?;
+    let h = decode_header(&header)?;
     if h.id != *expect {
         return Err(ImageError::Mismatch(describe_mismatch(&h.id, expect)));
     }
@@ -520,26 +706,25 @@ fn load(
             "more chunks than the volume has".into(),
         ));
     }
-    let mut offset = BLOCK as u64;
     let mut chain = 0u32;
     let mut loaded = Vec::with_capacity(h.chunk_count as usize);
     for _ in 0..h.chunk_count {
         if cancelled() {
             return Err(ImageError::Cancelled);
         }
-        read_exact_at(&f, buf.get_mut(BLOCK), offset, "in a chunk")?;
-        let prefix = buf.get(BLOCK);
-        if &prefix[..8] != CHUNK_MAGIC || !sealed(prefix) {
+        let at = s.offset;
+        let prefix = s.read_block("in a chunk")?;
+        if &prefix[..8] != CHUNK_MAGIC || !sealed(&prefix) {
             return Err(ImageError::Damaged(
                 "chunk",
-                format!("bad chunk header at byte {offset}"),
+                format!("bad chunk header at byte {at}"),
             ));
         }
         let (index, generation, n, crc) = (
-            get_u64(prefix, 8),
-            get_u64(prefix, 16),
-            get_u64(prefix, 24),
-            get_u32(prefix, 32),
+            get_u64(&prefix, 8),
+            get_u64(&prefix, 16),
+            get_u64(&prefix, 24),
+            get_u32(&prefix, 32),
         );
         if generation != expect.generation {
             return Err(ImageError::Damaged(
@@ -559,46 +744,45 @@ fn load(
                 format!("chunk {index} has the wrong length"),
             ));
         }
-        let n = n as usize;
-        read_exact_at(
-            &f,
-            &mut buf.get_mut(BLOCK + n)[BLOCK..],
-            offset + BLOCK as u64,
-            "in chunk data",
-        )?;
-        let data = &buf.get(BLOCK + n)[BLOCK..];
-        if chunk_crc(index, generation, data) != crc {
+        // Copied as it streams in; a chunk that then fails its checksum
+        // fails the whole restore, and the caller zeroes the memory again.
+        let mut sum = chunk_seed(index, generation);
+        let mut to = index * CHUNK_SIZE;
+        s.read(n as usize, "in chunk data", |piece| {
+            sum = crc32c::crc32c_append(sum, piece);
+            store
+                .write(to, piece)
+                .map_err(|e| ImageError::Io(std::io::Error::other(e)))?;
+            to += piece.len() as u64;
+            Ok(())
+        })?;
+        if sum != crc {
             return Err(ImageError::Damaged(
                 "chunk",
                 format!("chunk {index}: checksum mismatch"),
             ));
         }
-        store
-            .write(index * CHUNK_SIZE, data)
-            .map_err(|e| ImageError::Io(std::io::Error::other(e)))?;
         chain = crc32c::crc32c_append(chain, &crc.to_le_bytes());
         loaded.push(index);
-        offset += (BLOCK + n) as u64;
     }
-    read_exact_at(&f, buf.get_mut(BLOCK), offset, "before the commit record")?;
-    let commit = buf.get(BLOCK);
-    if &commit[..8] != COMMIT_MAGIC || !sealed(commit) {
+    let commit = s.read_block("before the commit record")?;
+    if &commit[..8] != COMMIT_MAGIC || !sealed(&commit) {
         return Err(ImageError::Damaged(
             "commit record",
             "missing or corrupt".into(),
         ));
     }
-    if get_u64(commit, 8) != expect.generation
-        || get_u64(commit, 16) != h.chunk_count
-        || get_u32(commit, 24) != chain
+    if get_u64(&commit, 8) != expect.generation
+        || get_u64(&commit, 16) != h.chunk_count
+        || get_u32(&commit, 24) != chain
     {
         return Err(ImageError::Damaged(
             "commit record",
             "does not match the chunks".into(),
         ));
     }
-    offset += BLOCK as u64;
-    if file_len != offset {
+    let offset = s.offset;
+    if file_len != offset || s.fill()? {
         return Err(ImageError::Damaged(
             "file",
             format!("{file_len} bytes where the records end at {offset}"),
