@@ -2,10 +2,12 @@
 # ramslog-target with the Linux kernel initiator (open-iscsi) over TRANSPORT
 # (`iser`: ib_iser on rxe, or `tcp`): an independent initiator nobody here
 # wrote. fio with verify=crc32c over block sizes and queue depths, the lab's sync-write job, mkfs.ext4 + fsck,
-# logout/login with data intact, and the identity rule with a real host:
-# SIGKILL + restart with the same state directory -> open-iscsi reconnects by
-# itself and every I/O on the same /dev/sdX fails (NOT READY, manual
-# intervention required, never zeros) until `accept-empty`.
+# logout/login with data intact; a clean restart (SIGTERM: dump; start:
+# restore) in the middle of a fio verify job, which open-iscsi rides through
+# with no I/O error; and the identity rule with a real host: SIGKILL +
+# restart with the same state directory -> open-iscsi reconnects by itself
+# and every I/O on the same /dev/sdX fails (NOT READY, manual intervention
+# required, never zeros) until `accept-empty`.
 #
 #   ramslog-open-iscsi.sh iser|tcp
 set -euo pipefail
@@ -133,10 +135,37 @@ cmp <(dd if="$disk" bs=1M count=4 skip=200 iflag=direct status=none) /tmp/patter
 echo "data intact across logout/login"
 sdx=${disk#/dev/}
 
+step "clean restart under load: SIGTERM (dump), start (restore) during fio verify"
+dmesg_mark=$(dmesg | wc -l)
+timeout 900 fio --name=restart --filename="$disk" --rw=randwrite --bs=4k --iodepth=8 \
+  --ioengine=libaio --direct=1 --size=48m --offset=300m --verify=crc32c --verify_fatal=1 \
+  --do_verify=1 --verify_state_save=0 --output-format=terse --terse-version=3 >/tmp/fio-restart.txt 2>&1 &
+fio_pid=$!
+sleep 4
+kill -0 "$fio_pid" 2>/dev/null || { cat /tmp/fio-restart.txt; echo "fio ended before the restart"; exit 1; }
+t_stop=$(date +%s.%N)
+kill -TERM "$TARGET_PID"
+wait "$TARGET_PID" || { cat "$LOG"; echo "the clean stop exited non-zero"; exit 1; }
+grep "dumped to" "$LOG"
+start_target
+t_up=$(date +%s.%N)
+grep "restored and verified" "$LOG"
+"$BIN" status --state-dir "$STATE" | grep "restored from"
+wait "$fio_pid" || { cat /tmp/fio-restart.txt; echo "fio verify FAILED across the restart"; exit 1; }
+echo "fio verify passed across the restart (target down for $(awk "BEGIN { printf \"%.1f\", $t_up - $t_stop }") s)"
+if dmesg | tail -n +"$((dmesg_mark + 1))" | grep -iE "$sdx.*(I/O error|critical|Medium Error|Not Ready)"; then
+  echo "the host saw I/O errors during a clean restart"; exit 1
+fi
+cmp <(dd if="$disk" bs=1M count=4 skip=200 iflag=direct status=none) /tmp/pattern
+echo "the data written before the restart is there; no I/O error reached the host"
+
 step "SIGKILL the target and restart it with the same state directory"
+# A write after the restore opened a new generation: the restored image is
+# stale from then on, so a crash must not bring it back.
+dd if=/tmp/pattern of="$disk" bs=1M count=1 seek=100 oflag=direct status=none
 kill -9 "$TARGET_PID"; wait "$TARGET_PID" 2>/dev/null || true
 start_target
-grep "content did not survive" "$LOG"
+grep "LUN content not restored" "$LOG"
 echo "waiting for open-iscsi to reconnect by itself"
 for i in $(seq 1 60); do
   "$BIN" status --state-dir "$STATE" | grep -q "sessions: 1" && break
