@@ -275,12 +275,16 @@ impl Output {
                 direct: true,
                 offset: 0,
             }),
-            // tmpfs before Linux 6.6 refuses O_DIRECT.
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(Output {
-                file: open(false)?,
-                direct: false,
-                offset: 0,
-            }),
+            // tmpfs before Linux 6.6 refuses O_DIRECT, after creating the
+            // file: start again without it.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                let _ = std::fs::remove_file(path);
+                Ok(Output {
+                    file: open(false)?,
+                    direct: false,
+                    offset: 0,
+                })
+            }
             Err(e) => Err(e),
         }
     }
