@@ -57,21 +57,10 @@ fn portal_sized(
     mutual: Option<ChapSecret>,
     acl: Acl,
 ) -> Arc<Portal> {
-    let store = Arc::new(Store::new(size, HugePages::Off).unwrap());
-    let volume = Volume::in_memory(
-        VolumeConfig {
-            target: IQN.into(),
-            lun: 0,
-            block_size: 512,
-            identity: Identity::generate(),
-            readiness: Readiness::Ready,
-        },
-        store,
-    );
     let target = TargetDef {
         name: IQN.into(),
         alias: None,
-        scsi: Arc::new(ScsiTarget::new(vec![Arc::new(volume)])),
+        scsi: Arc::new(ScsiTarget::new(vec![ram_volume(size)])),
         acl,
         chap,
         mutual_chap: mutual,
@@ -189,6 +178,20 @@ impl Harness {
         self.itt
     }
 
+    /// An immediate WRITE (10) of 8 blocks at `lba` that waits for its data
+    /// (InitialR2T): limited by the task cap, not by CmdSN.
+    fn immediate_write(&mut self, lba: u32) -> Vec<Rsp> {
+        let itt = self.next_itt();
+        let mut b = Bhs::new(Opcode::ScsiCommand);
+        b.set_immediate(true)
+            .set_flags(0xa1)
+            .set_itt(itt)
+            .set_expected_data_len(4096)
+            .set_cmdsn(self.cmdsn);
+        b.0[32..42].copy_from_slice(&write10(lba, 8));
+        self.send(&b, &[])
+    }
+
     fn command(&mut self, cdb: &[u8], flags: u8, edtl: u32, data: &[u8]) -> (u32, Vec<Rsp>) {
         let itt = self.next_itt();
         let mut b = Bhs::new(Opcode::ScsiCommand);
@@ -200,6 +203,20 @@ impl Harness {
         b.0[32..32 + cdb.len()].copy_from_slice(cdb);
         (itt, self.send(&b, data))
     }
+}
+
+/// LUN 0 of the test target: `size` bytes of RAM, 512-byte blocks, ready.
+fn ram_volume(size: u64) -> Arc<Volume> {
+    Arc::new(Volume::in_memory(
+        VolumeConfig {
+            target: IQN.into(),
+            lun: 0,
+            block_size: 512,
+            identity: Identity::generate(),
+            readiness: Readiness::Ready,
+        },
+        Arc::new(Store::new(size, HugePages::Off).unwrap()),
+    ))
 }
 
 fn keys_of(data: &[u8]) -> Vec<(String, String)> {
@@ -864,16 +881,7 @@ fn waiting_commands_are_bounded_by_the_window() {
     h.login(&[("InitialR2T", "Yes")]);
     let mut statuses = Vec::new();
     for i in 0..6u32 {
-        // Immediate commands are not limited by CmdSN, only by the task cap.
-        let itt = h.next_itt();
-        let mut b = Bhs::new(Opcode::ScsiCommand);
-        b.set_immediate(true)
-            .set_flags(0xa1)
-            .set_itt(itt)
-            .set_expected_data_len(4096)
-            .set_cmdsn(h.cmdsn);
-        b.0[32..42].copy_from_slice(&write10(i * 8, 8));
-        let r = h.send(&b, &[]);
+        let r = h.immediate_write(i * 8);
         statuses.push((r[0].bhs.opcode(), r[0].bhs.0[3]));
     }
     let full = statuses
