@@ -20,7 +20,7 @@ use super::{
     is_reserved, rejected_header, Action, ConnInfo, DataInStream, Out, OutData, OutPdu, ReadDest,
 };
 use crate::portal::{OpenSessionError, Portal, SessionControl, SessionKey};
-use crate::scsi::{DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget};
+use crate::scsi::{DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason};
 
 /// Data room of the Linux ib_iser initiator's full-feature receive buffers
 /// (`ISER_RECV_DATA_SEG_LEN`).
@@ -512,7 +512,7 @@ impl Session {
         let plan = match scsi.prepare(self.nexus, lun, cdb) {
             Ok(p) => p,
             Err(reason) => {
-                self.respond(out, itt, reason.status(), reason.sense(), Residual::None);
+                self.fail(out, itt, reason, Residual::None);
                 return;
             }
         };
@@ -523,7 +523,7 @@ impl Session {
         };
         if let Err(reason) = plan.check_expected_len(edtl_out) {
             let residual = Residual::between(edtl_out, plan.data_out_len);
-            self.respond(out, itt, reason.status(), reason.sense(), residual);
+            self.fail(out, itt, reason, residual);
             return;
         }
         if plan.data_out_len == 0 {
@@ -916,7 +916,7 @@ impl Session {
         self.finish_task(task);
         match result {
             Ok(_) => self.respond(out, itt, status::GOOD, None, residual),
-            Err(reason) => self.respond(out, itt, reason.status(), reason.sense(), residual),
+            Err(reason) => self.fail(out, itt, reason, residual),
         }
     }
 
@@ -956,7 +956,7 @@ impl Session {
                 let len = len.min(data_in.len() as u32);
                 self.send_data_in(out, itt, lun, DataSource::Buffer(&data_in), len, edtl_in);
             }
-            Err(reason) => self.respond(out, itt, reason.status(), reason.sense(), residual),
+            Err(reason) => self.fail(out, itt, reason, residual),
         }
         self.data_in = data_in;
     }
@@ -1065,6 +1065,22 @@ impl Session {
             off += len;
             datasn += 1;
         }
+    }
+
+    /// A command that failed: its CHECK CONDITION (or other status), or,
+    /// for a write that met the shutdown fence, no status and the end of
+    /// the connection: the host then retries the write after the restart
+    /// instead of seeing it fail.
+    fn fail(&mut self, out: &mut Out, itt: u32, reason: SenseReason, residual: Residual) {
+        if reason == SenseReason::Fenced {
+            tracing::info!(
+                itt,
+                "write met the shutdown fence: no status, closing the connection"
+            );
+            out.close();
+            return;
+        }
+        self.respond(out, itt, reason.status(), reason.sense(), residual);
     }
 
     fn respond(

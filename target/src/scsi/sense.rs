@@ -39,6 +39,11 @@ pub enum SenseReason {
     /// HARDWARE ERROR, INTERNAL TARGET FAILURE (44h/00h): a bug, not a
     /// client error (e.g. the store refused a range we already checked).
     InternalTargetFailure,
+    /// The volume was fenced for shutdown after the command's data landed:
+    /// the command gets no status at all and the connection closes, so the
+    /// host retries it after the restart (see `Volume::fence`). Never sent;
+    /// BUSY if a path ever did.
+    Fenced,
 }
 
 impl SenseReason {
@@ -47,7 +52,7 @@ impl SenseReason {
         match self {
             SenseReason::ReservationConflict => status::RESERVATION_CONFLICT,
             SenseReason::TaskSetFull => status::TASK_SET_FULL,
-            SenseReason::Busy => status::BUSY,
+            SenseReason::Busy | SenseReason::Fenced => status::BUSY,
             _ => status::CHECK_CONDITION,
         }
     }
@@ -71,9 +76,10 @@ impl SenseReason {
             SenseReason::UnitAttention { asc, ascq } => (UNIT_ATTENTION, asc, ascq, None, None),
             SenseReason::Miscompare { offset } => (MISCOMPARE, 0x1d, 0, None, Some(offset)),
             SenseReason::InternalTargetFailure => (HARDWARE_ERROR, 0x44, 0, None, None),
-            SenseReason::ReservationConflict | SenseReason::TaskSetFull | SenseReason::Busy => {
-                return None
-            }
+            SenseReason::ReservationConflict
+            | SenseReason::TaskSetFull
+            | SenseReason::Busy
+            | SenseReason::Fenced => return None,
         };
         Some(Sense {
             key,

@@ -302,7 +302,7 @@ impl Volume {
             self.open_generation()?;
         }
         if self.fenced.load(Ordering::SeqCst) {
-            return Err(SenseReason::NotReadyManualIntervention);
+            return Err(SenseReason::Fenced);
         }
         Ok(())
     }
