@@ -2,7 +2,6 @@
 //! keeps the identity but answers NOT READY (04h/03h) until `accept-empty`,
 //! which makes the LUN ready under a new identity.
 
-use std::path::Path;
 use std::process::Command;
 
 use ramslog_common::scsi_wire::{sense_key, status};
@@ -13,15 +12,6 @@ use super::*;
 
 async fn vpd(s: &Session, page: u8) -> Vec<u8> {
     s.inquiry(0, true, page, 255).await.expect("INQUIRY VPD")
-}
-
-fn cli(args: &[&str], state_dir: &Path) -> std::process::Output {
-    Command::new(target_binary())
-        .args(args)
-        .arg("--state-dir")
-        .arg(state_dir)
-        .output()
-        .expect("run ramslog-target subcommand")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

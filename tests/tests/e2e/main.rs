@@ -47,4 +47,14 @@ pub fn random_bytes(n: usize) -> Vec<u8> {
     (0..n).map(|_| rand::random::<u8>()).collect()
 }
 
+/// Run a `ramslog-target` subcommand against the daemon of `state_dir`.
+pub fn cli(args: &[&str], state_dir: &std::path::Path) -> std::process::Output {
+    std::process::Command::new(ramslog_tests::target_binary())
+        .args(args)
+        .arg("--state-dir")
+        .arg(state_dir)
+        .output()
+        .expect("run ramslog-target subcommand")
+}
+
 pub const SHORT: Duration = Duration::from_millis(500);

@@ -33,15 +33,6 @@ fn options(state_dir: &Path, port: Option<u16>, extra: &[&str]) -> TargetOptions
     }
 }
 
-fn cli(args: &[&str], state_dir: &Path) -> std::process::Output {
-    Command::new(target_binary())
-        .args(args)
-        .arg("--state-dir")
-        .arg(state_dir)
-        .output()
-        .expect("run ramslog-target subcommand")
-}
-
 fn status_text(state_dir: &Path) -> String {
     let out = cli(&["status"], state_dir);
     assert!(out.status.success(), "status: {out:?}");
