@@ -24,6 +24,7 @@ print(json.dumps({
     "iops": round(job["iops"], 1), "ios": job["total_ios"],
     "p50_us": pct["50.000000"] / 1e3, "p99_us": pct["99.000000"] / 1e3, "p99_9_us": pct["99.900000"] / 1e3,
     "mean_us": round(job["clat_ns"]["mean"] / 1e3, 1),
+    "max_us": round(job["clat_ns"]["max"] / 1e3, 1),
 }))
 PY
   python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print("FIO %(name)-14s iops=%(iops)8.1f p50=%(p50_us)8.1f p99=%(p99_us)8.1f p99.9=%(p99_9_us)8.1f us" % r)' "$out/$name.json"

@@ -18,6 +18,18 @@
 #   e. both boxes lost: export, import -m; files from before the last
 #      completed `zpool sync` intact; the sync writes only the log held are
 #      gone, and ZFS says the log is missing.
+#   f. box B restarted cleanly (SIGTERM: dump; start: restore) during sync
+#      writes: its half stays ONLINE, fio ends without an error, no replace;
+#      the stall is fio's longest write.
+#   g. both boxes stopped cleanly (the UPS path) while the host is frozen
+#      (`zpool freeze`, then an O_SYNC write only the log holds), then
+#      started: `zpool import` without -m succeeds and the O_SYNC file
+#      verifies: no acknowledged write lost.
+#   h. the same with box B's image corrupted: B is NOT READY, its half
+#      FAULTED, the import replays from A, the file verifies; B is replaced.
+#   i. box B down longer than its session's replacement timeout, then back
+#      READY with its old content: FAULTED -> zpool clear -> resilvered ->
+#      ONLINE, files verified.
 # Every step asserts states and data; speed is reported, never asserted.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -56,11 +68,12 @@ fail() { echo "FAILED: $*"; zpool status -P "$POOL" 2>/dev/null || true; exit 1;
 # x CMD...: show the exact command, then run it.
 x() { echo "# $*"; "$@"; }
 
-declare -A TARGET_PID
+declare -A TARGET_PID BOX_LOG
 # start_box NAME ADDR IQN: one ramslog-target "box" on its own rxe address.
 start_box() {
   local name=$1 addr=$2 iqn=$3 log i
   log=$RESULTS/ramslog-$name-$(date +%s%N).log
+  BOX_LOG[$name]=$log
   "$BIN" --size 256M --listen "$addr:3260" --target-name "$iqn" --allow "$INITIATOR" \
     --state-dir "/tmp/ramslog-$name" --iser-spin 0 >"$log" 2>&1 &
   TARGET_PID[$name]=$!
@@ -71,6 +84,14 @@ start_box() {
   done
   cat "$log"
   fail "ramslog-target $name did not start"
+}
+# The clean stop systemd (or a UPS-driven shutdown) does: SIGTERM, the dump,
+# exit 0.
+stop_box() {
+  kill -TERM "${TARGET_PID[$1]}"
+  wait "${TARGET_PID[$1]}" || { cat "${BOX_LOG[$1]}"; fail "box $1 did not stop cleanly"; }
+  grep -hE "dumped to|nothing written since" "${BOX_LOG[$1]}" | sed 's/^.*INFO [a-z_:]*: //'
+  echo "box $1: stopped cleanly"
 }
 kill_box() {
   kill -9 "${TARGET_PID[$1]}"
@@ -318,7 +339,7 @@ fio_pid=$!
 sleep 5
 kill_box b
 start_box b "$RXE_ADDR_B" "$IQN_B"
-grep -h "content did not survive" "$RESULTS"/ramslog-b-*.log | tail -1
+grep -h "LUN content not restored" "$RESULTS"/ramslog-b-*.log | tail -1
 wait_reconnect b
 [ "$(iscsi_disk "$IQN_B")" = "$SD_B" ] || fail "box B came back as $(iscsi_disk "$IQN_B"), not $SD_B"
 echo "open-iscsi reconnected by itself; $LOG_B is still $SD_B"
@@ -406,5 +427,126 @@ zpool status -P "$POOL" | tee "$RESULTS/status-e-new-log.txt"
 [ "$(vdev_state "$LOG_A")" = ONLINE ] && [ "$(vdev_state "$LOG_B")" = ONLINE ] || fail "new log halves not ONLINE"
 date >>"/$DS/after-new-log"
 verify_files committed
+
+step "f. box B restarted cleanly during sync writes (SIGTERM: dump, start: restore)"
+zfs_fio zfs-clean-restart 40 >/tmp/fio-clean-restart.txt 2>&1 &
+fio_pid=$!
+sleep 8
+t_down=$(cut -d' ' -f1 /proc/uptime)
+stop_box b
+start_box b "$RXE_ADDR_B" "$IQN_B"
+t_up=$(cut -d' ' -f1 /proc/uptime)
+grep -h "restored and verified" "${BOX_LOG[b]}" | sed 's/^.*INFO [a-z_:]*: //'
+wait_reconnect b
+wait "$fio_pid" || { cat /tmp/fio-clean-restart.txt; fail "sync writes returned an error across a clean restart"; }
+cat /tmp/fio-clean-restart.txt
+date >>"/$DS/after-clean-restart"
+sleep 2
+echo "--- zpool status, step f ---"
+zpool status -P "$POOL" | tee "$RESULTS/status-f.txt"
+[ "$(vdev_state "$LOG_B")" = ONLINE ] || fail "log half B is $(vdev_state "$LOG_B") after a clean restart"
+[ "$(pool_health)" = ONLINE ] || fail "pool is $(pool_health) after a clean restart"
+python3 - "$RESULTS/zfs-clean-restart.json" "$t_down" "$t_up" <<'PY' | tee "$RESULTS/step-f.txt"
+import json, sys
+r = json.load(open(sys.argv[1]))
+down = float(sys.argv[3]) - float(sys.argv[2])
+print("clean restart of box B (256 MiB LUN): target down %.1f s; longest sync write %.1f s; "
+      "%d sync writes, none failed" % (down, r["max_us"] / 1e6, r["ios"]))
+PY
+
+step "g. both boxes stopped cleanly (the UPS path) while the host is frozen, then started"
+write_files committed-g 16
+x zpool sync "$POOL"
+x zpool freeze "$POOL"
+head -c 262144 /dev/urandom >/tmp/log-only-g
+dd if=/tmp/log-only-g of="/$DS/log-only-g" bs=4k oflag=sync status=none
+echo "log-only-g: 256 KiB written with O_SYNC after the freeze (acknowledged from the log alone)"
+stop_box a
+stop_box b
+start_box a "$RXE_ADDR_A" "$IQN_A"
+start_box b "$RXE_ADDR_B" "$IQN_B"
+grep -h "restored and verified" "${BOX_LOG[a]}" "${BOX_LOG[b]}" | sed 's/^.*INFO [a-z_:]*: //'
+wait_reconnect a
+wait_reconnect b
+# The export of a frozen pool writes nothing: the pool disk stays as it was
+# at the freeze, as after a host crash.
+x timeout 300 zpool export "$POOL"
+x zpool import "$POOL" || fail "the pool did not import without -m after a clean stop of both boxes"
+echo "--- zpool status, step g ---"
+zpool status -P "$POOL" | tee "$RESULTS/status-g.txt"
+[ "$(pool_health)" = ONLINE ] || fail "pool is $(pool_health) after step g"
+cmp /tmp/log-only-g "/$DS/log-only-g" || fail "log-only-g did not come back from the restored log"
+echo "log-only-g: replayed from the restored log, byte for byte"
+verify_files committed-g
+
+step "h. both boxes stopped cleanly, box B's image corrupted, both started"
+write_files committed-h 8
+x zpool sync "$POOL"
+x zpool freeze "$POOL"
+head -c 262144 /dev/urandom >/tmp/log-only-h
+dd if=/tmp/log-only-h of="/$DS/log-only-h" bs=4k oflag=sync status=none
+stop_box a
+stop_box b
+img_b=$(ls /tmp/ramslog-b/images/*.img)
+# One bit in the middle of the first chunk's data.
+printf '\x5a' | dd of="$img_b" bs=1 seek=$((8192 + 4096)) conv=notrunc status=none
+echo "box B's image $img_b: one byte overwritten"
+start_box a "$RXE_ADDR_A" "$IQN_A"
+start_box b "$RXE_ADDR_B" "$IQN_B"
+grep -h "LUN content not restored" "${BOX_LOG[b]}" | sed 's/^.*WARN [a-z_:]*: //'
+box_status b | grep "NOT READY" || fail "box B is not NOT READY with a damaged image"
+wait_reconnect a
+wait_reconnect b
+x timeout 300 zpool export "$POOL"
+x zpool import "$POOL" || fail "the pool did not import from the intact half"
+date >>"/$DS/after-h" # sync writes make ZFS find the failed half
+wait_vdev_state "$LOG_B" "$FAILED_STATES" 120 "/$DS/writer-h"
+echo "--- zpool status, step h ---"
+zpool status -P "$POOL" | tee "$RESULTS/status-h.txt"
+[ "$(vdev_state "$LOG_A")" = ONLINE ] || fail "log half A is $(vdev_state "$LOG_A")"
+cmp /tmp/log-only-h "/$DS/log-only-h" || fail "log-only-h did not come back from half A"
+echo "log-only-h: replayed from half A, byte for byte"
+verify_files committed-h
+x "$BIN" accept-empty "$IQN_B" 0 --state-dir /tmp/ramslog-b
+OLD_GUID=$(zpool status -gP "$POOL" | awk '/^\tlogs/ { l = 1; next } l && $2 ~ /^(REMOVED|FAULTED|UNAVAIL)$/ { print $1; exit }')
+for i in $(seq 1 10); do blockdev --rereadpt "$(readlink -f "$LOG_B")" 2>/dev/null && break; sleep 1; done
+timeout 60 udevadm settle
+x zpool replace "$POOL" "$OLD_GUID" "$LOG_B"
+for i in $(seq 1 60); do zpool status "$POOL" | grep -q "replacing" || break; sleep 1; done
+wait_vdev_state "$LOG_B" ONLINE 30
+x zpool clear "$POOL"
+[ "$(pool_health)" = ONLINE ] || fail "pool is $(pool_health) after replacing B in step h"
+
+step "i. box B down longer than its replacement timeout, back READY: FAULTED, zpool clear, resilver"
+SD_B=$(readlink -f "$LOG_B")
+iscsiadm -m node -T "$IQN_B" -p "$RXE_ADDR_B:3260" -o update -n node.session.timeo.replacement_timeout -v 10
+sid=$(iscsiadm -m session | awk -v t="$IQN_B" '$4 == t { gsub(/[][]/, "", $2); print $2 }')
+echo 10 >"/sys/class/iscsi_session/session$sid/recovery_tmo"
+write_files before-i 8
+stop_box b
+zfs_fio zfs-b-down 30 >/tmp/fio-b-down.txt 2>&1 || { cat /tmp/fio-b-down.txt; fail "sync writes failed with box B down"; }
+wait_vdev_state "$LOG_B" "$FAILED_STATES" 120 "/$DS/writer-i"
+echo "--- zpool status, step i (B down) ---"
+zpool status -P "$POOL" | tee "$RESULTS/status-i-down.txt"
+start_box b "$RXE_ADDR_B" "$IQN_B"
+grep -h "restored and verified" "${BOX_LOG[b]}" | sed 's/^.*INFO [a-z_:]*: //'
+box_status b | grep -qE "  ready$" || fail "box B is not ready after its restore"
+wait_reconnect b
+x zpool clear "$POOL"
+for i in $(seq 1 120); do
+  zpool status "$POOL" | grep -qE "resilver in progress" || [ "$(vdev_state "$LOG_B")" != ONLINE ] || break
+  sleep 1
+done
+wait_vdev_state "$LOG_B" ONLINE 60
+date >>"/$DS/after-i"
+echo "--- zpool status, step i (after zpool clear) ---"
+zpool status -P "$POOL" | tee "$RESULTS/status-i.txt"
+[ "$(pool_health)" = ONLINE ] || fail "pool is $(pool_health) after step i"
+grep -q "errors: No known data errors" "$RESULTS/status-i.txt" || fail "data errors after step i"
+verify_files before-i
+verify_files committed-g
+iscsiadm -m node -T "$IQN_B" -p "$RXE_ADDR_B:3260" -o update -n node.session.timeo.replacement_timeout -v 120
+echo 120 >"/sys/class/iscsi_session/session$sid/recovery_tmo"
+
 x zpool destroy "$POOL"
 echo "ZFS SCENARIO PASSED"
