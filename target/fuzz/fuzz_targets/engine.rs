@@ -267,7 +267,7 @@ fuzz_target!(|data: &[u8]| {
                             let rel = (off % REGION) as u32;
                             let bytes: Vec<u8> = (0..len).map(|o| pattern(itt, rel + o)).collect();
                             if let Some(s) = run.conn.scsi_target().and_then(|t| t.lu(0)) {
-                                let _ = s.store().write(off, &bytes);
+                                let _ = s.volume().store().write(off, &bytes);
                             }
                         }
                         trace!("READ-DONE tag={tag} off={off} len={len}");
