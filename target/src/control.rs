@@ -174,8 +174,15 @@ impl Control {
                 "no target named {target}; `ramslog-target status` lists them"
             ));
         };
-        if t.scsi.lu(lun).is_none() {
+        let Some(lu) = t.scsi.lu(lun) else {
             return Reply::Error(format!("target {target} has no LUN {lun}"));
+        };
+        if lu.volume().is_ready() {
+            return Reply::Error(format!(
+                "{target} LUN {lun} is ready: its content is intact, and accept-empty would \
+                 hand it out empty under a new identity. It is only for a LUN that \
+                 `status` shows NOT READY"
+            ));
         }
         let id = Identity::generate();
         if let Err(e) = t.scsi.accept_empty(lun, id.clone()) {

@@ -97,12 +97,18 @@ fn recall(
         Recall::New(id) => {
             tracing::info!(target, lun, naa = %naa_hex(&id.naa), serial = %id.serial, "new LUN identity");
             let generation = p.state().generation(target, lun).unwrap_or(0);
-            return Ok(Volume::new(
+            let volume = Volume::new(
                 cfg(id, Readiness::Ready),
                 store,
                 Some(p.clone()),
                 generation,
-            ));
+            );
+            // The empty LUN gets its (empty) image at once: a start that
+            // ends before any write must not leave it NOT READY, and an
+            // image directory the daemon cannot write fails the start
+            // instead of the first dump.
+            volume.dump(false)?;
+            return Ok(volume);
         }
         Recall::Known {
             identity,
@@ -110,8 +116,8 @@ fn recall(
             clean,
         } => (identity, generation, clean),
     };
-    // Under the state lock: leftovers of this identity go, the current
-    // generation's image stays.
+    // Leftovers of this identity go (start-up is single-threaded and the
+    // state directory is locked), the current generation's image stays.
     if let Err(e) = image::remove_images(&p.image_dir, &identity.naa, Some(generation)) {
         tracing::warn!(target, lun, "cannot tidy the image directory: {e}");
     }
@@ -215,12 +221,12 @@ pub fn shutdown(portal: &Portal) -> Result<String, String> {
     }
     let left = portal.gate.counts_now().0;
     if left > 0 {
-        tracing::warn!(left, "connections still open after {CONNECTION_DRAIN:?}; dumping anyway (nothing is acknowledged after the fence)");
+        tracing::warn!(left, "connections still open after {CONNECTION_DRAIN:?}; dumping anyway (nothing is acknowledged after the fence) and verifying each image, since data may still be arriving");
     }
     let mut done = Vec::new();
     let mut failed = Vec::new();
     for v in volumes {
-        match dump_volume(v) {
+        match v.dump(left > 0) {
             Ok(msg) => done.push(msg),
             Err(msg) => {
                 tracing::error!(target = %v.target(), lun = v.lun(), "{msg}");
@@ -233,51 +239,4 @@ pub fn shutdown(portal: &Portal) -> Result<String, String> {
     } else {
         Err(failed.join("; "))
     }
-}
-
-fn dump_volume(v: &Volume) -> Result<String, String> {
-    let (target, lun) = (v.target(), v.lun());
-    let Some(p) = v.persistence() else {
-        return Ok(format!("{target} LUN {lun}: ephemeral, nothing kept"));
-    };
-    let (identity, readiness) = v.identity();
-    if readiness != Readiness::Ready {
-        let msg = format!("{target} LUN {lun}: NOT READY, not imaged");
-        tracing::info!("{msg}");
-        return Ok(msg);
-    }
-    if !v.needs_dump() {
-        let msg = format!("{target} LUN {lun}: nothing written since its last clean image");
-        tracing::info!("{msg}");
-        return Ok(msg);
-    }
-    let generation = v.generation();
-    image::remove_images(&p.image_dir, &identity.naa, None)
-        .map_err(|e| format!("{target} LUN {lun}: cannot remove stale images: {e}; dump not done, generation {generation} stays unclean"))?;
-    let id = ImageIdentity {
-        target: target.into(),
-        lun,
-        identity,
-        size: v.size(),
-        block_size: v.block_size(),
-        generation,
-    };
-    tracing::info!(target, lun, generation, "dumping LUN content");
-    let r = image::dump(&p.image_dir, &id, v.store(), v.written()).map_err(|e| {
-        format!("{target} LUN {lun}: dump failed: {e}; generation {generation} stays unclean (the content is lost at exit)")
-    })?;
-    v.mark_clean(generation).map_err(|e| {
-        format!("{target} LUN {lun}: image written but the state could not record it: {e}")
-    })?;
-    let msg = format!(
-        "{target} LUN {lun}: generation {generation} dumped to {}: {} chunks, {} bytes in {:.2} s ({:.0} MiB/s{})",
-        r.path.display(),
-        r.chunks,
-        r.bytes,
-        r.seconds,
-        r.bytes as f64 / r.seconds.max(1e-9) / (1 << 20) as f64,
-        if r.direct { ", O_DIRECT" } else { ", buffered" }
-    );
-    tracing::info!("{msg}");
-    Ok(msg)
 }

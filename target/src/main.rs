@@ -201,6 +201,10 @@ async fn run(args: RunArgs) -> Result<(), String> {
         .map_err(|e| format!("cannot install SIGTERM handler: {e}"))?;
     let mut interrupt = signal(SignalKind::interrupt())
         .map_err(|e| format!("cannot install SIGINT handler: {e}"))?;
+    // The terminal that started the daemon went away: stop cleanly rather
+    // than die without a dump.
+    let mut hangup =
+        signal(SignalKind::hangup()).map_err(|e| format!("cannot install SIGHUP handler: {e}"))?;
     let persistence = lifecycle::open_persistence(&cfg)?;
     notify("STATUS=restoring LUN content");
     let cancelled = Arc::new(AtomicBool::new(false));
@@ -214,6 +218,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
         r = &mut opening => r.map_err(|e| format!("start-up failed: {e}"))?,
         _ = term.recv() => Err(StartError::Cancelled),
         _ = interrupt.recv() => Err(StartError::Cancelled),
+        _ = hangup.recv() => Err(StartError::Cancelled),
     };
     let volumes = match opened {
         Ok(v) => v,
@@ -293,6 +298,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: stopping"),
         _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
+        _ = hangup.recv() => tracing::info!("SIGHUP: stopping"),
         _ = stop.notified() => tracing::info!("stop requested on the control socket"),
     }
     notify("STOPPING=1\nSTATUS=fencing and dumping LUN content");

@@ -284,8 +284,10 @@ impl Store {
     pub fn crc32c_append(&self, seed: u32, offset: u64, len: usize) -> Result<u32, StoreError> {
         let off = self.check(offset, len)?;
         // SAFETY: range checked above; the slice lives only for this call.
-        // A concurrent writer could tear what it sees (see `Send`); the dump
-        // that calls this runs after every writer was fenced off.
+        // The dump that calls this runs after the fence and the connection
+        // drain, so nothing writes the range; if a connection outlived the
+        // drain, a late writer could tear what this sees (see `Send`), and
+        // the dump then verifies the image it wrote.
         let bytes = unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(off), len) };
         Ok(crc32c::crc32c_append(seed, bytes))
     }

@@ -169,6 +169,12 @@ fn sealed(block: &[u8]) -> bool {
     crc32c::crc32c(&block[..BLOCK - 4]) == get_u32(block, BLOCK - 4)
 }
 
+/// The commit record's chain of chunk checksums starts from the header's
+/// own checksum: a commit record only closes the header it was written with.
+fn commit_seed(header: &[u8]) -> u32 {
+    get_u32(header, BLOCK - 4)
+}
+
 /// A chunk's checksum covers its index and generation, then its data:
 /// this is the CRC32C state before the data.
 fn chunk_seed(index: u64, generation: u64) -> u32 {
@@ -405,6 +411,9 @@ fn write_image(
     store: &Store,
     chunks: &[u64],
 ) -> Result<bool, ImageError> {
+    // Checked before anything is written: its error is the dump's error.
+    let header =
+        encode_header(id, chunks.len() as u64, super::now_unix()).map_err(ImageError::Mismatch)?;
     let out = Output::create(tmp)?;
     let batch_bytes = RECORDS_PER_WRITE * BLOCK;
     std::thread::scope(|scope| {
@@ -448,10 +457,8 @@ fn write_image(
                 buf.get_mut(BLOCK).copy_from_slice(bytes);
                 Ok(Job::Block(buf))
             };
-            let header =
-                encode_header(id, chunks.len() as u64, super::now_unix()).map_err(|_| ())?;
             tx.send(block(&header)?).map_err(|_| ())?;
-            let mut chain = 0u32;
+            let mut chain = commit_seed(&header);
             for group in chunks.chunks(RECORDS_PER_WRITE) {
                 let mut prefixes = spare.recv().map_err(|_| ())?;
                 let mut data = [(0u64, 0usize); RECORDS_PER_WRITE];
@@ -541,7 +548,7 @@ pub fn restore(
     cancelled: &dyn Fn() -> bool,
 ) -> Result<RestoreReport, ImageError> {
     let started = Instant::now();
-    let result = load(path, expect, store, cancelled);
+    let result = load(path, expect, Some(store), cancelled);
     if result.is_err() {
         let _ = store.zero(0, store.len() as usize);
     }
@@ -669,13 +676,15 @@ impl Stream {
 /// file was opened with it, buffered if the kernel refuses a read.
 fn read_window(file: &mut File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
     let mut done = 0;
+    let mut reopened = false;
     while done < buf.len() {
         match file.read_at(&mut buf[done..], offset + done as u64) {
             Ok(0) => break,
             Ok(n) => done += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) && !reopened => {
                 *file = File::open(fd_path(file))?;
+                reopened = true;
             }
             Err(e) => return Err(e),
         }
@@ -683,10 +692,18 @@ fn read_window(file: &mut File, buf: &mut [u8], offset: u64) -> std::io::Result<
     Ok(done)
 }
 
+/// Check a written image end to end without loading it (the dump's check
+/// when data may still have been arriving while it was written).
+pub fn verify(path: &Path, expect: &ImageIdentity) -> Result<(), ImageError> {
+    load(path, expect, None, &|| false).map(|_| ())
+}
+
+/// Verify the image and, with `store`, copy each chunk into it as it
+/// streams in.
 fn load(
     path: &Path,
     expect: &ImageIdentity,
-    store: &Store,
+    store: Option<&Store>,
     cancelled: &dyn Fn() -> bool,
 ) -> Result<(Vec<u64>, u64, u64), ImageError> {
     let f = open_for_read(path)?;
@@ -694,6 +711,7 @@ fn load(
     let mut s = Stream::start(f)?;
     let header = s.read_block("in the header")?;
     let h = decode_header(&header)?;
+    let mut chain = commit_seed(&header);
     if h.id != *expect {
         return Err(ImageError::Mismatch(describe_mismatch(&h.id, expect)));
     }
@@ -710,7 +728,6 @@ fn load(
             "more chunks than the volume has".into(),
         ));
     }
-    let mut chain = 0u32;
     let mut loaded = Vec::with_capacity(h.chunk_count as usize);
     for _ in 0..h.chunk_count {
         if cancelled() {
@@ -754,9 +771,11 @@ fn load(
         let mut to = index * CHUNK_SIZE;
         s.read(n as usize, "in chunk data", |piece| {
             sum = crc32c::crc32c_append(sum, piece);
-            store
-                .write(to, piece)
-                .map_err(|e| ImageError::Io(std::io::Error::other(e)))?;
+            if let Some(store) = store {
+                store
+                    .write(to, piece)
+                    .map_err(|e| ImageError::Io(std::io::Error::other(e)))?;
+            }
             to += piece.len() as u64;
             Ok(())
         })?;

@@ -99,10 +99,10 @@ impl WrittenChunks {
         let last = (offset.saturating_add(len) - 1) / CHUNK_SIZE;
         for c in first..=last.min(self.chunks.saturating_sub(1)) {
             let (w, bit) = ((c / 64) as usize, 1u64 << (c % 64));
-            // SeqCst pairs with the fence (see `Volume::commit_write`).
-            if self.words[w].load(Ordering::Relaxed) & bit == 0 {
-                self.words[w].fetch_or(bit, Ordering::SeqCst);
-            }
+            // Always the read-modify-write, also when the bit is set: it
+            // publishes this writer's bytes before it reads the fence (see
+            // `Volume::commit_write`).
+            self.words[w].fetch_or(bit, Ordering::SeqCst);
         }
     }
 
@@ -294,6 +294,14 @@ impl Volume {
     /// reads the bits. So either this write is refused, or the dump sees its
     /// chunk and the bytes that were stored before it.
     pub fn commit_write(&self, offset: u64, len: u64) -> Result<(), SenseReason> {
+        if len == 0 {
+            return Ok(());
+        }
+        // Fenced: no status, and above all no generation bump, which would
+        // make the image the dump is writing (or has written) stale.
+        if self.fenced.load(Ordering::SeqCst) {
+            return Err(SenseReason::Fenced);
+        }
         self.written.mark(offset, len);
         if !self.dirty.load(Ordering::Relaxed) {
             self.dirty.store(true, Ordering::SeqCst);
@@ -318,6 +326,11 @@ impl Volume {
         let mut m = self.meta();
         if self.generation_open.load(Ordering::Acquire) {
             return Ok(());
+        }
+        // Under the lock the dump takes its snapshot with: once fenced, the
+        // generation stays what the dump saw.
+        if self.fenced.load(Ordering::SeqCst) {
+            return Err(SenseReason::Fenced);
         }
         if m.readiness != Readiness::Ready {
             return Err(SenseReason::NotReadyManualIntervention);
@@ -347,23 +360,108 @@ impl Volume {
         self.fenced.store(true, Ordering::SeqCst);
     }
 
-    /// Whether the next dump has anything to do: the medium changed since
-    /// the last clean image, or the current generation has none.
-    pub fn needs_dump(&self) -> bool {
-        if self.dirty.load(Ordering::SeqCst) || self.generation_open.load(Ordering::SeqCst) {
-            return true;
-        }
+    /// Write this volume's image of its current generation and mark it
+    /// clean, unless nothing changed since a clean image that is still
+    /// there. A NOT READY volume is never imaged. With `verify`, the image
+    /// is read back and checked before it counts (used when connections
+    /// outlived the shutdown drain and could still be placing data).
+    /// Returns what it did, for the log and `ramslog-target stop`.
+    pub fn dump(&self, verify: bool) -> Result<String, String> {
+        let (target, lun) = (self.target.as_str(), self.lun);
         let Some(p) = &self.persistence else {
-            return false;
+            return Ok(format!("{target} LUN {lun}: ephemeral, nothing kept"));
         };
-        let generation = self.meta().generation;
-        !p.state().is_clean(&self.target, self.lun, generation)
+        // One snapshot: after the fence neither generation nor identity
+        // changes (open_generation and accept_empty check the fence under
+        // this lock).
+        let (identity, generation, ready) = {
+            let m = self.meta();
+            (
+                m.identity.clone(),
+                m.generation,
+                m.readiness == Readiness::Ready,
+            )
+        };
+        if !ready {
+            let msg = format!("{target} LUN {lun}: NOT READY, not imaged");
+            tracing::info!("{msg}");
+            return Ok(msg);
+        }
+        let path = p
+            .image_dir
+            .join(image::image_name(&identity.naa, generation));
+        let changed =
+            self.dirty.load(Ordering::SeqCst) || self.generation_open.load(Ordering::SeqCst);
+        if !changed && p.state().is_clean(target, lun, generation) && path.is_file() {
+            let msg = format!("{target} LUN {lun}: nothing written since its last clean image");
+            tracing::info!("{msg}");
+            return Ok(msg);
+        }
+        image::remove_images(&p.image_dir, &identity.naa, None).map_err(|e| {
+            format!("{target} LUN {lun}: dump failed: cannot remove stale images: {e}; generation {generation} stays unclean (the content is lost at exit)")
+        })?;
+        let id = image::ImageIdentity {
+            target: target.into(),
+            lun,
+            identity,
+            size: self.size(),
+            block_size: self.block_size,
+            generation,
+        };
+        tracing::info!(target, lun, generation, "dumping LUN content");
+        let failed = |e: &dyn std::fmt::Display| {
+            format!("{target} LUN {lun}: dump failed: {e}; generation {generation} stays unclean (the content is lost at exit)")
+        };
+        let mut attempt = 0;
+        let r = loop {
+            attempt += 1;
+            let r = image::dump(&p.image_dir, &id, &self.store, &self.written)
+                .map_err(|e| failed(&e))?;
+            if !verify {
+                break r;
+            }
+            match image::verify(&r.path, &id) {
+                Ok(()) => break r,
+                Err(e) if attempt < 3 => {
+                    tracing::warn!(
+                        target,
+                        lun,
+                        "the image does not verify ({e}): data was still arriving; dumping again"
+                    );
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_file(&r.path);
+                    return Err(failed(&format!("the image does not verify: {e}")));
+                }
+            }
+        };
+        p.state().mark_clean(target, lun, generation).map_err(|e| {
+            format!("{target} LUN {lun}: image written but the state could not record it: {e}")
+        })?;
+        // The image is current now: the next write, if any, must start a
+        // new generation before it is acknowledged.
+        self.dirty.store(false, Ordering::SeqCst);
+        self.generation_open.store(false, Ordering::SeqCst);
+        let msg = format!(
+            "{target} LUN {lun}: generation {generation} dumped to {}: {} chunks, {} bytes in {:.2} s ({:.0} MiB/s{})",
+            r.path.display(),
+            r.chunks,
+            r.bytes,
+            r.seconds,
+            r.bytes as f64 / r.seconds.max(1e-9) / (1 << 20) as f64,
+            if r.direct { ", O_DIRECT" } else { ", buffered" }
+        );
+        tracing::info!("{msg}");
+        Ok(msg)
     }
 
     /// The admin accepted an empty device: a fresh identity and generation,
     /// zeroed memory, the old identity's images deleted.
     pub fn accept_empty(&self, new: Identity) -> Result<(), String> {
         let mut m = self.meta();
+        if self.fenced.load(Ordering::SeqCst) {
+            return Err("the target is shutting down; accept-empty after it starts again".into());
+        }
         let old = m.identity.clone();
         if let Some(p) = &self.persistence {
             let g = p
@@ -385,7 +483,10 @@ impl Volume {
         m.not_ready_reason = None;
         m.restored = None;
         self.ready.store(true, Ordering::Release);
-        Ok(())
+        drop(m);
+        // The empty device has an image at once: a crash before its first
+        // write brings it back READY and empty, which it is.
+        self.dump(false).map(|_| ())
     }
 
     pub fn persistence(&self) -> Option<&Arc<Persistence>> {
@@ -395,18 +496,6 @@ impl Volume {
     pub fn generation(&self) -> u64 {
         self.meta().generation
     }
-
-    /// Record a clean image of the current generation.
-    pub fn mark_clean(&self, generation: u64) -> Result<(), String> {
-        let Some(p) = &self.persistence else {
-            return Ok(());
-        };
-        p.state()
-            .mark_clean(&self.target, self.lun, generation)
-            .map_err(|e| e.to_string())?;
-        self.dirty.store(false, Ordering::SeqCst);
-        Ok(())
-    }
 }
 
 /// Seconds since the epoch, for image headers.
@@ -414,4 +503,107 @@ pub fn now_unix() -> u64 {
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Recall;
+    use crate::store::HugePages;
+
+    fn persistent_volume(name: &str) -> (std::path::PathBuf, Volume) {
+        let dir =
+            std::env::temp_dir().join(format!("ramslog-volume-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut state = StateDir::open(&dir).expect("state dir");
+        let Recall::New(identity) = state.recall("iqn.t", 0).expect("recall") else {
+            panic!("a new LUN")
+        };
+        let generation = state.generation("iqn.t", 0).expect("generation");
+        let images = dir.join("images");
+        image::prepare_dir(&images).expect("image dir");
+        let p = Arc::new(Persistence::new(state, images));
+        let store = Arc::new(Store::new(3 << 20, HugePages::Off).expect("store"));
+        let cfg = VolumeConfig {
+            target: "iqn.t".into(),
+            lun: 0,
+            block_size: 512,
+            identity,
+            readiness: Readiness::Ready,
+        };
+        (dir, Volume::new(cfg, store, Some(p), generation))
+    }
+
+    fn state_generation(v: &Volume) -> u64 {
+        v.persistence()
+            .expect("persistent")
+            .state()
+            .generation("iqn.t", 0)
+            .expect("record")
+    }
+
+    #[test]
+    fn the_first_write_bumps_once_and_a_fenced_one_never() {
+        let (dir, v) = persistent_volume("bump");
+        assert_eq!(v.commit_write(0, 0), Ok(()), "nothing written: no bump");
+        assert_eq!(state_generation(&v), 1);
+        assert_eq!(v.commit_write(4096, 512), Ok(()));
+        assert_eq!(state_generation(&v), 2);
+        assert_eq!(v.commit_write(2 << 20, 512), Ok(()));
+        assert_eq!(state_generation(&v), 2, "once per run");
+        assert!(v.written().is_marked(0) && v.written().is_marked(2) && !v.written().is_marked(1));
+
+        let (dir2, fenced) = persistent_volume("fenced");
+        fenced.fence();
+        assert_eq!(fenced.commit_write(0, 512), Err(SenseReason::Fenced));
+        assert_eq!(state_generation(&fenced), 1, "a fenced write must not bump");
+        assert!(
+            fenced.accept_empty(Identity::generate()).is_err(),
+            "no accept-empty once fenced"
+        );
+        let _ = std::fs::remove_dir_all(dir);
+        let _ = std::fs::remove_dir_all(dir2);
+    }
+
+    #[test]
+    fn a_dump_restores_and_a_clean_unchanged_volume_is_not_dumped_again() {
+        let (dir, v) = persistent_volume("dump");
+        v.store().write(1 << 20, &[0xab; 4096]).expect("write");
+        v.commit_write(1 << 20, 4096).expect("commit");
+        let said = v.dump(true).expect("dump");
+        assert!(said.contains("1 chunks"), "{said}");
+        let generation = v.generation();
+        let (identity, _) = v.identity();
+        let id = image::ImageIdentity {
+            target: "iqn.t".into(),
+            lun: 0,
+            identity,
+            size: 3 << 20,
+            block_size: 512,
+            generation,
+        };
+        let path = v
+            .persistence()
+            .expect("p")
+            .image_dir
+            .join(image::image_name(&id.identity.naa, generation));
+        image::verify(&path, &id).expect("the image verifies");
+        let fresh = Store::new(3 << 20, HugePages::Off).expect("store");
+        let r = image::restore(&path, &id, &fresh, &|| false).expect("restore");
+        assert_eq!(r.chunks, vec![1]);
+        let mut b = [0u8; 4096];
+        fresh.read(1 << 20, &mut b).expect("read");
+        assert_eq!(b, [0xab; 4096]);
+        // Dumped and unchanged: nothing to do, as long as the image is there.
+        assert!(v.dump(false).expect("dump").contains("nothing written"));
+        std::fs::remove_file(&path).expect("remove");
+        assert!(
+            v.dump(false).expect("dump").contains("dumped to"),
+            "a missing image is written again"
+        );
+        // After a clean image, the next write starts a new generation.
+        v.commit_write(0, 512).expect("commit");
+        assert_eq!(state_generation(&v), generation + 1);
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

@@ -365,3 +365,52 @@ async fn stop_command_and_a_stop_during_restore() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A LUN that was never written comes back READY and empty even after a
+/// kill -9 (its empty image was sealed at start; a zero-length WRITE is no
+/// write); accept-empty is refused while a LUN is ready; SIGHUP stops
+/// cleanly (a terminal that goes away must not cost the content).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unwritten_luns_survive_a_crash_and_hangup_stops_cleanly() {
+    let dir = scratch("unwritten");
+    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let port = t.port();
+    let s = open(&t, INITIATOR).await;
+    let id = identity_of(&s).await;
+    let r = s
+        .command(0, &[0x2a, 0, 0, 0, 0, 0, 0, 0, 0, 0], None, 0)
+        .await
+        .expect("WRITE (10) of no blocks");
+    assert!(r.is_good());
+    let refused = cli(&["accept-empty", t.target_name(), "0"], &dir);
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("is ready"),
+        "{refused:?}"
+    );
+    drop(s);
+    t.kill();
+
+    let mut t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let s = open(&t, INITIATOR).await;
+    assert_eq!(identity_of(&s).await, id);
+    assert!(
+        s.test_unit_ready(0).await.expect("TUR").is_good(),
+        "{}",
+        status_text(&dir)
+    );
+    s.write(0, 0, &[0x42; 4096], true).await.expect("WRITE");
+    drop(s);
+    let _ = Command::new("kill")
+        .args(["-HUP", &t.pid().to_string()])
+        .status();
+    stop_cleanly(&mut t);
+    assert!(t.output().contains("SIGHUP: stopping") && t.output().contains("dumped to"));
+
+    let t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let s = open(&t, INITIATOR).await;
+    assert_eq!(s.read(0, 0, 8, 512).await.expect("READ"), vec![0x42; 4096]);
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
