@@ -3,7 +3,7 @@
 //! the file, or from `--target-name`/`--size` when the file has none.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
@@ -16,6 +16,30 @@ use crate::store::HugePages;
 pub const DEFAULT_IQN_PREFIX: &str = "iqn.2026-11.org.ramslog";
 pub const DEFAULT_CONFIG: &str = "/etc/ramslog/ramslog.toml";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/ramslog";
+
+/// The control socket of a daemon without a state directory (`--ephemeral`):
+/// `/run/ramslog/control.sock` for root, else under `$XDG_RUNTIME_DIR` (or
+/// `/tmp/ramslog-<uid>`), so `status` finds it without flags.
+pub fn runtime_control_socket() -> PathBuf {
+    let uid = rustix::process::geteuid();
+    let dir = if uid.is_root() {
+        PathBuf::from("/run/ramslog")
+    } else if let Some(runtime) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        PathBuf::from(runtime).join("ramslog")
+    } else {
+        PathBuf::from(format!("/tmp/ramslog-{}", uid.as_raw()))
+    };
+    dir.join("control.sock")
+}
+
+/// Where `status`, `stop` and `accept-empty` look when given no path: a
+/// daemon with the default state directory, else one started `--ephemeral`.
+pub fn default_control_sockets() -> [PathBuf; 2] {
+    [
+        Path::new(DEFAULT_STATE_DIR).join("control.sock"),
+        runtime_control_socket(),
+    ]
+}
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
@@ -112,7 +136,8 @@ pub struct RunArgs {
     /// Run without a state directory: every start is a first start (unsafe as a ZFS log).
     #[arg(long, conflicts_with = "state_dir")]
     pub ephemeral: bool,
-    /// Control socket for `status` and `accept-empty` (default: <state-dir>/control.sock).
+    /// Control socket for `status`, `stop` and `accept-empty` (default: <state-dir>/control.sock;
+    /// with --ephemeral /run/ramslog/control.sock for root).
     #[arg(long)]
     pub control_socket: Option<PathBuf>,
     /// Where LUN images go at a clean stop (default: <state-dir>/images; mode 0700).
@@ -240,7 +265,7 @@ pub struct TargetConfig {
 pub struct Config {
     pub listen: Vec<SocketAddr>,
     pub state_dir: Option<PathBuf>,
-    pub control_socket: Option<PathBuf>,
+    pub control_socket: PathBuf,
     /// Set exactly when `state_dir` is.
     pub image_dir: Option<PathBuf>,
     pub hugepages: HugePages,
@@ -379,7 +404,10 @@ impl Config {
             .control_socket
             .clone()
             .or(file.control_socket)
-            .or_else(|| state_dir.as_ref().map(|d| d.join("control.sock")));
+            .unwrap_or_else(|| match &state_dir {
+                Some(d) => d.join("control.sock"),
+                None => runtime_control_socket(),
+            });
         let image_dir = state_dir.as_ref().map(|d| {
             args.image_dir
                 .clone()

@@ -224,7 +224,7 @@ pub async fn serve(path: PathBuf, control: Arc<Control>) -> std::io::Result<()> 
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::AddrInUse,
                     format!(
-                        "{} is in use: another ramslog-target runs with this state directory",
+                        "{} is in use by another running ramslog-target; give this one its own --control-socket or --state-dir",
                         path.display()
                     ),
                 ));

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
-use ramslog_target::config::{Config, RunArgs, DEFAULT_STATE_DIR};
+use ramslog_target::config::{default_control_sockets, Config, RunArgs};
 use ramslog_target::control::{self, Control, Reply, Request};
 use ramslog_target::lifecycle::{self, StartError};
 use ramslog_target::notify::notify;
@@ -58,12 +58,29 @@ struct SocketArgs {
 }
 
 impl SocketArgs {
-    fn path(&self) -> PathBuf {
-        self.control_socket.clone().unwrap_or_else(|| {
-            self.state_dir
-                .clone()
-                .unwrap_or_else(|| DEFAULT_STATE_DIR.into())
-                .join("control.sock")
+    /// The socket named by the flags; without flags, the first default that
+    /// exists (a daemon with the default state directory, else an ephemeral one).
+    fn path(&self) -> Result<PathBuf, String> {
+        if let Some(socket) = &self.control_socket {
+            return Ok(socket.clone());
+        }
+        if let Some(dir) = &self.state_dir {
+            return Ok(dir.join("control.sock"));
+        }
+        let [state, runtime] = default_control_sockets();
+        if state.exists() {
+            return Ok(state);
+        }
+        if runtime.exists() {
+            return Ok(runtime);
+        }
+        Err({
+            format!(
+                "no ramslog-target control socket at {} or {}; is the daemon running? \
+                     Point at it with --state-dir or --control-socket",
+                state.display(),
+                runtime.display()
+            )
         })
     }
 }
@@ -107,7 +124,7 @@ fn main() -> ExitCode {
 }
 
 async fn status(s: SocketArgs) -> Result<(), String> {
-    match control::request(&s.path(), &Request::Status).await? {
+    match control::request(&s.path()?, &Request::Status).await? {
         Reply::Status(st) => {
             let mut out = format!(
                 "state directory: {}\n",
@@ -152,7 +169,7 @@ async fn status(s: SocketArgs) -> Result<(), String> {
 }
 
 async fn stop(s: SocketArgs) -> Result<(), String> {
-    match control::request(&s.path(), &Request::Stop).await? {
+    match control::request(&s.path()?, &Request::Stop).await? {
         Reply::Stopped(msg) => print_stdout(&format!("stopped: {msg}\n")),
         Reply::Error(e) => Err(e),
         other => Err(format!("unexpected reply: {other:?}")),
@@ -160,7 +177,7 @@ async fn stop(s: SocketArgs) -> Result<(), String> {
 }
 
 async fn accept_empty(target: String, lun: u64, s: SocketArgs) -> Result<(), String> {
-    match control::request(&s.path(), &Request::AcceptEmpty { target, lun }).await? {
+    match control::request(&s.path()?, &Request::AcceptEmpty { target, lun }).await? {
         Reply::Accepted {
             target,
             lun,
@@ -259,13 +276,14 @@ async fn run(args: RunArgs) -> Result<(), String> {
 
     let stop = Arc::new(tokio::sync::Notify::new());
     let (stopped_tx, stopped_rx) = tokio::sync::watch::channel(None);
-    if let Some(path) = &cfg.control_socket {
+    {
         let control = Arc::new(Control {
             portal: portal.clone(),
             state_dir: cfg.state_dir.clone(),
             stop: stop.clone(),
             stopped: stopped_rx,
         });
+        let path = &cfg.control_socket;
         control::serve(path.clone(), control)
             .await
             .map_err(|e| format!("control socket {}: {e}", path.display()))?;
@@ -311,9 +329,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
     let _ = stopped_tx.send(Some(outcome.clone()));
     // Let a waiting `ramslog-target stop` read its answer.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    if let Some(path) = &cfg.control_socket {
-        let _ = std::fs::remove_file(path);
-    }
+    let _ = std::fs::remove_file(&cfg.control_socket);
     match outcome {
         Ok(_) => {
             tracing::info!("stopped cleanly");

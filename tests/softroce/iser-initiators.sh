@@ -150,7 +150,7 @@ if [ "$fail" = 0 ]; then
   # a 300 s NOP interval, so that only the stall can end it.
   step "a peer that posts no receives: the connection ends after the 30 s output stall"
   LOG2=$RESULTS/ramslog-target-iser-stall.log
-  "$BIN" --size 64M --listen "$RXE_ADDR_A:3261" --target-name "$IQN" --ephemeral \
+  "$BIN" --size 64M --listen "$RXE_ADDR_A:3261" --target-name "$IQN" --ephemeral --control-socket /run/ramslog/stall.sock \
     --allow "iqn.2026-11.org.ramslog:check-linux" --nop-interval 300 --iser-spin 0 >"$LOG2" 2>&1 &
   STALL_PID=$!
   for _ in $(seq 1 150); do grep -q "iSER listening on $RXE_ADDR_A:3261" "$LOG2" 2>/dev/null && break; sleep 0.2; done

@@ -124,6 +124,11 @@ pub struct TargetOptions {
     pub ready_timeout: Duration,
     /// A command the binary runs under (e.g. `setpriv` with its options).
     pub wrapper: Vec<String>,
+    /// Leave an ephemeral target's control socket at the daemon's default
+    /// (`/run/ramslog/control.sock` for root). Tests run in parallel, so by
+    /// default each ephemeral target gets its own socket; only one test may
+    /// set this.
+    pub default_control_socket: bool,
 }
 
 impl Default for TargetOptions {
@@ -138,6 +143,7 @@ impl Default for TargetOptions {
             env: Vec::new(),
             ready_timeout: Duration::from_secs(10),
             wrapper: Vec::new(),
+            default_control_socket: false,
         }
     }
 }
@@ -149,6 +155,8 @@ pub struct TargetProcess {
     target_name: String,
     log_path: PathBuf,
     state_dir: Option<PathBuf>,
+    /// A per-test control socket, removed on drop (a killed daemon leaves it).
+    own_control_socket: Option<PathBuf>,
     exit: Option<ExitStatus>,
 }
 
@@ -194,8 +202,18 @@ impl TargetProcess {
             None => Command::new(&bin),
         };
         let mut state_dir = None;
+        let mut own_control_socket = None;
         if opts.ephemeral {
             cmd.arg("--ephemeral");
+            if !opts.default_control_socket {
+                let socket = std::env::temp_dir().join(format!(
+                    "ramslog-test-{}-{}.sock",
+                    std::process::id(),
+                    n
+                ));
+                cmd.arg("--control-socket").arg(&socket);
+                own_control_socket = Some(socket);
+            }
         } else if let Some(dir) = &opts.state_dir {
             cmd.arg("--state-dir").arg(dir);
         } else {
@@ -237,6 +255,7 @@ impl TargetProcess {
             target_name: opts.target_name.clone(),
             log_path,
             state_dir,
+            own_control_socket,
             exit: None,
         }
     }
@@ -365,6 +384,9 @@ impl TargetProcess {
 impl Drop for TargetProcess {
     fn drop(&mut self) {
         self.stop();
+        if let Some(socket) = &self.own_control_socket {
+            let _ = fs::remove_file(socket);
+        }
         if let Some(dir) = &self.state_dir {
             if std::env::var_os("RAMSLOG_KEEP_STATE").is_none() {
                 let _ = fs::remove_dir_all(dir);

@@ -115,6 +115,47 @@ async fn status_without_a_daemon_names_the_fix() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("is it running?"));
 }
 
+/// The quick start runs `--ephemeral` without a state directory; `status`,
+/// with no flags, must still find it (issue 13, item 7).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_finds_an_ephemeral_daemon_without_flags() {
+    let t = TargetProcess::start_with(TargetOptions {
+        default_control_socket: true,
+        ..Default::default()
+    });
+    let out = Command::new(target_binary())
+        .arg("status")
+        .output()
+        .expect("run ramslog-target status");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "status without flags failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("(none: --ephemeral)"), "{stdout}");
+    assert!(stdout.contains(t.target_name()), "{stdout}");
+    // A second ephemeral daemon on the same default socket is told how to
+    // coexist instead of taking the socket over.
+    let second = Command::new(target_binary())
+        .args(["--ephemeral", "--size", "16M", "--listen"])
+        .arg(format!("127.0.0.1:{}", ramslog_tests::free_port()))
+        .output()
+        .expect("run a second ramslog-target");
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success(), "second daemon started: {stderr}");
+    assert!(stderr.contains("--control-socket"), "{stderr}");
+    drop(t);
+    // A clean stop removes the socket, so the next `status` says nothing runs.
+    let after = Command::new(target_binary())
+        .arg("status")
+        .output()
+        .expect("run ramslog-target status");
+    let stderr = String::from_utf8_lossy(&after.stderr);
+    assert!(!after.status.success());
+    assert!(stderr.contains("is the daemon running?"), "{stderr}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_into_a_closed_pipe_is_not_a_crash() {
     let dir = std::env::temp_dir().join(format!("ramslog-e2e-pipe-{}", std::process::id()));

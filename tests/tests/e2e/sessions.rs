@@ -345,6 +345,8 @@ size = "8M"
         std::process::Command::new(ramslog_tests::target_binary())
             .args(["--ephemeral", "--config"])
             .arg(&cfg)
+            .arg("--control-socket")
+            .arg(dir.join("control.sock"))
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("start ramslog-target"),
