@@ -1,12 +1,14 @@
 //! `ramslog-target`: serve pinned RAM as a SCSI disk over iSCSI.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
-use ramslog_target::config::{default_control_sockets, Config, RunArgs};
+use ramslog_target::config::{
+    check_file, default_control_sockets, Config, ConfigError, Problem, RunArgs,
+};
 use ramslog_target::control::{self, Control, Reply, Request};
 use ramslog_target::lifecycle::{self, StartError};
 use ramslog_target::notify::notify;
@@ -36,6 +38,13 @@ enum Cmd {
     /// Stop the daemon cleanly: refuse logins, close connections, dump every
     /// changed LUN to its image, exit. Waits for the dump and reports it.
     Stop(SocketArgs),
+    /// Check a config file without starting: the first TOML syntax error, or
+    /// every semantic error, each as FILE:LINE:COLUMN (the daemon runs the same
+    /// check at start).
+    CheckConfig {
+        /// The file to check (the daemon reads /etc/ramslog/ramslog.toml by default).
+        file: PathBuf,
+    },
     /// Accept a LUN whose content was lost as an empty device: new identity, ready.
     AcceptEmpty {
         /// Target IQN.
@@ -108,6 +117,7 @@ fn main() -> ExitCode {
         None => rt.block_on(run(cli.run)),
         Some(Cmd::Status(s)) => rt.block_on(status(s)),
         Some(Cmd::Stop(s)) => rt.block_on(stop(s)),
+        Some(Cmd::CheckConfig { file }) => check_config(&file),
         Some(Cmd::AcceptEmpty {
             target,
             lun,
@@ -165,6 +175,22 @@ async fn status(s: SocketArgs) -> Result<(), String> {
         }
         Reply::Error(e) => Err(e),
         other => Err(format!("unexpected reply: {other:?}")),
+    }
+}
+
+fn check_config(file: &Path) -> Result<(), String> {
+    match check_file(file) {
+        Ok(()) => print_stdout(&format!("{}: no problems found\n", file.display())),
+        Err(ConfigError::File { problems, .. }) => {
+            eprintln!("{}", Problem::list(file, &problems));
+            let n = problems.len();
+            Err(format!(
+                "{n} problem{} in {}",
+                if n == 1 { "" } else { "s" },
+                file.display()
+            ))
+        }
+        Err(e) => Err(e.to_string()),
     }
 }
 

@@ -167,3 +167,62 @@ fn missing_or_bad_settings_name_the_fix() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `check-config FILE` (issue 13, item 8): the first TOML error, or every
+/// semantic error with FILE:LINE:COLUMN, non-zero exit; the daemon refuses
+/// the same file with the same lines.
+#[test]
+fn check_config_reports_every_problem_with_its_position_as_the_daemon_does() {
+    let dir = std::env::temp_dir().join(format!("ramslog-e2e-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let path = |name: &str| dir.join(name).display().to_string();
+
+    std::fs::write(
+        dir.join("good.toml"),
+        "listen = [\"127.0.0.1:3260\"]\n[[target]]\nname = \"iqn.2026-11.org.ramslog:a\"\n[[target.lun]]\nsize = \"16M\"\n",
+    )
+    .expect("write config");
+    let out = run(&[], &["check-config", &path("good.toml")]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no problems"));
+
+    std::fs::write(
+        dir.join("syntax.toml"),
+        "listen = [\"127.0.0.1:3260\"\n[[target]]\n",
+    )
+    .expect("write config");
+    let out = run(&[], &["check-config", &path("syntax.toml")]);
+    refused(
+        &out,
+        &[&format!("{}:2:1:", path("syntax.toml")), "1 problem in"],
+    );
+
+    let bad = "cmd_window = 0\n\
+               [[target]]\n\
+               name = \"not an iqn\"\n\
+               [[target.lun]]\n\
+               size = \"3K\"\n\
+               block_size = 1024\n";
+    std::fs::write(dir.join("bad.toml"), bad).expect("write config");
+    let out = run(&[], &["check-config", &path("bad.toml")]);
+    let expected = [
+        format!(
+            "{}:1:14: cmd_window must be between 1 and 4096",
+            path("bad.toml")
+        ),
+        format!("{}:3:8: target name", path("bad.toml")),
+        format!("{}:5:8: ", path("bad.toml")),
+        format!("{}:6:14: ", path("bad.toml")),
+    ];
+    let needles: Vec<&str> = expected.iter().map(String::as_str).collect();
+    refused(&out, &needles);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("4 problems in"));
+
+    let daemon = run(&[], &["--config", &path("bad.toml"), "--ephemeral"]);
+    refused(&daemon, &needles);
+    let _ = std::fs::remove_dir_all(&dir);
+}

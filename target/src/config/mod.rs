@@ -7,11 +7,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
-use serde::Deserialize;
 use thiserror::Error;
 
 use crate::portal::{AclEntry, ChapSecret, Limits};
 use crate::store::HugePages;
+
+mod file;
+pub use file::{check_file, Problem};
+use file::{FileChap, FileConfig};
 
 pub const DEFAULT_IQN_PREFIX: &str = "iqn.2026-11.org.ramslog";
 pub const DEFAULT_CONFIG: &str = "/etc/ramslog/ramslog.toml";
@@ -48,10 +51,11 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("config file {path}: {source}")]
-    Parse {
+    /// The first TOML error, or every semantic one, each with its position.
+    #[error("{}", Problem::list(path, problems))]
+    File {
         path: PathBuf,
-        source: toml::de::Error,
+        problems: Vec<Problem>,
     },
     #[error("{0}")]
     Invalid(String),
@@ -180,68 +184,6 @@ pub struct RunArgs {
     pub iser_spin: Option<u32>,
 }
 
-#[derive(Debug, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct FileConfig {
-    #[serde(default)]
-    listen: Vec<SocketAddr>,
-    state_dir: Option<PathBuf>,
-    control_socket: Option<PathBuf>,
-    image_dir: Option<PathBuf>,
-    hugepages: Option<String>,
-    #[serde(default)]
-    allow_any: bool,
-    cmd_window: Option<u32>,
-    nop_interval: Option<u64>,
-    nop_timeout: Option<u64>,
-    login_timeout: Option<u64>,
-    max_connections: Option<u32>,
-    max_connections_per_host: Option<u32>,
-    max_logins_per_host: Option<u32>,
-    max_iser_connections: Option<u32>,
-    staging_budget: Option<String>,
-    iser: Option<bool>,
-    iser_spin: Option<u32>,
-    discovery_chap: Option<FileChap>,
-    #[serde(default)]
-    target: Vec<FileTarget>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileTarget {
-    name: String,
-    alias: Option<String>,
-    #[serde(default)]
-    allow: Vec<String>,
-    chap: Option<FileChap>,
-    mutual_chap: Option<FileChap>,
-    #[serde(default)]
-    lun: Vec<FileLun>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileChap {
-    user: String,
-    secret: Option<String>,
-    secret_file: Option<PathBuf>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileLun {
-    #[serde(default)]
-    lun: u64,
-    size: String,
-    #[serde(default = "default_block")]
-    block_size: u32,
-}
-
-fn default_block() -> u32 {
-    512
-}
-
 #[derive(Debug, Clone)]
 pub struct LunConfig {
     pub lun: u64,
@@ -366,14 +308,9 @@ impl Config {
         });
         let file: FileConfig = match &file_path {
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
-                    path: p.clone(),
-                    source,
-                })?;
-                toml::from_str(&text).map_err(|source| ConfigError::Parse {
-                    path: p.clone(),
-                    source,
-                })?
+                let (text, file) = file::parse(p)?;
+                file::checked(p, &text, &file)?;
+                file
             }
             None => FileConfig::default(),
         };
@@ -387,7 +324,10 @@ impl Config {
         };
         let hugepages = match (&args.hugepages, &file.hugepages) {
             (Some(h), _) => *h,
-            (None, Some(s)) => s.parse().map_err(|e| invalid(format!("hugepages: {e}")))?,
+            (None, Some(s)) => s
+                .get_ref()
+                .parse()
+                .map_err(|e| invalid(format!("hugepages: {e}")))?,
             (None, None) => HugePages::Auto,
         };
         let state_dir = if args.ephemeral {
@@ -415,70 +355,83 @@ impl Config {
                 .unwrap_or_else(|| d.join("images"))
         });
         let mut limits = Limits::default();
-        if let Some(w) = args.cmd_window.or(file.cmd_window) {
-            if !(1..=4096).contains(&w) {
-                return Err(invalid("cmd_window must be between 1 and 4096"));
-            }
-            limits.cmd_window = w;
+        // The file's values passed `file::checked`; the same rules apply to flags.
+        let setting =
+            |key: &str, flag: Option<u64>, file: Option<u64>| -> Result<Option<u64>, ConfigError> {
+                match flag.or(file) {
+                    None => Ok(None),
+                    Some(v) => check_setting(key, v).map(|()| Some(v)).map_err(invalid),
+                }
+            };
+        let spanned = |v: &Option<toml::Spanned<u32>>| v.as_ref().map(|v| u64::from(*v.get_ref()));
+        let spanned64 = |v: &Option<toml::Spanned<u64>>| v.as_ref().map(|v| *v.get_ref());
+        if let Some(w) = setting(
+            "cmd_window",
+            args.cmd_window.map(u64::from),
+            spanned(&file.cmd_window),
+        )? {
+            limits.cmd_window = w as u32;
         }
-        if let Some(n) = args.nop_interval.or(file.nop_interval) {
-            if n == 0 {
-                return Err(invalid("nop_interval must be at least 1 second"));
-            }
+        if let Some(n) = setting(
+            "nop_interval",
+            args.nop_interval,
+            spanned64(&file.nop_interval),
+        )? {
             limits.nop_interval = Duration::from_secs(n);
         }
-        if let Some(n) = args.nop_timeout.or(file.nop_timeout) {
-            if !(1..=3600).contains(&n) {
-                return Err(invalid("nop_timeout must be between 1 and 3600 seconds"));
-            }
+        if let Some(n) = setting(
+            "nop_timeout",
+            args.nop_timeout,
+            spanned64(&file.nop_timeout),
+        )? {
             limits.nop_timeout = Duration::from_secs(n);
         }
-        if let Some(n) = args.login_timeout.or(file.login_timeout) {
-            if !(1..=3600).contains(&n) {
-                return Err(invalid("login_timeout must be between 1 and 3600 seconds"));
-            }
+        if let Some(n) = setting(
+            "login_timeout",
+            args.login_timeout,
+            spanned64(&file.login_timeout),
+        )? {
             limits.login_timeout = Duration::from_secs(n);
         }
-        let count =
-            |cli: Option<u32>, file: Option<u32>, name: &str, default: u32| match cli.or(file) {
-                None => Ok(default),
-                Some(0) => Err(invalid(format!("{name} must be at least 1"))),
-                Some(n) => Ok(n),
-            };
         let c = &mut limits.connections;
-        c.total = count(
-            args.max_connections,
-            file.max_connections,
-            "max_connections",
-            c.total,
-        )?;
-        c.per_source = count(
-            args.max_connections_per_host,
-            file.max_connections_per_host,
-            "max_connections_per_host",
-            c.per_source,
-        )?;
-        c.pending_per_source = count(
-            args.max_logins_per_host,
-            file.max_logins_per_host,
-            "max_logins_per_host",
-            c.pending_per_source,
-        )?;
-        c.iser = count(
-            args.max_iser_connections,
-            file.max_iser_connections,
-            "max_iser_connections",
-            c.iser,
-        )?;
+        let counts = [
+            (
+                "max_connections",
+                args.max_connections,
+                &file.max_connections,
+                &mut c.total,
+            ),
+            (
+                "max_connections_per_host",
+                args.max_connections_per_host,
+                &file.max_connections_per_host,
+                &mut c.per_source,
+            ),
+            (
+                "max_logins_per_host",
+                args.max_logins_per_host,
+                &file.max_logins_per_host,
+                &mut c.pending_per_source,
+            ),
+            (
+                "max_iser_connections",
+                args.max_iser_connections,
+                &file.max_iser_connections,
+                &mut c.iser,
+            ),
+        ];
+        for (key, flag, from_file, limit) in counts {
+            if let Some(n) = setting(key, flag.map(u64::from), spanned(from_file))? {
+                // check_setting bounds every count to u32.
+                *limit = n as u32;
+            }
+        }
         let staging = match (args.staging_budget, &file.staging_budget) {
             (Some(b), _) => Some(b),
-            (None, Some(text)) => Some(parse_size(text).map_err(invalid)?),
+            (None, Some(text)) => Some(parse_size(text.get_ref()).map_err(invalid)?),
             (None, None) => None,
         };
-        if let Some(b) = staging {
-            if b < 1 << 20 {
-                return Err(invalid("staging_budget must be at least 1M"));
-            }
+        if let Some(b) = setting("staging_budget", staging, None)? {
             limits.staging_budget = b;
         }
 
@@ -498,25 +451,28 @@ impl Config {
                 ));
             }
             for t in file.target {
+                let t = t.into_inner();
                 let luns = t
                     .lun
                     .into_iter()
                     .map(|l| {
-                        let size = parse_size(&l.size).map_err(invalid)?;
+                        let l = l.into_inner();
+                        let size = parse_size(l.size.get_ref()).map_err(invalid)?;
                         Ok(LunConfig {
-                            lun: l.lun,
+                            lun: l.number(),
                             size,
-                            block_size: l.block_size,
+                            block_size: l.block_size(),
                         })
                     })
                     .collect::<Result<Vec<_>, ConfigError>>()?;
+                let allow: Vec<String> = t.allow.into_iter().map(|a| a.into_inner()).collect();
                 targets.push(TargetConfig {
-                    name: t.name,
+                    name: t.name.into_inner(),
                     alias: t.alias,
                     open_access: false,
-                    allow: parse_acl(&t.allow)?,
-                    chap: chap(t.chap)?,
-                    mutual_chap: chap(t.mutual_chap)?,
+                    allow: parse_acl(&allow)?,
+                    chap: chap(t.chap.map(|c| c.into_inner()))?,
+                    mutual_chap: chap(t.mutual_chap.map(|c| c.into_inner()))?,
                     luns,
                 });
             }
@@ -566,7 +522,7 @@ impl Config {
             hugepages,
             allow_any: args.allow_any || file.allow_any,
             limits,
-            discovery_chap: chap(file.discovery_chap)?,
+            discovery_chap: chap(file.discovery_chap.map(|c| c.into_inner()))?,
             targets,
             iser,
             iser_spin,
@@ -579,12 +535,7 @@ impl Config {
         let all_loopback = self.listen.iter().all(|a| a.ip().is_loopback());
         let mut names = std::collections::HashSet::new();
         for t in &mut self.targets {
-            if !valid_iqn(&t.name) {
-                return Err(invalid(format!(
-                    "target name '{}' is not a valid iSCSI name (e.g. {DEFAULT_IQN_PREFIX}:slog1)",
-                    t.name
-                )));
-            }
+            check_target_name(&t.name).map_err(invalid)?;
             if !names.insert(t.name.to_ascii_lowercase()) {
                 return Err(invalid(format!("target {} is defined twice", t.name)));
             }
@@ -593,42 +544,103 @@ impl Config {
             }
             let mut luns = std::collections::HashSet::new();
             for l in &t.luns {
-                if !luns.insert(l.lun) || l.lun > 16383 {
-                    return Err(invalid(format!(
-                        "target {}: LUN {} is duplicated or above 16383",
-                        t.name, l.lun
-                    )));
+                let lun = |e: String| invalid(format!("target {} LUN {}: {e}", t.name, l.lun));
+                check_lun_number(l.lun).map_err(lun)?;
+                if !luns.insert(l.lun) {
+                    return Err(lun("defined twice".into()));
                 }
-                if l.block_size != 512 && l.block_size != 4096 {
-                    return Err(invalid(format!(
-                        "target {} LUN {}: block size must be 512 or 4096",
-                        t.name, l.lun
-                    )));
-                }
-                if l.size == 0 || l.size % 4096 != 0 {
-                    return Err(invalid(format!(
-                        "target {} LUN {}: size must be a non-zero multiple of 4 KiB",
-                        t.name, l.lun
-                    )));
-                }
+                check_block_size(l.block_size).map_err(lun)?;
+                check_lun_size(l.size).map_err(lun)?;
             }
-            if t.allow.is_empty() {
-                if all_loopback || self.allow_any {
-                    t.open_access = true;
-                } else if t.chap.is_none() {
-                    return Err(invalid(format!(
-                        "target {} listens on a non-loopback address with no initiator ACL and no CHAP: \
-                         a second host writing to a SLOG destroys the pool. Add --allow IQN (or allow = [..] \
-                         in the config), configure CHAP, or pass --allow-any to accept any initiator",
-                        t.name
-                    )));
-                } else {
-                    t.open_access = true;
-                }
-            }
+            t.open_access = open_access(
+                &t.name,
+                t.allow.is_empty(),
+                all_loopback,
+                self.allow_any,
+                t.chap.is_some(),
+            )
+            .map_err(invalid)?;
         }
         Ok(())
     }
+}
+
+/// The allowed values of each numeric setting, for the flag and the file key alike.
+fn check_setting(key: &str, value: u64) -> Result<(), String> {
+    let (min, max, unit) = match key {
+        "cmd_window" => (1, 4096, ""),
+        "nop_interval" => (1, 86_400, " seconds"),
+        "nop_timeout" | "login_timeout" => (1, 3600, " seconds"),
+        "staging_budget" => (1 << 20, u64::MAX, " bytes (1M)"),
+        _ => (1, u64::from(u32::MAX), ""),
+    };
+    if (min..=max).contains(&value) {
+        Ok(())
+    } else if max == u64::MAX || max == u64::from(u32::MAX) {
+        Err(format!("{key} must be at least {min}{unit}"))
+    } else {
+        Err(format!("{key} must be between {min} and {max}{unit}"))
+    }
+}
+
+fn check_target_name(name: &str) -> Result<(), String> {
+    if valid_iqn(name) {
+        Ok(())
+    } else {
+        Err(format!(
+            "target name '{}' is not a valid iSCSI name (e.g. {DEFAULT_IQN_PREFIX}:slog1)",
+            name.escape_debug()
+        ))
+    }
+}
+
+/// LUNs are addressed flat (SAM-5 single-level); 14 bits.
+fn check_lun_number(lun: u64) -> Result<(), String> {
+    if lun <= 16383 {
+        Ok(())
+    } else {
+        Err(format!("LUN {lun} is above 16383"))
+    }
+}
+
+fn check_block_size(block_size: u32) -> Result<(), String> {
+    if block_size == 512 || block_size == 4096 {
+        Ok(())
+    } else {
+        Err(format!("block size {block_size}: it must be 512 or 4096"))
+    }
+}
+
+fn check_lun_size(size: u64) -> Result<(), String> {
+    if size != 0 && size.is_multiple_of(4096) {
+        Ok(())
+    } else {
+        Err(format!(
+            "size {size}: it must be a non-zero multiple of 4 KiB"
+        ))
+    }
+}
+
+/// Whether a target without an ACL may be served to any initiator, or the
+/// error that explains why not: a second host writing to a SLOG destroys the pool.
+fn open_access(
+    name: &str,
+    no_acl: bool,
+    all_loopback: bool,
+    allow_any: bool,
+    has_chap: bool,
+) -> Result<bool, String> {
+    if !no_acl {
+        return Ok(false);
+    }
+    if all_loopback || allow_any || has_chap {
+        return Ok(true);
+    }
+    Err(format!(
+        "target {name} listens on a non-loopback address with no initiator ACL and no CHAP: \
+         a second host writing to a SLOG destroys the pool. Add --allow IQN (or allow = [..] \
+         in the config), configure CHAP, or pass --allow-any to accept any initiator"
+    ))
 }
 
 #[cfg(test)]
