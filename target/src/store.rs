@@ -1,8 +1,8 @@
 //! The LUN memory: one anonymous mapping, prefaulted and locked in RAM.
 //!
 //! Everything unsafe about the LUN memory lives here. The rest of the target
-//! sees range-checked copies in and out; RDMA (later) sees the base address and
-//! length for a single memory registration.
+//! sees range-checked copies in and out; the iSER driver sees the base address
+//! and length for one memory registration per RDMA device.
 #![allow(unsafe_code)]
 
 use std::fmt;

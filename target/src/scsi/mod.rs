@@ -66,7 +66,7 @@ impl Nexus {
 
 /// What makes a LU a particular device to hosts: the NAA designator in VPD
 /// 83h and the serial number in VPD 80h. A LU whose content was lost must
-/// come back under a new identity (see DESIGN.md, "The identity rule").
+/// come back under a new identity (see docs/design.md, "The identity rule").
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
     /// NAA 3h (locally assigned) designator, 8 bytes, first nibble 3.
