@@ -10,28 +10,17 @@ FAST=0
 
 step() { printf '\n=== %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
 
-need_pkgs=()
+# shellcheck source=lib/packages.sh
+. tests/lib/packages.sh
+read -r -a need_pkgs <<<"$(missing_build_packages)"
 command -v iscsi-test-cu >/dev/null || need_pkgs+=(libiscsi-bin)
 command -v setpriv >/dev/null || need_pkgs+=(util-linux)
 command -v mkfs.ext4 >/dev/null || need_pkgs+=(e2fsprogs)
 command -v systemd-analyze >/dev/null || need_pkgs+=(systemd)
 command -v python3 >/dev/null || need_pkgs+=(python3)
-# Building the iSER transport: rdma-sys runs bindgen against the rdma-core headers.
-pkg-config --exists libibverbs librdmacm 2>/dev/null || need_pkgs+=(pkg-config libibverbs-dev librdmacm-dev)
-# bindgen loads libclang.so* or libclang-<N>.so*; libclang-cpp.so.<N> (which
-# other packages bring) is a different library and does not count.
-compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null ||
-  compgen -G '/usr/lib/llvm-*/lib/libclang-[0-9]*.so*' >/dev/null ||
-  need_pkgs+=(libclang-dev)
 if ((${#need_pkgs[@]})); then
   step "installing ${need_pkgs[*]}"
-  if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
-  else
-    echo "missing packages ${need_pkgs[*]}: run as root or install them (apt-get install ${need_pkgs[*]})" >&2
-    exit 1
-  fi
+  apt_install "${need_pkgs[@]}"
 fi
 command -v cargo-nextest >/dev/null || cargo nextest --version >/dev/null 2>&1 || {
   step "installing cargo-nextest"; cargo install cargo-nextest --locked -j2; }
