@@ -8,6 +8,7 @@
 
 pub mod testcu;
 
+pub use rustix::process::Signal;
 use std::fs::{self, File};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -396,11 +397,17 @@ impl Drop for TargetProcess {
 }
 
 fn send_sigterm(pid: u32) {
-    // kill(1) rather than libc: no unsafe outside the store and verbs modules.
-    let _ = Command::new("kill")
-        .arg("-TERM")
-        .arg(pid.to_string())
-        .status();
+    send_signal(pid, Signal::TERM);
+}
+
+/// Send a signal to a process (a gone process is not an error).
+pub fn send_signal(pid: u32, signal: Signal) {
+    if let Some(pid) = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+    {
+        let _ = rustix::process::kill_process(pid, signal);
+    }
 }
 
 /// Search `PATH` for an executable.

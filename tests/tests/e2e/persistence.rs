@@ -239,9 +239,7 @@ async fn logins_during_the_dump_are_refused() {
     drop(s);
     let (addr, name) = (t.addr(), t.target_name().to_string());
     let pid = t.pid();
-    let _ = Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status();
+    ramslog_tests::send_signal(pid, ramslog_tests::Signal::TERM);
     let mut attempts = 0;
     let mut logged_in = 0;
     while t.is_running() {
@@ -401,9 +399,7 @@ async fn unwritten_luns_survive_a_crash_and_hangup_stops_cleanly() {
     );
     s.write(0, 0, &[0x42; 4096], true).await.expect("WRITE");
     drop(s);
-    let _ = Command::new("kill")
-        .args(["-HUP", &t.pid().to_string()])
-        .status();
+    ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::HUP);
     stop_cleanly(&mut t);
     assert!(t.output().contains("SIGHUP: stopping") && t.output().contains("dumped to"));
 
