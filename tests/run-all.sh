@@ -47,3 +47,10 @@ step "SoftRoCE lab: real rxe RDMA (in a qemu guest unless this kernel has rdma_r
 # Lab measurements compare targets side by side, so the daemon runs optimised.
 cargo build -j2 --release -p ramslog-target -p rdma-bench
 tests/softroce/check.sh
+
+step "a newcomer's first run on a fresh Debian 12 (debootstrap chroot): the quick start and the test command"
+if [ "$(id -u)" = 0 ]; then
+  tests/chroot/check.sh
+else
+  echo "SKIPPED chroot check: needs root (debootstrap, bind mounts)"
+fi

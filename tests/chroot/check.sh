@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# A newcomer's first run on a fresh Debian 12, proved: debootstrap a minimal
+# bookworm (plus sudo) into build/chroot/rootfs, give it only what rustup would
+# (the host's ~/.rustup and ~/.cargo/bin, bind-mounted read-only) and the host's
+# cargo registry cache (shared, so no crate is downloaded twice), then
+#   1. as a normal user with sudo, in a fresh clone: target/quickstart.sh, until
+#      the target answers a SendTargets discovery; `status` without flags; `stop`;
+#   2. as root, on this checkout: tests/run-all.sh --fast.
+# The guest starts with libclang-cpp but not libclang (the trap bindgen falls
+# into), so the packages check must tell them apart.
+# Step 2 reuses this checkout's build/ (the release build of step 1 starts from
+# nothing, so every build script and the linker already ran against the guest's
+# packages); that keeps the check inside its time budget.
+# Needs root (debootstrap, mounts). Network: deb.debian.org only.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$repo"
+# shellcheck source=../lib/packages.sh
+. tests/lib/packages.sh
+WORK=$repo/build/chroot
+ROOT=$WORK/rootfs
+PORT=${CHROOT_PORT:-3270}
+IQN=iqn.2026-11.org.ramslog:chroot-check
+start=$(date +%s)
+say() { printf '\n--- chroot: %s (%ss)\n' "$*" "$(($(date +%s) - start))"; }
+die() { echo "chroot check FAILED: $*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "needs root (debootstrap and bind mounts)"
+host_home=$(getent passwd root | cut -d: -f6)
+RUSTUP=${RUSTUP_HOME:-$host_home/.rustup}
+CARGO_BIN=${CARGO_HOME:-$host_home/.cargo}/bin
+REGISTRY=${CARGO_HOME:-$host_home/.cargo}/registry
+[ -x "$CARGO_BIN/cargo" ] && [ -d "$RUSTUP" ] || die "no rustup toolchain in $CARGO_BIN and $RUSTUP"
+mkdir -p "$REGISTRY"
+
+need=()
+command -v debootstrap >/dev/null || need+=(debootstrap)
+command -v iscsi-ls >/dev/null || need+=(libiscsi-bin)
+apt_install "${need[@]}"
+
+mounted=()
+bind() { # bind SRC DST [ro]
+  mkdir -p "$2"
+  mount --bind "$1" "$2"
+  mounted+=("$2")
+  if [ "${3:-}" = ro ]; then mount -o remount,bind,ro "$2"; fi
+}
+cleanup() {
+  set +e
+  # Whatever the guest left running (the target, cargo) goes first.
+  for pid in $(ls /proc | grep -E '^[0-9]+$'); do
+    [ "$(readlink "/proc/$pid/root" 2>/dev/null)" = "$ROOT" ] && kill -9 "$pid" 2>/dev/null
+  done
+  sleep 0.5
+  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount -l "${mounted[i]}"; done
+  # Anything a test mounted inside and did not get to unmount.
+  awk -v r="$ROOT/" 'index($2, r) == 1 {print $2}' /proc/mounts | sort -r | xargs -r umount -l
+}
+trap cleanup EXIT
+
+say "debootstrap bookworm (minbase, sudo, ca-certificates)"
+if mountpoint -q "$ROOT/proc" 2>/dev/null; then die "$ROOT is still in use by an earlier run"; fi
+rm -rf "$ROOT"
+mkdir -p "$WORK"
+debootstrap --variant=minbase --include=sudo,ca-certificates bookworm "$ROOT" \
+  http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 ||
+  { tail -20 "$WORK/debootstrap.log"; die "debootstrap failed"; }
+
+mount -t proc proc "$ROOT/proc"; mounted+=("$ROOT/proc")
+bind /sys "$ROOT/sys" ro
+bind /dev "$ROOT/dev"
+bind /dev/pts "$ROOT/dev/pts"
+mount -t tmpfs -o mode=1777 tmpfs "$ROOT/dev/shm"; mounted+=("$ROOT/dev/shm")
+mount -t tmpfs -o mode=0755 tmpfs "$ROOT/run"; mounted+=("$ROOT/run")
+cp /etc/resolv.conf /etc/hosts "$ROOT/etc/"
+# A packaged tool that brings libclang-cpp (not libclang) is common; bindgen
+# cannot use it.
+chroot "$ROOT" bash -c 'apt-get update -qq && apt-get install -y -qq libclang-cpp14 >/dev/null' || die "installing libclang-cpp14"
+
+say "a user with sudo and rustup's toolchain (the host's, read-only)"
+chroot "$ROOT" useradd -m -s /bin/bash newcomer
+echo 'newcomer ALL=(ALL) NOPASSWD: ALL' >"$ROOT/etc/sudoers.d/newcomer"
+for home in "$ROOT/home/newcomer" "$ROOT/root"; do
+  bind "$RUSTUP" "$home/.rustup" ro
+  bind "$CARGO_BIN" "$home/.cargo/bin" ro
+  bind "$REGISTRY" "$home/.cargo/registry"
+done
+# The shared registry belongs to root; the newcomer's cargo only reads it
+# (every crate of Cargo.lock is already there) but takes its lock file.
+chroot "$ROOT" chown newcomer: /home/newcomer/.cargo
+nextest=$(command -v cargo-nextest || true)
+[ -n "$nextest" ] && cp "$nextest" "$ROOT/usr/local/bin/"
+git clone -q "$repo" "$ROOT/home/newcomer/ramslog"
+chroot "$ROOT" chown -R newcomer: /home/newcomer/ramslog
+
+say "1. the quick start as a newcomer: target/quickstart.sh"
+as_newcomer() {
+  chroot "$ROOT" runuser -u newcomer -- env -i HOME=/home/newcomer USER=newcomer \
+    PATH=/usr/local/bin:/usr/bin:/bin TERM=dumb bash -c "cd ~/ramslog && $1"
+}
+as_newcomer "target/quickstart.sh --size 64M --ephemeral --listen 127.0.0.1:$PORT --target-name $IQN" \
+  >"$WORK/quickstart.log" 2>&1 &
+QS=$!
+answered=0
+for _ in $(seq 1 600); do
+  if iscsi-ls -i iqn.2026-11.org.ramslog:chroot-host "iscsi://127.0.0.1:$PORT" 2>/dev/null | grep -q "$IQN"; then
+    answered=1
+    break
+  fi
+  kill -0 "$QS" 2>/dev/null || break
+  sleep 1
+done
+[ "$answered" = 1 ] || { tail -30 "$WORK/quickstart.log"; die "the quick start's target never answered discovery"; }
+say "the target answers discovery on 127.0.0.1:$PORT"
+as_newcomer "sudo build/release/ramslog-target status" >"$WORK/status.txt" 2>&1 ||
+  { cat "$WORK/status.txt"; die "status without flags failed"; }
+grep -q "$IQN" "$WORK/status.txt" || { cat "$WORK/status.txt"; die "status does not list the target"; }
+as_newcomer "sudo build/release/ramslog-target stop" >>"$WORK/status.txt" 2>&1 ||
+  { cat "$WORK/status.txt"; die "stop failed"; }
+wait "$QS" || { tail -30 "$WORK/quickstart.log"; die "the quick start exited non-zero"; }
+uid=$(chroot "$ROOT" id -u newcomer)
+owned=$(find "$ROOT/home/newcomer/ramslog" "$ROOT/home/newcomer/.cargo" -xdev ! -uid "$uid" \
+  -not -path '*/.cargo/bin*' -not -path '*/.cargo/registry*' | head -3)
+[ -z "$owned" ] || die "the quick start left files the newcomer does not own: $owned"
+quick=$(($(date +%s) - start))
+
+say "2. the test command: tests/run-all.sh --fast (as root)"
+bind "$repo" "$ROOT$repo"
+chroot "$ROOT" env -i HOME=/root PATH=/root/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+  TERM=dumb CARGO_TERM_COLOR=never bash -c "cd $repo && tests/run-all.sh --fast" >"$WORK/run-all-fast.log" 2>&1 ||
+  { tail -40 "$WORK/run-all-fast.log"; die "tests/run-all.sh --fast failed in the chroot"; }
+tail -1 "$WORK/run-all-fast.log"
+say "passed: quick start ${quick}s, total $(($(date +%s) - start))s (logs in $WORK)"
