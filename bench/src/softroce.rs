@@ -77,6 +77,8 @@ fn child_args(url: &str) -> Vec<String> {
 struct Demo {
     rxe: Option<String>,
     target: Option<Child>,
+    /// Removed on drop: a killed target leaves its socket behind.
+    control_socket: Option<std::path::PathBuf>,
 }
 
 impl Drop for Demo {
@@ -84,6 +86,9 @@ impl Drop for Demo {
         if let Some(mut t) = self.target.take() {
             let _ = t.kill();
             let _ = t.wait();
+        }
+        if let Some(socket) = self.control_socket.take() {
+            let _ = std::fs::remove_file(socket);
         }
         if let Some(dev) = self.rxe.take() {
             if let Err(e) = sh("rdma", &["link", "delete", &dev]) {
@@ -105,6 +110,7 @@ pub fn demo(netdev: &str, initiator_name: &str) -> Result<()> {
     let mut demo = Demo {
         rxe: None,
         target: None,
+        control_socket: None,
     };
     let dev = format!("rsb-{netdev}");
     sh(
@@ -117,8 +123,14 @@ pub fn demo(netdev: &str, initiator_name: &str) -> Result<()> {
 
     let bin = target_binary();
     let listen = format!("{ip}:3260");
+    // Its own control socket: the default one may belong to another
+    // ephemeral target on this machine (a quick start, a lab script).
+    let control_socket =
+        std::env::temp_dir().join(format!("rdma-bench-softroce-{}.sock", std::process::id()));
     let mut child = Command::new(&bin)
         .args(["--size", "256M", "--ephemeral", "--iser-spin", "0"])
+        .arg("--control-socket")
+        .arg(&control_socket)
         .args([
             "--listen",
             &listen,
@@ -133,6 +145,7 @@ pub fn demo(netdev: &str, initiator_name: &str) -> Result<()> {
         .with_context(|| format!("cannot start {}", bin.display()))?;
     let stderr = child.stderr.take();
     demo.target = Some(child);
+    demo.control_socket = Some(control_socket);
     let (tx, rx) = mpsc::channel();
     if let Some(stderr) = stderr {
         std::thread::spawn(move || {
