@@ -5,7 +5,10 @@
 # cargo registry cache (shared, so no crate is downloaded twice), then
 #   1. as a normal user with sudo, in a fresh clone: target/quickstart.sh, until
 #      the target answers a SendTargets discovery; `status` without flags; `stop`;
-#   2. as root, on this checkout: tests/run-all.sh --fast.
+#   2. as root, on this checkout: tests/run-all.sh --fast;
+#   3. with Debian's ifupdown, open-iscsi and zfsutils-linux installed: the
+#      shipped ramslog-zpool-import.service verifies and adds no ordering
+#      cycle to the boot (ordering the early import after open-iscsi does).
 # The guest starts with libclang-cpp but not libclang (the trap bindgen falls
 # into), so the packages check must tell them apart.
 # Step 2 reuses this checkout's build/ (the release build of step 1 starts from
@@ -130,4 +133,30 @@ chroot "$ROOT" env -i HOME=/root PATH=/root/.cargo/bin:/usr/local/sbin:/usr/loca
   TERM=dumb CARGO_TERM_COLOR=never bash -c "cd $repo && tests/run-all.sh --fast" >"$WORK/run-all-fast.log" 2>&1 ||
   { tail -40 "$WORK/run-all-fast.log"; die "tests/run-all.sh --fast failed in the chroot"; }
 tail -1 "$WORK/run-all-fast.log"
+
+say "3. boot order on a Debian host with ifupdown, open-iscsi and zfsutils-linux"
+echo "deb http://deb.debian.org/debian bookworm main contrib" >"$ROOT/etc/apt/sources.list"
+chroot "$ROOT" bash -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+  --no-install-recommends systemd open-iscsi ifupdown zfsutils-linux' >"$WORK/boot-order-apt.log" 2>&1 ||
+  { tail -20 "$WORK/boot-order-apt.log"; die "installing the host's packages"; }
+# What systemd would do at boot: build the start transaction and report the
+# ordering cycles it has to break by deleting jobs.
+cycles() { chroot "$ROOT" systemd-analyze verify --man=no multi-user.target "$@" 2>&1 | grep -i "ordering cycle" || true; }
+c=$(cycles); [ -z "$c" ] || die "Debian's own units already have an ordering cycle: $c"
+dropin=$ROOT/etc/systemd/system/zfs-import-cache.service.d
+mkdir -p "$dropin"
+printf '[Unit]\nWants=iscsid.service open-iscsi.service\nAfter=iscsid.service open-iscsi.service\n' >"$dropin/naive.conf"
+c=$(cycles)
+[ -n "$c" ] || die "no cycle seen with zfs-import-cache ordered after open-iscsi: the check cannot see cycles"
+echo "ordering the early import after open-iscsi (not shipped) makes systemd break a cycle:"
+echo "$c" | sed 's/^/  /' | head -4
+rm -r "$dropin"
+install -m 644 "$repo/target/host/ramslog-zpool-import.service" "$ROOT/etc/systemd/system/"
+chroot "$ROOT" systemctl enable ramslog-zpool-import.service
+c=$(cycles ramslog-zpool-import.service)
+[ -z "$c" ] || die "ramslog-zpool-import.service creates an ordering cycle: $c"
+chroot "$ROOT" systemd-analyze verify --man=no ramslog-zpool-import.service 2>&1 | grep ramslog-zpool-import &&
+  die "systemd-analyze verify complains about ramslog-zpool-import.service"
+echo "ramslog-zpool-import.service: verified, enabled, no ordering cycle"
+
 say "passed: quick start ${quick}s, total $(($(date +%s) - start))s (logs in $WORK)"

@@ -30,6 +30,11 @@
 #   i. box B down longer than its session's replacement timeout, then back
 #      READY with its old content: FAULTED -> zpool clear -> resilvered ->
 #      ONLINE, files verified.
+#   j. box B silent (frozen: no RST, no CM disconnect) during sync writes:
+#      the stall until ZFS goes on with half A, with Debian's session
+#      defaults (ZFS_DEFAULT_STALL=1; about 2.5 min) and with the settings
+#      ramslog ships (applied with a planned offline/online of half B);
+#      sync writes never fail, half B FAULTED, zpool clear brings it back.
 # Every step asserts states and data; speed is reported, never asserted.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -547,6 +552,74 @@ verify_files before-i
 verify_files committed-g
 iscsiadm -m node -T "$IQN_B" -p "$RXE_ADDR_B:3260" -o update -n node.session.timeo.replacement_timeout -v 120
 echo 120 >"/sys/class/iscsi_session/session$sid/recovery_tmo"
+
+# A box that dies without a word (power cut, cable pulled) sends no TCP RST and
+# no CM disconnect: the host learns of it only from its NOP-Out pings. Here
+# box B's process is frozen (SIGSTOP): its kernel still acknowledges RDMA
+# traffic, so nothing but the iSCSI layer's own timeouts can notice, the
+# slowest case (a real power cut also exhausts the RC retries). rxe delivers
+# traffic between two ends of one address internally, past netfilter, so
+# dropping packets is not possible in this lab. The stall is fio's longest
+# sync write: the time ZFS waits before going on with half A alone.
+silent_b() { # NAME SECONDS : freeze box B during sync writes, report the stall, recover
+  local name=$1 secs=$2 fio_pid t0
+  zfs_fio "$name" "$secs" >"/tmp/fio-$name.txt" 2>&1 &
+  fio_pid=$!
+  sleep 8
+  t0=$(cut -d' ' -f1 /proc/uptime)
+  kill -STOP "${TARGET_PID[b]}"
+  echo "box B frozen (SIGSTOP) at ${t0} s"
+  wait "$fio_pid" || { cat "/tmp/fio-$name.txt"; kill -CONT "${TARGET_PID[b]}"; fail "sync writes returned an error while box B was silent"; }
+  cat "/tmp/fio-$name.txt"
+  wait_vdev_state "$LOG_B" "$FAILED_STATES" 60 "/$DS/writer-$name"
+  zpool status -P "$POOL" | tee "$RESULTS/status-$name.txt"
+  [ "$(vdev_state "$LOG_A")" = ONLINE ] || fail "log half A is $(vdev_state "$LOG_A")"
+  python3 - "$RESULTS/$name.json" "$name" <<'PY' | tee -a "$RESULTS/step-j.txt"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("%s: box B silent during sync writes: longest sync write (the stall) %.1f s; %d sync writes, none failed"
+      % (sys.argv[2], r["max_us"] / 1e6, r["ios"]))
+PY
+  # The link comes back: the runbook's recovery.
+  kill -CONT "${TARGET_PID[b]}"
+  wait_reconnect b
+  x zpool clear "$POOL"
+  wait_vdev_state "$LOG_B" ONLINE 120
+  date >>"/$DS/after-$name"
+  [ "$(pool_health)" = ONLINE ] || fail "pool is $(pool_health) after recovering from $name"
+}
+session_timeouts() { # IQN : what the kernel's session and connection use now
+  local sid
+  sid=$(iscsiadm -m session | awk -v t="$1" '$4 == t { gsub(/[][]/, "", $2); print $2 }')
+  echo "replacement $(cat "/sys/class/iscsi_session/session$sid/recovery_tmo") s," \
+    "NOP-Out every $(cat /sys/class/iscsi_connection/connection"$sid":0/recv_tmo) s," \
+    "timeout $(cat /sys/class/iscsi_connection/connection"$sid":0/ping_tmo) s"
+}
+rm -f "$RESULTS/step-j.txt"
+if [ "${ZFS_DEFAULT_STALL:-0}" = 1 ]; then
+  step "j1. box B silent during sync writes, Debian's session defaults ($(session_timeouts "$IQN_B"))"
+  silent_b zfs-silent-defaults 200
+fi
+step "j2. the host settings ramslog ships (target/host/ramslog-log-sessions), applied the planned way"
+x "$REPO/target/host/ramslog-log-sessions" "$IQN_A" "$RXE_ADDR_A:3260" "$IQN_B" "$RXE_ADDR_B:3260"
+# NOP-Out values take effect at a login: take half B out of the mirror for
+# the maintenance, log in again, put it back (the README's planned-restart runbook).
+x zpool offline "$POOL" "$LOG_B"
+timeout 60 iscsiadm -m node -T "$IQN_B" -p "$RXE_ADDR_B:3260" --logout >/dev/null
+# No discovery here: it would reset the node record to iscsid.conf's defaults.
+timeout 90 iscsiadm -m node -T "$IQN_B" -p "$RXE_ADDR_B:3260" -I iser --login >/dev/null
+LOG_B=$(by_path "$RXE_ADDR_B:3260" "$IQN_B")
+timeout 60 udevadm settle
+x zpool online "$POOL" "$LOG_B"
+wait_vdev_state "$LOG_B" ONLINE 60
+now=$(session_timeouts "$IQN_B")
+echo "box B's session: $now"
+[ "$now" = "replacement 5 s, NOP-Out every 2 s, timeout 2 s" ] || fail "the shipped settings did not reach box B's session"
+step "j3. box B silent during sync writes, the shipped settings"
+silent_b zfs-silent-shipped 40
+verify_files before-i
+verify_files committed-g
+cat "$RESULTS/step-j.txt"
 
 x zpool destroy "$POOL"
 echo "ZFS SCENARIO PASSED"
