@@ -45,6 +45,9 @@ enum Cmd {
         /// The file to check (the daemon reads /etc/ramslog/ramslog.toml by default).
         file: PathBuf,
     },
+    /// Write the man page and shell completions into DIR (for packaging).
+    #[command(hide = true)]
+    GenerateDocs { dir: PathBuf },
     /// Accept a LUN whose content was lost as an empty device: new identity, ready.
     AcceptEmpty {
         /// Target IQN.
@@ -118,6 +121,7 @@ fn main() -> ExitCode {
         Some(Cmd::Status(s)) => rt.block_on(status(s)),
         Some(Cmd::Stop(s)) => rt.block_on(stop(s)),
         Some(Cmd::CheckConfig { file }) => check_config(&file),
+        Some(Cmd::GenerateDocs { dir }) => generate_docs(&dir),
         Some(Cmd::AcceptEmpty {
             target,
             lun,
@@ -176,6 +180,29 @@ async fn status(s: SocketArgs) -> Result<(), String> {
         Reply::Error(e) => Err(e),
         other => Err(format!("unexpected reply: {other:?}")),
     }
+}
+
+/// The man page and completions come from the clap definitions, so they
+/// cannot drift from the flags.
+fn generate_docs(dir: &Path) -> Result<(), String> {
+    use clap::CommandFactory;
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let man = dir.join("ramslog-target.8");
+    let mut page = Vec::new();
+    clap_mangen::Man::new(Cli::command())
+        .section("8")
+        .render(&mut page)
+        .map_err(|e| format!("man page: {e}"))?;
+    std::fs::write(&man, page).map_err(|e| format!("{}: {e}", man.display()))?;
+    for shell in [
+        clap_complete::Shell::Bash,
+        clap_complete::Shell::Zsh,
+        clap_complete::Shell::Fish,
+    ] {
+        clap_complete::generate_to(shell, &mut Cli::command(), "ramslog-target", dir)
+            .map_err(|e| format!("{shell} completions: {e}"))?;
+    }
+    print_stdout(&format!("man page and completions in {}\n", dir.display()))
 }
 
 fn check_config(file: &Path) -> Result<(), String> {

@@ -8,7 +8,9 @@
 #   2. as root, on this checkout: tests/run-all.sh --fast;
 #   3. with Debian's ifupdown, open-iscsi and zfsutils-linux installed: the
 #      shipped ramslog-zpool-import.service verifies and adds no ordering
-#      cycle to the boot (ordering the early import after open-iscsi does).
+#      cycle to the boot (ordering the early import after open-iscsi does);
+#   4. the Debian package (target/debian/build-deb.sh) installs there, leaves
+#      the service disabled, and lintian finds no error.
 # The guest starts with libclang-cpp but not libclang (the trap bindgen falls
 # into), so the packages check must tell them apart.
 # Step 2 reuses this checkout's build/ (the release build of step 1 starts from
@@ -159,4 +161,24 @@ chroot "$ROOT" systemd-analyze verify --man=no ramslog-zpool-import.service 2>&1
   die "systemd-analyze verify complains about ramslog-zpool-import.service"
 echo "ramslog-zpool-import.service: verified, enabled, no ordering cycle"
 
+say "4. the Debian package: built here, installed in the chroot, lintian"
+deb=$(target/debian/build-deb.sh 2>"$WORK/build-deb.log") || { tail -20 "$WORK/build-deb.log"; die "building the .deb"; }
+cp "$deb" "$ROOT/tmp/"
+chroot "$ROOT" bash -c "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq lintian /tmp/$(basename "$deb")" \
+  >"$WORK/deb-install.log" 2>&1 || { tail -20 "$WORK/deb-install.log"; die "installing $(basename "$deb")"; }
+chroot "$ROOT" lintian --info "/tmp/$(basename "$deb")" >"$WORK/lintian.txt" 2>&1 || true
+cat "$WORK/lintian.txt"
+! grep -q '^E: ' "$WORK/lintian.txt" || die "lintian reports errors"
+chroot "$ROOT" systemd-analyze verify --man=no /lib/systemd/system/ramslog-target.service 2>&1 |
+  grep ramslog && die "systemd-analyze verify complains about the packaged unit"
+state=$(chroot "$ROOT" systemctl is-enabled ramslog-target.service 2>&1 || true)
+[ "$state" = disabled ] || die "the package left ramslog-target.service '$state', not disabled"
+chroot "$ROOT" ramslog-target check-config /etc/ramslog/ramslog.toml || die "the packaged config does not check"
+[ "$(stat -c %a "$ROOT/var/lib/ramslog")" = 700 ] || die "/var/lib/ramslog is not mode 0700"
+for f in /usr/share/man/man8/ramslog-target.8.gz /usr/share/bash-completion/completions/ramslog-target \
+  /usr/bin/rdma-bench /usr/share/ramslog/host/ramslog-log-sessions; do
+  [ -e "$ROOT$f" ] || die "the package has no $f"
+done
+chroot "$ROOT" dpkg -s ramslog | grep -E '^(Version|Depends):'
+echo "$(basename "$deb"): installed, service disabled and not started, lintian without errors"
 say "passed: quick start ${quick}s, total $(($(date +%s) - start))s (logs in $WORK)"
