@@ -44,6 +44,8 @@ command -v iscsi-ls >/dev/null || need+=(libiscsi-bin)
 apt_install "${need[@]}"
 
 mounted=()
+# Mount points at or below $ROOT, deepest first.
+mounts_inside() { awk -v r="$ROOT/" 'index($2 "/", r) == 1 {print $2}' /proc/mounts | sort -r; }
 bind() { # bind SRC DST [ro]
   mkdir -p "$2"
   mount --bind "$1" "$2"
@@ -59,13 +61,18 @@ cleanup() {
   sleep 0.5
   for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount -l "${mounted[i]}"; done
   # Anything a test mounted inside and did not get to unmount.
-  awk -v r="$ROOT/" 'index($2, r) == 1 {print $2}' /proc/mounts | sort -r | xargs -r umount -l
+  mounts_inside | xargs -r umount -l
 }
 trap cleanup EXIT
 
 say "debootstrap bookworm (minbase, sudo, ca-certificates)"
-if mountpoint -q "$ROOT/proc" 2>/dev/null; then die "$ROOT is still in use by an earlier run"; fi
-rm -rf "$ROOT"
+# An earlier run that died may have left its bind mounts (the host's cargo
+# registry, this checkout) inside: removing the tree through them would
+# delete the host's files. Unmount whatever is there, and touch nothing
+# while anything still is.
+mounts_inside | xargs -r umount -l
+[ -z "$(mounts_inside)" ] || die "file systems are still mounted under $ROOT: $(mounts_inside | tr '\n' ' ')"
+rm -rf --one-file-system "$ROOT"
 mkdir -p "$WORK"
 debootstrap --variant=minbase --include=sudo,ca-certificates bookworm "$ROOT" \
   http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 ||
