@@ -31,7 +31,8 @@ doc=$stage/usr/share/doc/ramslog
 install -D -m 755 -s build/release/ramslog-target "$stage/usr/bin/ramslog-target"
 install -D -m 755 -s build/release/rdma-bench "$stage/usr/bin/rdma-bench"
 install -D -m 644 target/systemd/ramslog-target.service "$stage/lib/systemd/system/ramslog-target.service"
-install -D -m 644 "$here/ramslog.toml" "$stage/etc/ramslog/ramslog.toml"
+# 0640: a target's CHAP secret may be written inline.
+install -D -m 640 "$here/ramslog.toml" "$stage/etc/ramslog/ramslog.toml"
 install -D -m 755 target/host/ramslog-log-sessions "$stage/usr/share/ramslog/host/ramslog-log-sessions"
 install -D -m 644 target/host/ramslog-zpool-import.service "$stage/usr/share/ramslog/host/ramslog-zpool-import.service"
 install -D -m 644 "$here/sysctl-hugepages.conf" "$doc/examples/60-ramslog-hugepages.conf"
@@ -54,7 +55,7 @@ install -D -m 644 "$gen/ramslog-target.bash" "$stage/usr/share/bash-completion/c
 install -D -m 644 "$gen/_ramslog-target" "$stage/usr/share/zsh/vendor-completions/_ramslog-target"
 install -D -m 644 "$gen/ramslog-target.fish" "$stage/usr/share/fish/vendor_completions.d/ramslog-target.fish"
 
-install -m 755 "$here/postinst" "$stage/DEBIAN/postinst"
+install -m 755 "$here/postinst" "$here/postrm" "$stage/DEBIAN/"
 echo /etc/ramslog/ramslog.toml >"$stage/DEBIAN/conffiles"
 printf 'Source: ramslog\n\nPackage: ramslog\nArchitecture: any\n' >"$tree/debian/control"
 depends=$(cd "$tree" && dpkg-shlibdeps -O -e debian/ramslog/usr/bin/ramslog-target -e debian/ramslog/usr/bin/rdma-bench |

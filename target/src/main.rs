@@ -70,8 +70,8 @@ struct SocketArgs {
 }
 
 impl SocketArgs {
-    /// The socket named by the flags; without flags, the first default that
-    /// exists (a daemon with the default state directory, else an ephemeral one).
+    /// The socket named by the flags; without flags, the one default whose
+    /// daemon answers (the default state directory's, or an ephemeral one's).
     fn path(&self) -> Result<PathBuf, String> {
         if let Some(socket) = &self.control_socket {
             return Ok(socket.clone());
@@ -79,21 +79,32 @@ impl SocketArgs {
         if let Some(dir) = &self.state_dir {
             return Ok(dir.join("control.sock"));
         }
+        // A socket file alone proves nothing (a killed daemon leaves one):
+        // ask which daemons answer.
         let [state, runtime] = default_control_sockets();
-        if state.exists() {
-            return Ok(state);
-        }
-        if runtime.exists() {
-            return Ok(runtime);
-        }
-        Err({
-            format!(
-                "no ramslog-target control socket at {} or {}; is the daemon running? \
-                     Point at it with --state-dir or --control-socket",
+        let answer = |p: &Path| std::os::unix::net::UnixStream::connect(p).map(|_| ());
+        match (answer(&state), answer(&runtime)) {
+            (Ok(()), Err(_)) => Ok(state),
+            (Err(_), Ok(())) => Ok(runtime),
+            (Ok(()), Ok(())) => Err(format!(
+                "two ramslog-target daemons answer, at {} (state directory) and {} (--ephemeral): \
+                 choose one with --state-dir or --control-socket",
                 state.display(),
                 runtime.display()
-            )
-        })
+            )),
+            (Err(a), Err(b)) => {
+                let denied = [a, b]
+                    .iter()
+                    .any(|e| e.kind() == std::io::ErrorKind::PermissionDenied);
+                Err(format!(
+                    "no ramslog-target control socket answers at {} or {}; is the daemon running?{} \
+                     Point at it with --state-dir or --control-socket",
+                    state.display(),
+                    runtime.display(),
+                    if denied { " (permission denied: run this as root)" } else { "" }
+                ))
+            }
+        }
     }
 }
 

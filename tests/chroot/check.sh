@@ -18,7 +18,14 @@
 # packages); that keeps the check inside its time budget.
 # Needs root (debootstrap, mounts). Network: deb.debian.org only.
 set -euo pipefail
-repo=$(cd "$(dirname "$0")/../.." && pwd)
+# A private mount namespace: every mount below dies with this run, even when
+# the run is killed, so nothing can stay bind-mounted into build/chroot.
+if [ -z "${RAMSLOG_CHROOT_NS:-}" ] && [ "$(id -u)" = 0 ]; then
+  export RAMSLOG_CHROOT_NS=1
+  exec unshare --mount --propagation private "$0" "$@"
+fi
+# Physical path: /proc/mounts and /proc/PID/root show resolved paths.
+repo=$(cd "$(dirname "$0")/../.." && pwd -P)
 cd "$repo"
 # shellcheck source=../lib/packages.sh
 . tests/lib/packages.sh
@@ -139,7 +146,7 @@ quick=$(($(date +%s) - start))
 say "2. the test command: tests/run-all.sh --fast (as root)"
 bind "$repo" "$ROOT$repo"
 chroot "$ROOT" env -i HOME=/root PATH=/root/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-  TERM=dumb CARGO_TERM_COLOR=never bash -c "cd $repo && tests/run-all.sh --fast" >"$WORK/run-all-fast.log" 2>&1 ||
+  TERM=dumb CARGO_TERM_COLOR=never bash -c "cd '$repo' && tests/run-all.sh --fast" >"$WORK/run-all-fast.log" 2>&1 ||
   { tail -40 "$WORK/run-all-fast.log"; die "tests/run-all.sh --fast failed in the chroot"; }
 tail -1 "$WORK/run-all-fast.log"
 

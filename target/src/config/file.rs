@@ -137,11 +137,36 @@ pub(super) fn parse(path: &Path) -> Result<(String, FileConfig), ConfigError> {
 /// Every semantic error of the file, in file order: what `check-config`
 /// prints, and what stops the daemon at start. `Ok` holds the parsed file.
 pub fn check_file(path: &Path) -> Result<(), ConfigError> {
-    parse(path).and_then(|(text, file)| checked(path, &text, &file))
+    parse(path).and_then(|(text, file)| {
+        let exposure = Exposure::of(&file.listen, file.allow_any);
+        checked(path, &text, &file, exposure)
+    })
 }
 
-pub(super) fn checked(path: &Path, text: &str, file: &FileConfig) -> Result<(), ConfigError> {
-    let problems = problems(text, file);
+/// What the access rule depends on besides the file: the daemon passes the
+/// values after its flags (`--listen`, `--allow-any`); `check-config` the file's.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Exposure {
+    pub all_loopback: bool,
+    pub allow_any: bool,
+}
+
+impl Exposure {
+    pub fn of(listen: &[SocketAddr], allow_any: bool) -> Exposure {
+        Exposure {
+            all_loopback: listen.iter().all(|a| a.ip().is_loopback()),
+            allow_any,
+        }
+    }
+}
+
+pub(super) fn checked(
+    path: &Path,
+    text: &str,
+    file: &FileConfig,
+    exposure: Exposure,
+) -> Result<(), ConfigError> {
+    let problems = problems(text, file, exposure);
     if problems.is_empty() {
         Ok(())
     } else {
@@ -152,7 +177,7 @@ pub(super) fn checked(path: &Path, text: &str, file: &FileConfig) -> Result<(), 
     }
 }
 
-fn problems(text: &str, file: &FileConfig) -> Vec<Problem> {
+fn problems(text: &str, file: &FileConfig, exposure: Exposure) -> Vec<Problem> {
     let mut out = Vec::new();
     let mut refuse =
         |span: Range<usize>, message: String| out.push(Problem::at(text, span, message));
@@ -204,7 +229,6 @@ fn problems(text: &str, file: &FileConfig) -> Vec<Problem> {
         }
     }
 
-    let all_loopback = file.listen.iter().all(|a| a.ip().is_loopback());
     let mut names = HashSet::new();
     for t in &file.target {
         let t = t.get_ref();
@@ -256,8 +280,8 @@ fn problems(text: &str, file: &FileConfig) -> Vec<Problem> {
         if let Err(e) = open_access(
             name,
             t.allow.is_empty(),
-            all_loopback,
-            file.allow_any,
+            exposure.all_loopback,
+            exposure.allow_any,
             t.chap.is_some(),
         ) {
             refuse(t.name.span(), e);
@@ -278,7 +302,7 @@ mod tests {
 
     fn problems_of(text: &str) -> Vec<(usize, usize, String)> {
         let file: FileConfig = toml::from_str(text).expect("valid TOML");
-        problems(text, &file)
+        problems(text, &file, Exposure::of(&file.listen, file.allow_any))
             .into_iter()
             .map(|p| (p.line, p.column, p.message))
             .collect()

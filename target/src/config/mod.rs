@@ -309,7 +309,13 @@ impl Config {
         let file: FileConfig = match &file_path {
             Some(p) => {
                 let (text, file) = file::parse(p)?;
-                file::checked(p, &text, &file)?;
+                let listen = if args.listen.is_empty() {
+                    &file.listen
+                } else {
+                    &args.listen
+                };
+                let exposure = file::Exposure::of(listen, args.allow_any || file.allow_any);
+                file::checked(p, &text, &file, exposure)?;
                 file
             }
             None => FileConfig::default(),
@@ -686,6 +692,41 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("IQN@192.0.2.0/24"), "{e}");
+    }
+
+    /// The access rule is judged after the flags: `--allow-any` or a loopback
+    /// `--listen` opens a file's ACL-less target, as without a file.
+    #[test]
+    fn flags_count_for_the_access_rule_of_a_file_target() {
+        let dir = std::env::temp_dir().join(format!("ramslog-exposure-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("open.toml");
+        std::fs::write(
+            &file,
+            "listen = [\"0.0.0.0:3260\"]\n[[target]]\nname = \"iqn.2026-11.org.ramslog:a\"\n[[target.lun]]\nsize = \"16M\"\n",
+        )
+        .unwrap();
+        let args = RunArgs {
+            config: Some(file.clone()),
+            ephemeral: true,
+            ..Default::default()
+        };
+        let refused = Config::load(&args)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(refused.contains("--allow-any"), "{refused}");
+        let any = Config::load(&RunArgs {
+            allow_any: true,
+            ..args.clone()
+        });
+        assert!(any.is_ok(), "--allow-any: {:?}", any.err());
+        let lo = Config::load(&RunArgs {
+            listen: vec!["127.0.0.1:3260".parse().unwrap()],
+            ..args
+        });
+        assert!(lo.is_ok(), "--listen 127.0.0.1: {:?}", lo.err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// RFC 7143 9.2.1: CHAP secrets are at least 96 bits; a shorter one is

@@ -400,6 +400,12 @@ async fn unwritten_luns_survive_a_crash_and_hangup_stops_cleanly() {
     s.write(0, 0, &[0x42; 4096], true).await.expect("WRITE");
     drop(s);
     ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::HUP);
+    // Let the hangup stop it by itself: stop() would add a SIGTERM at once,
+    // and the daemon may see that first.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while t.is_running() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     stop_cleanly(&mut t);
     assert!(t.output().contains("SIGHUP: stopping") && t.output().contains("dumped to"));
 
