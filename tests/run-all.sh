@@ -25,6 +25,12 @@ fi
 command -v cargo-nextest >/dev/null || cargo nextest --version >/dev/null 2>&1 || {
   step "installing cargo-nextest"; cargo install cargo-nextest --locked -j2; }
 
+# Debian's prometheus and promtool for the metrics tests, unpacked into build/tools.
+# shellcheck source=lib/prometheus.sh
+. tests/lib/prometheus.sh
+step "prometheus and promtool (Debian's package, unpacked)"
+prometheus_tools
+
 step "format and lint"
 cargo fmt --all -- --check
 cargo clippy -j2 --workspace --all-targets -- -D warnings

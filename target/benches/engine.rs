@@ -4,6 +4,8 @@
 //! from the LUN into the send buffer) and the iSER path (the READ's data is an
 //! RDMA WRITE action the HCA would execute; the response is encoded into a
 //! send slot). On real InfiniBand this is added to every ZFS log write.
+//! Commands are always counted; "+metrics" also measures service times, as
+//! the daemon does with `--metrics` (two TSC reads per command).
 //!
 //!     cargo bench -p ramslog-target --bench engine
 
@@ -14,13 +16,18 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ramslog_common::iscsi::{Bhs, Opcode, BHS_LEN};
 use ramslog_common::iser::{Header, RemoteBuffer, HEADER_LEN};
 use ramslog_target::engine::{Action, Connection, OutPdu};
-use ramslog_target::{rdma, tcp, testkit};
+use ramslog_target::{metrics, rdma, tcp, testkit};
 
 const BLOCKS: u32 = 8;
 const LUN_BLOCKS: u32 = 16384;
 
-fn logged_in(iser: bool) -> Connection {
-    let portal = testkit::ram_portal("iqn.2026-11.org.ramslog:bench", u64::from(LUN_BLOCKS) * 512);
+fn logged_in(iser: bool, metrics: bool) -> Connection {
+    let (name, size) = ("iqn.2026-11.org.ramslog:bench", u64::from(LUN_BLOCKS) * 512);
+    let portal = if metrics {
+        testkit::ram_portal_with_metrics(name, size)
+    } else {
+        testkit::ram_portal(name, size)
+    };
     let mut keys = vec![
         ("ImmediateData", "Yes"),
         ("InitialR2T", "Yes"),
@@ -122,6 +129,9 @@ fn tcp_command(conn: &mut Connection, wire: &Wire, wbuf: &mut Vec<u8>) -> Option
             Action::Send(p) => {
                 st = status(&p).or(st);
                 assert!(tcp::encode_pdu(conn, &p, wbuf));
+                if let Some(served) = p.served {
+                    conn.served(served, metrics::clock().raw());
+                }
             }
             other => panic!("unexpected {other:?}"),
         }
@@ -148,6 +158,9 @@ fn iser_command(conn: &mut Connection, wire: &Wire, slot: &mut [u8]) -> Option<u
             Action::Send(p) => {
                 st = status(&p).or(st);
                 black_box(rdma::encode_pdu(conn, &p, slot).expect("encode"));
+                if let Some(served) = p.served {
+                    conn.served(served, metrics::clock().raw());
+                }
             }
             Action::RdmaWrite { data, .. } => {
                 black_box(data);
@@ -161,8 +174,13 @@ fn iser_command(conn: &mut Connection, wire: &Wire, slot: &mut [u8]) -> Option<u
 fn engine(c: &mut Criterion) {
     let mut g = c.benchmark_group("4KiB command");
     g.throughput(Throughput::Elements(1));
-    for (name, write) in [("write", true), ("read", false)] {
-        let mut conn = logged_in(false);
+    for (name, write, metrics) in [
+        ("write", true, false),
+        ("read", false, false),
+        ("write +metrics", true, true),
+        ("read +metrics", false, true),
+    ] {
+        let mut conn = logged_in(false, metrics);
         let mut wire = Wire::new(false, write);
         let mut wbuf = Vec::with_capacity(64 * 1024);
         // The power-on unit attention goes to the first command; the
@@ -178,7 +196,7 @@ fn engine(c: &mut Criterion) {
             })
         });
 
-        let mut conn = logged_in(true);
+        let mut conn = logged_in(true, metrics);
         let mut wire = Wire::new(true, write);
         let mut slot = vec![0u8; 16 * 1024];
         wire.next();

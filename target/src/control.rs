@@ -1,6 +1,7 @@
 //! The root-only control socket: `ramslog-target status`, `accept-empty`
 //! and `stop`. One JSON request per line, one JSON reply.
 
+use std::collections::BTreeMap;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
+use crate::metrics::{LimitHit, LoginRefusal, LunIo, ProcessMemory};
 use crate::portal::Portal;
 use crate::scsi::{Identity, Readiness};
 use crate::state::naa_hex;
@@ -47,6 +49,9 @@ pub struct LunStatus {
     /// What the next dump writes.
     #[serde(default)]
     pub written_bytes: u64,
+    /// Commands, bytes, service times and errors since the daemon started.
+    #[serde(default)]
+    pub io: LunIo,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -64,11 +69,25 @@ pub struct SessionStatus {
     pub peer: String,
 }
 
+/// Connections, refusals and limits of the portal.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct PortalStatus {
+    pub tcp_connections: u32,
+    pub iser_connections: u32,
+    pub staging_bytes: u64,
+    pub logins_refused: BTreeMap<String, u64>,
+    pub limit_hits: BTreeMap<String, u64>,
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Status {
     pub state_dir: Option<String>,
     pub targets: Vec<TargetStatus>,
     pub sessions: Vec<SessionStatus>,
+    #[serde(default)]
+    pub portal: PortalStatus,
+    #[serde(default)]
+    pub process: ProcessMemory,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -143,6 +162,7 @@ impl Control {
                                 .map(|r| r.image.display().to_string()),
                             restored_taken_unix: st.restored.map(|r| r.taken_unix),
                             written_bytes: st.written_bytes,
+                            io: lu.metrics().totals().report(),
                         }
                     })
                     .collect(),
@@ -161,10 +181,27 @@ impl Control {
             })
             .collect();
         let state_dir = self.state_dir.as_ref().map(|d| d.display().to_string());
+        let counters = &self.portal.counters;
+        let (total, iser) = self.portal.gate.counts_now();
+        let portal = PortalStatus {
+            tcp_connections: total.saturating_sub(iser),
+            iser_connections: iser,
+            staging_bytes: self.portal.staging.used(),
+            logins_refused: LoginRefusal::ALL
+                .into_iter()
+                .map(|r| (r.label().to_string(), counters.logins_refused(r)))
+                .collect(),
+            limit_hits: LimitHit::ALL
+                .into_iter()
+                .map(|h| (h.label().to_string(), counters.limit_hits(h)))
+                .collect(),
+        };
         Status {
             state_dir,
             targets,
             sessions,
+            portal,
+            process: ProcessMemory::now(),
         }
     }
 

@@ -11,6 +11,7 @@ pub mod config;
 pub mod control;
 pub mod engine;
 pub mod lifecycle;
+pub mod metrics;
 pub mod notify;
 pub mod portal;
 pub mod rdma;

@@ -33,8 +33,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Show targets, LUNs (identity, readiness) and sessions of the running daemon.
-    Status(SocketArgs),
+    /// Show targets, LUNs (identity, readiness, I/O), sessions and limits
+    /// of the running daemon.
+    Status {
+        /// Print everything as one JSON object (the facts --metrics serves).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        socket: SocketArgs,
+    },
     /// Stop the daemon cleanly: refuse logins, close connections, dump every
     /// changed LUN to its image, exit. Waits for the dump and reports it.
     Stop(SocketArgs),
@@ -129,7 +136,7 @@ fn main() -> ExitCode {
     };
     let result = match cli.cmd {
         None => rt.block_on(run(cli.run)),
-        Some(Cmd::Status(s)) => rt.block_on(status(s)),
+        Some(Cmd::Status { json, socket }) => rt.block_on(status(socket, json)),
         Some(Cmd::Stop(s)) => rt.block_on(stop(s)),
         Some(Cmd::CheckConfig { file }) => check_config(&file),
         Some(Cmd::GenerateDocs { dir }) => generate_docs(&dir),
@@ -148,8 +155,12 @@ fn main() -> ExitCode {
     }
 }
 
-async fn status(s: SocketArgs) -> Result<(), String> {
+async fn status(s: SocketArgs, json: bool) -> Result<(), String> {
     match control::request(&s.path()?, &Request::Status).await? {
+        Reply::Status(st) if json => {
+            let text = serde_json::to_string_pretty(&st).map_err(|e| e.to_string())?;
+            print_stdout(&(text + "\n"))
+        }
         Reply::Status(st) => {
             let mut out = format!(
                 "state directory: {}\n",
@@ -177,7 +188,36 @@ async fn status(s: SocketArgs) -> Result<(), String> {
                     if let (Some(from), Some(taken)) = (&l.restored_from, l.restored_taken_unix) {
                         out += &format!("    restored from {from} (taken at unix time {taken})\n");
                     }
+                    for k in l.io.kinds.iter().filter(|k| k.commands > 0) {
+                        let at_most = |v: Option<f64>| v.map_or("-".into(), |v| format!("≤{v} µs"));
+                        out += &format!(
+                            "    {:<5} {} commands, {} bytes, service time p50 {} p99 {}\n",
+                            k.kind,
+                            k.commands,
+                            k.bytes,
+                            at_most(k.service_time_p50_micros_at_most),
+                            at_most(k.service_time_p99_micros_at_most),
+                        );
+                    }
+                    for e in &l.io.errors {
+                        out += &format!("    errors: {} {} × {}\n", e.status, e.sense_key, e.count);
+                    }
                 }
+            }
+            let p = &st.portal;
+            out += &format!(
+                "connections: {} TCP, {} iSER; staging {} bytes; locked memory {} bytes, resident {} bytes\n",
+                p.tcp_connections,
+                p.iser_connections,
+                p.staging_bytes,
+                st.process.locked_bytes,
+                st.process.resident_bytes
+            );
+            for (why, n) in p.logins_refused.iter().filter(|(_, n)| **n > 0) {
+                out += &format!("logins refused ({why}): {n}\n");
+            }
+            for (limit, n) in p.limit_hits.iter().filter(|(_, n)| **n > 0) {
+                out += &format!("limit hit ({limit}): {n}\n");
             }
             out += &format!("sessions: {}\n", st.sessions.len());
             for s in &st.sessions {
@@ -336,6 +376,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
     }
     let mut portal = Portal::new(targets, cfg.limits.clone(), cfg.listen.clone());
     portal.discovery_chap = cfg.discovery_chap.clone();
+    portal.service_times = cfg.metrics.is_some();
     let portal = Arc::new(portal);
 
     let stop = Arc::new(tokio::sync::Notify::new());
@@ -353,6 +394,11 @@ async fn run(args: RunArgs) -> Result<(), String> {
             .map_err(|e| format!("control socket {}: {e}", path.display()))?;
     }
 
+    if let Some(addr) = cfg.metrics {
+        ramslog_target::metrics::export::serve(addr, portal.clone())
+            .await
+            .map_err(|e| format!("cannot serve metrics on {addr}: {e} (change --metrics)"))?;
+    }
     for addr in &cfg.listen {
         let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
             format!("cannot listen on {addr}: {e} (is another target on that port? use --listen)")

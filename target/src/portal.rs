@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::metrics::{LimitHit, PortalCounters};
 use crate::scsi::{NexusId, ScsiTarget};
 
 /// Values the target offers in login negotiation, and its queueing limits.
@@ -253,6 +254,11 @@ pub struct Portal {
     pub staging: StagingBudget,
     /// Connection counts, shared by both transports.
     pub gate: Arc<ConnectionGate>,
+    /// Refused logins and limits hit.
+    pub counters: Arc<PortalCounters>,
+    /// Measure each command's service time: two TSC reads per command, so
+    /// only when someone asked for metrics (`--metrics`).
+    pub service_times: bool,
     sessions: Mutex<Sessions>,
 }
 
@@ -297,10 +303,13 @@ impl StagingBudget {
 
 impl Portal {
     pub fn new(targets: Vec<TargetDef>, limits: Limits, listen: Vec<SocketAddr>) -> Portal {
+        let gate = Arc::new(ConnectionGate::new(limits.connections));
         Portal {
             targets,
             staging: StagingBudget::new(limits.staging_budget),
-            gate: Arc::new(ConnectionGate::new(limits.connections)),
+            gate: gate.clone(),
+            counters: gate.counters.clone(),
+            service_times: false,
             limits,
             discovery_chap: None,
             tpgt: 1,
@@ -452,6 +461,8 @@ struct GateCounts {
 pub struct ConnectionGate {
     limits: ConnectionLimits,
     counts: Mutex<GateCounts>,
+    /// The portal's counters; refusals are counted here.
+    counters: Arc<PortalCounters>,
 }
 
 impl ConnectionGate {
@@ -459,6 +470,7 @@ impl ConnectionGate {
         ConnectionGate {
             limits,
             counts: Mutex::new(GateCounts::default()),
+            counters: Arc::new(PortalCounters::default()),
         }
     }
 
@@ -468,6 +480,21 @@ impl ConnectionGate {
 
     /// Admit a new connection from `source`, or say which limit it hits.
     pub fn admit(self: &Arc<Self>, source: IpAddr, link: Link) -> Result<Permit, Refusal> {
+        let result = self.admit_counted(source, link);
+        let hit = match &result {
+            Err(Refusal::Total(_)) => Some(LimitHit::Connections),
+            Err(Refusal::PerSource(_)) => Some(LimitHit::ConnectionsPerSource),
+            Err(Refusal::PendingPerSource(_)) => Some(LimitHit::PendingLoginsPerSource),
+            Err(Refusal::Iser(_)) => Some(LimitHit::IserConnections),
+            Err(Refusal::ShuttingDown) | Ok(_) => None,
+        };
+        if let Some(hit) = hit {
+            self.counters.limit_hit(hit);
+        }
+        result
+    }
+
+    fn admit_counted(self: &Arc<Self>, source: IpAddr, link: Link) -> Result<Permit, Refusal> {
         let source = source.to_canonical();
         let l = self.limits;
         let mut c = self.counts();

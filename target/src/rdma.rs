@@ -33,6 +33,7 @@ use ramslog_common::verbs::{
 use crate::engine::{
     Action, ConnInfo, Connection, OutData, OutPdu, ReadDest, ISER_BUFFERED_READ_MAX,
 };
+use crate::metrics::{self, LimitHit};
 use crate::portal::{Link, Permit, Portal, SessionControl};
 use crate::store::RdmaRegion;
 
@@ -542,6 +543,7 @@ impl Driver<'_> {
                 (Some(_), None) => self.blocked_since = Some(now),
                 (None, Some(_)) => self.blocked_since = None,
                 (Some(_), Some(since)) if now.duration_since(since) > self.output_stall => {
+                    self.conn.portal().counters.limit_hit(LimitHit::OutputStall);
                     return Err(ConnError::Protocol(format!(
                         "no send completed for {:?}: the initiator takes nothing (posts no receives); closing",
                         self.output_stall
@@ -894,6 +896,10 @@ impl Driver<'_> {
         };
         let sge = Self::buffer_sge(&self.send, start, total)?;
         self.post(wr::id(wr::SEND, slot as usize), SendOp::Send, sge)?;
+        if let Some(served) = pdu.served {
+            // A fresh reading: the loop's `now` may be rounds old.
+            self.conn.served(served, metrics::clock().raw());
+        }
         Ok(Posted::Done)
     }
 

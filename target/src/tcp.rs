@@ -15,6 +15,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
 use crate::engine::{Action, ConnInfo, Connection, OutData, OutPdu};
+use crate::metrics::{self, LimitHit, Served};
 use crate::portal::{Link, Permit, Portal, Refusal, SessionControl};
 
 /// Largest AHS the 8-bit TotalAHSLength field allows.
@@ -111,13 +112,14 @@ async fn run_connection(
             tokio::select! {
                 r = stream.write(out.pending()) => match r {
                     Ok(0) => break Ok(()),
-                    Ok(n) => out.advance(n),
+                    Ok(n) => out.advance(n, &conn),
                     Err(e) => break Err(e),
                 },
                 _ = tokio::time::sleep_until(deadline.into()) => {
                     let now = Instant::now();
                     if now >= stall_deadline {
                         if !out.closing {
+                            conn.portal().counters.limit_hit(LimitHit::OutputStall);
                             tracing::warn!(%peer, "no output progress for {limit:?}: the initiator reads nothing; closing the connection");
                         }
                         break Ok(());
@@ -183,7 +185,13 @@ struct Output {
     close_when_drained: bool,
     /// When the current batch was started or last made progress.
     last_progress: Instant,
+    /// Commands whose responses are in `buf`: served once it is written.
+    served: Vec<Served>,
 }
+
+/// Responses one output batch may carry; a batch with this many ends early,
+/// so `Output::served` never grows.
+const SERVED_PER_BATCH: usize = 256;
 
 impl Default for Output {
     fn default() -> Output {
@@ -193,6 +201,7 @@ impl Default for Output {
             closing: false,
             close_when_drained: false,
             last_progress: Instant::now(),
+            served: Vec::with_capacity(SERVED_PER_BATCH),
         }
     }
 }
@@ -206,12 +215,16 @@ impl Output {
         &self.buf[self.written..]
     }
 
-    fn advance(&mut self, n: usize) {
+    fn advance(&mut self, n: usize, conn: &Connection) {
         self.written += n;
         self.last_progress = Instant::now();
         if self.is_empty() {
             self.buf.clear();
             self.written = 0;
+            let now_raw = metrics::clock().raw();
+            for s in self.served.drain(..) {
+                conn.served(s, now_raw);
+            }
         }
     }
 
@@ -225,7 +238,7 @@ impl Output {
             self.buf = Vec::with_capacity(64 * 1024);
         }
         self.last_progress = Instant::now();
-        while self.buf.len() < OUTPUT_BATCH {
+        while self.buf.len() < OUTPUT_BATCH && self.served.len() < SERVED_PER_BATCH {
             let Some(action) = conn.poll_action() else {
                 self.closing |= self.close_when_drained;
                 return;
@@ -239,6 +252,9 @@ impl Output {
                         );
                         self.closing = true;
                         return;
+                    }
+                    if let Some(s) = pdu.served {
+                        self.served.push(s);
                     }
                 }
                 Action::RdmaWrite { .. } | Action::RdmaRead { .. } => {

@@ -23,6 +23,17 @@ impl SessionControl for NoControl {
 /// A portal serving `target_name` with LUN 0 of `size` bytes (512-byte
 /// blocks), open to every initiator.
 pub fn ram_portal(target_name: &str, size: u64) -> Arc<Portal> {
+    Arc::new(ram_portal_unshared(target_name, size))
+}
+
+/// [`ram_portal`] measuring service times, as the daemon does with `--metrics`.
+pub fn ram_portal_with_metrics(target_name: &str, size: u64) -> Arc<Portal> {
+    let mut portal = ram_portal_unshared(target_name, size);
+    portal.service_times = true;
+    Arc::new(portal)
+}
+
+fn ram_portal_unshared(target_name: &str, size: u64) -> Portal {
     let store = Arc::new(Store::new(size, HugePages::Off).expect("RAM for the test LUN"));
     let volume = Volume::in_memory(
         VolumeConfig {
@@ -42,11 +53,11 @@ pub fn ram_portal(target_name: &str, size: u64) -> Arc<Portal> {
         chap: None,
         mutual_chap: None,
     };
-    Arc::new(Portal::new(
+    Portal::new(
         vec![target],
         Limits::default(),
         vec!["127.0.0.1:3260".parse().expect("address")],
-    ))
+    )
 }
 
 /// A connection to the portal's first target that has completed a one-PDU

@@ -1,7 +1,9 @@
 //! The data path allocates nothing per I/O after warm-up: 4 KiB WRITE (with
 //! immediate data) and READ through the engine, the SCSI device and the store,
 //! counted by a global allocator, for both transports (over iSER, also a
-//! 64 KiB WRITE whose data is RDMA-read).
+//! 64 KiB WRITE whose data is RDMA-read). The metrics are on, as in the
+//! daemon: every command is counted and its service time recorded the way
+//! the drivers do once a response is out.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,6 +12,7 @@ use std::time::Instant;
 use ramslog_common::iscsi::{Bhs, Opcode};
 use ramslog_common::iser::RemoteBuffer;
 use ramslog_target::engine::{Action, Connection, OutData, ReadDest};
+use ramslog_target::metrics::{self, CommandKind};
 use ramslog_target::testkit;
 
 struct Counting;
@@ -44,6 +47,9 @@ fn drain(conn: &mut Connection, now: Instant) -> (usize, Option<u8>) {
         match a {
             Action::Send(p) => {
                 n += 1;
+                if let Some(served) = p.served {
+                    conn.served(served, metrics::clock().raw());
+                }
                 if matches!(p.bhs.opcode(), Some(Opcode::ScsiResponse)) || p.bhs.flags() & 1 != 0 {
                     st = Some(p.bhs.0[3]);
                 }
@@ -74,7 +80,7 @@ fn zero_allocations_per_io_after_warm_up() {
 
 fn io_loop(iser: bool) {
     let now = Instant::now();
-    let portal = testkit::ram_portal("iqn.2026-11.org.ramslog:alloc", 8 << 20);
+    let portal = testkit::ram_portal_with_metrics("iqn.2026-11.org.ramslog:alloc", 8 << 20);
     let mut keys = vec![
         ("ImmediateData", "Yes"),
         ("InitialR2T", "No"),
@@ -83,7 +89,13 @@ fn io_loop(iser: bool) {
     if iser {
         keys.push(("RDMAExtensions", "Yes"));
     }
-    let mut conn = testkit::logged_in(portal, iser.then_some(8192), &keys, now);
+    let mut conn = testkit::logged_in(portal.clone(), iser.then_some(8192), &keys, now);
+    let lu = portal.targets[0].scsi.lu(0).expect("LUN 0").clone();
+    let counted = || {
+        let t = lu.metrics().totals();
+        let w = CommandKind::Write as usize;
+        (t.commands[w], t.service[w].count())
+    };
 
     let data = vec![0x5au8; 4096];
     let mut cmdsn = 0u32;
@@ -133,6 +145,7 @@ fn io_loop(iser: bool) {
     for i in 0..200 {
         io(&mut conn, i % 2 == 0, (i * 8) % 8192);
     }
+    let writes_before = counted();
     let before = ALLOCATIONS.load(Ordering::Relaxed);
     for i in 0..2000 {
         let (pdus, st) = io(&mut conn, i % 2 == 0, (i * 8) % 8192);
@@ -144,4 +157,13 @@ fn io_loop(iser: bool) {
     }
     let after = ALLOCATIONS.load(Ordering::Relaxed);
     assert_eq!(after - before, 0, "allocations during 2000 4 KiB commands");
+    let writes_after = counted();
+    assert_eq!(
+        (
+            writes_after.0 - writes_before.0,
+            writes_after.1 - writes_before.1
+        ),
+        (1000, 1000),
+        "every WRITE counted, with its service time"
+    );
 }

@@ -322,6 +322,11 @@ impl TargetProcess {
         self.state_dir.as_deref()
     }
 
+    /// The control socket given to an ephemeral target (`--control-socket`).
+    pub fn control_socket(&self) -> Option<&Path> {
+        self.own_control_socket.as_deref()
+    }
+
     /// File holding the target's stderr and stdout.
     pub fn log_path(&self) -> &Path {
         &self.log_path

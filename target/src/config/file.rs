@@ -12,7 +12,7 @@ use toml::Spanned;
 
 use super::{
     chap, check_block_size, check_lun_number, check_lun_size, check_setting, check_target_name,
-    open_access, parse_size, ConfigError,
+    open_access, parse_metrics_addr, parse_size, ConfigError,
 };
 use crate::portal::AclEntry;
 use crate::store::HugePages;
@@ -40,6 +40,7 @@ pub(super) struct FileConfig {
     pub iser: Option<bool>,
     pub iser_spin: Option<u32>,
     pub discovery_chap: Option<Spanned<FileChap>>,
+    pub metrics: Option<Spanned<String>>,
     #[serde(default)]
     pub target: Vec<Spanned<FileTarget>>,
 }
@@ -223,6 +224,11 @@ fn problems(text: &str, file: &FileConfig, exposure: Exposure) -> Vec<Problem> {
             Err(e) => refuse(b.span(), format!("staging_budget: {e}")),
         }
     }
+    if let Some(m) = &file.metrics {
+        if let Err(e) = parse_metrics_addr(m.get_ref()) {
+            refuse(m.span(), format!("metrics: {e}"));
+        }
+    }
     if let Some(c) = &file.discovery_chap {
         if let Err(e) = chap(Some(c.get_ref().clone())) {
             refuse(c.span(), format!("discovery_chap: {e}"));
@@ -320,6 +326,16 @@ mod tests {
         );
         assert!(p[0].2.contains("cmd_window"), "{p:#?}");
         assert!(p[5].2.contains("defined twice"), "{p:#?}");
+    }
+
+    #[test]
+    fn a_bad_metrics_address_is_placed() {
+        let p = problems_of("metrics = \"localhost\"\n");
+        assert_eq!(p.len(), 1, "{p:#?}");
+        assert_eq!((p[0].0, p[0].1), (1, 11));
+        assert!(p[0].2.contains("ADDR:PORT"), "{p:#?}");
+        assert!(problems_of("metrics = \"9105\"\n").is_empty());
+        assert!(problems_of("metrics = \"[::1]:9105\"\n").is_empty());
     }
 
     #[test]

@@ -182,6 +182,20 @@ pub struct RunArgs {
     /// shared CPUs, where spinning starves the peer).
     #[arg(long, value_name = "POLLS")]
     pub iser_spin: Option<u32>,
+    /// Serve Prometheus metrics over HTTP at /metrics. A bare port binds
+    /// 127.0.0.1; give an address to expose them beyond this host.
+    #[arg(long, value_name = "[ADDR:]PORT", value_parser = parse_metrics_addr)]
+    pub metrics: Option<SocketAddr>,
+}
+
+/// `--metrics`: `PORT` (loopback) or `ADDR:PORT`.
+pub fn parse_metrics_addr(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(port) = s.parse::<u16>() {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    s.parse::<SocketAddr>().map_err(|_| {
+        format!("{s:?} is neither a port nor ADDR:PORT (e.g. 9105 or 127.0.0.1:9105, [::1]:9105)")
+    })
 }
 
 #[derive(Debug, Clone)]
@@ -218,6 +232,8 @@ pub struct Config {
     /// Serve iSER on the portal addresses that belong to an RDMA device.
     pub iser: bool,
     pub iser_spin: u32,
+    /// Where the Prometheus endpoint listens; off when `None`.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// Default empty polls before an iSER connection thread sleeps: about 20 µs
@@ -447,6 +463,12 @@ impl Config {
             .or(file.iser_spin)
             .unwrap_or(DEFAULT_ISER_SPIN);
 
+        let metrics = match (args.metrics, &file.metrics) {
+            (Some(a), _) => Some(a),
+            (None, Some(m)) => Some(parse_metrics_addr(m.get_ref()).map_err(invalid)?),
+            (None, None) => None,
+        };
+
         let cli_target_flags =
             args.size.is_some() || args.target_name.is_some() || args.block_size.is_some();
         let mut targets = Vec::new();
@@ -532,6 +554,7 @@ impl Config {
             targets,
             iser,
             iser_spin,
+            metrics,
         };
         cfg.validate()?;
         Ok(cfg)

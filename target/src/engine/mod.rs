@@ -29,6 +29,7 @@ pub use login::SessionKind;
 pub use params::Params;
 pub use session::ISER_BUFFERED_READ_MAX;
 
+use crate::metrics::{LoginRefusal, Served};
 use crate::portal::{Portal, SessionControl};
 use crate::scsi::ScsiTarget;
 use login::{Login, Next};
@@ -84,6 +85,9 @@ pub struct OutPdu {
     pub data: OutData,
     pub header_digest: bool,
     pub data_digest: bool,
+    /// This response ends a counted SCSI command: once it is posted or
+    /// written, the driver hands this to [`Connection::served`].
+    pub served: Option<Served>,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -234,6 +238,10 @@ impl Connection {
         }
     }
 
+    pub fn portal(&self) -> &Arc<Portal> {
+        &self.portal
+    }
+
     pub fn transport(&self) -> Transport {
         self.transport
     }
@@ -330,6 +338,15 @@ impl Connection {
 
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.timers.next()
+    }
+
+    /// A response carrying `s` was posted or written at `now_raw`
+    /// (`metrics::clock().raw()`): record the command's service time.
+    #[inline]
+    pub fn served(&self, s: Served, now_raw: u64) {
+        if let Phase::FullFeature(session) = &self.phase {
+            session.served(s, now_raw);
+        }
     }
 
     /// Copy LUN bytes named by [`OutData::Store`] into `out`.
@@ -477,6 +494,9 @@ impl Connection {
         match reply.next {
             Next::Continue => self.push_login_response(rsp, reply.text),
             Next::Fail => {
+                self.portal
+                    .counters
+                    .login_refused(LoginRefusal::of_status(reply.status));
                 tracing::info!(
                     peer = %self.info.peer,
                     initiator = login.initiator_name.as_deref().unwrap_or("?"),
@@ -500,6 +520,9 @@ impl Connection {
                     Ok(s) => s,
                     Err(e) => {
                         tracing::warn!(peer = %self.info.peer, "login refused: {e}");
+                        self.portal
+                            .counters
+                            .login_refused(LoginRefusal::OutOfResources);
                         rsp.set_flags(reply.flags & 0x0c);
                         rsp.set_u16_at(36, login_status::OUT_OF_RESOURCES);
                         rsp.set_data_segment_len(0);
@@ -528,6 +551,7 @@ impl Connection {
             data,
             header_digest: false,
             data_digest: false,
+            served: None,
         })));
     }
 }
@@ -566,6 +590,7 @@ pub(crate) struct DataInStream {
     residual_count: u32,
     header_digest: bool,
     data_digest: bool,
+    served: Option<Served>,
 }
 
 impl DataInStream {
@@ -608,6 +633,11 @@ impl DataInStream {
             },
             header_digest: self.header_digest,
             data_digest: self.data_digest,
+            served: if last || len == 0 {
+                self.served.take()
+            } else {
+                None
+            },
         };
         (pdu, last || len == 0)
     }

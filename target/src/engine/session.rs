@@ -19,8 +19,11 @@ use super::params::Params;
 use super::{
     is_reserved, rejected_header, Action, ConnInfo, DataInStream, Out, OutData, OutPdu, ReadDest,
 };
+use crate::metrics::{self, CommandKind, LimitHit, Served, SessionMetrics};
 use crate::portal::{OpenSessionError, Portal, SessionControl, SessionKey};
-use crate::scsi::{DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason};
+use crate::scsi::{
+    command_kind, DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason,
+};
 
 /// Data room of the Linux ib_iser initiator's full-feature receive buffers
 /// (`ISER_RECV_DATA_SEG_LEN`).
@@ -137,6 +140,32 @@ struct Task {
     failure: Option<WriteFailure>,
     /// A non-immediate command: it holds a slot of the command window.
     in_window: bool,
+    counting: Counting,
+}
+
+/// How the command whose status is being produced is counted. Every entry
+/// point that can end a command sets it first (a task keeps its own copy).
+/// Sixteen bytes: tasks carry a copy, and they are moved by value.
+#[derive(Debug, Clone, Copy)]
+struct Counting {
+    /// `metrics::clock()`'s raw reading when the command arrived.
+    arrived: u64,
+    /// Data bytes the command moves if it succeeds.
+    bytes: u32,
+    /// The LU's counters; `NO_SLOT` for a LUN the target lacks.
+    slot: u16,
+    kind: CommandKind,
+}
+
+const NO_SLOT: u16 = u16::MAX;
+
+impl Counting {
+    const NONE: Counting = Counting {
+        arrived: 0,
+        bytes: 0,
+        slot: NO_SLOT,
+        kind: CommandKind::Other,
+    };
 }
 
 impl Task {
@@ -178,6 +207,10 @@ pub(super) struct Session {
     remote_write: Option<RemoteBuffer>,
     remote_read: Option<RemoteBuffer>,
     next_rdma_tag: u32,
+    metrics: SessionMetrics,
+    counting: Counting,
+    /// Service times are measured (`Portal::service_times`).
+    timed: bool,
 }
 
 fn lun_from_wire(raw: u64) -> Option<u64> {
@@ -218,6 +251,10 @@ impl Session {
         let discovery = login.kind == SessionKind::Discovery;
         let (tsih, nexus) = portal.open_session(key, discovery, info.peer, control)?;
         let scsi = target.map(|t| t.scsi.clone());
+        let metrics = match &scsi {
+            Some(scsi) => SessionMetrics::join(scsi.luns().cloned()),
+            None => SessionMetrics::default(),
+        };
         if let Some(scsi) = &scsi {
             scsi.attach(&Nexus {
                 id: nexus,
@@ -273,6 +310,9 @@ impl Session {
             remote_write: None,
             remote_read: None,
             next_rdma_tag: 1,
+            metrics,
+            counting: Counting::NONE,
+            timed: portal.service_times,
         })
     }
 
@@ -326,6 +366,7 @@ impl Session {
             data,
             header_digest: self.params.header_digest,
             data_digest: self.params.data_digest,
+            served: None,
         }
     }
 
@@ -335,6 +376,33 @@ impl Session {
         bhs.set_statsn(out.take_statsn());
         self.stamp(&mut bhs);
         out.push(self.pdu(bhs, data));
+    }
+
+    /// Count the current command as ended with `st`; what the driver
+    /// reports back once the response is out.
+    #[inline]
+    fn count_status(&mut self, st: u8, sense: Option<&Sense>) -> Option<Served> {
+        let c = std::mem::replace(&mut self.counting, Counting::NONE);
+        let slot = c.slot;
+        self.metrics
+            .slot(slot)?
+            .completed(c.kind, st, sense, c.bytes);
+        if !self.timed {
+            return None;
+        }
+        Some(Served {
+            slot,
+            kind: c.kind,
+            arrived: c.arrived,
+        })
+    }
+
+    /// The response of a command left the daemon: its service time.
+    #[inline]
+    pub fn served(&self, s: Served, now_raw: u64) {
+        if let Some(c) = self.metrics.slot(s.slot) {
+            c.served(s.kind, metrics::clock().delta_as_nanos(s.arrived, now_raw));
+        }
     }
 
     pub fn scsi_target(&self) -> Option<Arc<ScsiTarget>> {
@@ -486,6 +554,16 @@ impl Session {
         let cdb = &cdb_buf[..cdb_len];
         let flags = bhs.flags();
         let edtl = bhs.expected_data_len();
+        self.counting = Counting {
+            slot: NO_SLOT,
+            kind: command_kind(cdb[0]),
+            arrived: if self.timed {
+                metrics::clock().raw()
+            } else {
+                0
+            },
+            bytes: 0,
+        };
         let Some(lun) = lun_from_wire(bhs.lun()) else {
             let s = Sense::new(sense_key::ILLEGAL_REQUEST, 0x25, 0);
             self.respond(out, itt, status::CHECK_CONDITION, Some(s), Residual::None);
@@ -509,6 +587,7 @@ impl Session {
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
         }
+        self.counting.slot = self.metrics.slot_of(lun).unwrap_or(NO_SLOT);
         let plan = match scsi.prepare(self.nexus, lun, cdb) {
             Ok(p) => p,
             Err(reason) => {
@@ -563,6 +642,7 @@ impl Session {
         if self.tasks.len() >= self.cmd_window as usize {
             // More commands waiting for data than the window allows: the
             // initiator is ignoring MaxCmdSN or flooding immediate commands.
+            self.portal.counters.limit_hit(LimitHit::CommandWindow);
             self.respond(out, itt, status::TASK_SET_FULL, None, residual);
             return;
         }
@@ -586,6 +666,7 @@ impl Session {
             rdma_read: None,
             failure: None,
             in_window: !bhs.immediate(),
+            counting: self.counting,
         };
         if unsol_end == data.len() as u32 {
             task.unsolicited = None;
@@ -608,6 +689,7 @@ impl Session {
         if matches!(task.plan.out_placement, OutPlacement::Buffer) {
             if !self.portal.staging.reserve(u64::from(moved)) {
                 tracing::debug!(itt, moved, "staging budget exhausted: TASK SET FULL");
+                self.portal.counters.limit_hit(LimitHit::StagingBudget);
                 self.respond(out, itt, status::TASK_SET_FULL, None, residual);
                 return;
             }
@@ -629,6 +711,7 @@ impl Session {
     /// After any event of a write: complete it, fail it, or ask for more
     /// data and keep waiting.
     fn advance(&mut self, out: &mut Out, scsi: &Arc<ScsiTarget>, mut task: Task) {
+        self.counting = task.counting;
         if self.drop_if_aborted(scsi, &task) {
             self.finish_task(task);
             return;
@@ -912,6 +995,7 @@ impl Session {
             _ => &[],
         };
         let result = scsi.execute(self.nexus, &task.plan, data, &mut self.data_in);
+        self.counting.bytes = task.moved;
         let itt = task.itt;
         self.finish_task(task);
         match result {
@@ -973,6 +1057,7 @@ impl Session {
     ) {
         let xfer = produced.min(edtl);
         let residual = Residual::between(edtl, produced);
+        self.counting.bytes = xfer;
         if xfer == 0 {
             self.respond(out, itt, status::GOOD, None, residual);
             return;
@@ -1005,7 +1090,7 @@ impl Session {
         let burst = self.params.max_burst_len.max(seg);
         if let DataSource::Store(base) = src {
             let statsn = out.take_statsn();
-            let stream = DataInStream {
+            let mut stream = DataInStream {
                 itt,
                 lun,
                 lun_wire: self.lun_wire(lun),
@@ -1022,7 +1107,9 @@ impl Session {
                 residual_count: residual.count(),
                 header_digest: self.params.header_digest,
                 data_digest: self.params.data_digest,
+                served: None,
             };
+            stream.served = self.count_status(status::GOOD, None);
             self.note_max_cmdsn(stream.max_cmdsn);
             out.push_data_in(stream);
             return;
@@ -1060,7 +1147,10 @@ impl Session {
                     OutData::Owned(v[off as usize..(off + len) as usize].to_vec())
                 }
             };
-            let pdu = self.pdu(b, data);
+            let mut pdu = self.pdu(b, data);
+            if last {
+                pdu.served = self.count_status(status::GOOD, None);
+            }
             out.push(pdu);
             off += len;
             datasn += 1;
@@ -1096,6 +1186,7 @@ impl Session {
         b.0[3] = st;
         b.set_itt(itt);
         b.set_residual(residual.count());
+        let served = self.count_status(st, sense.as_ref());
         let data = match sense {
             Some(s) => {
                 let enc = s.encode_fixed();
@@ -1106,7 +1197,11 @@ impl Session {
             }
             None => OutData::None,
         };
-        self.push_status(out, b, data);
+        b.set_statsn(out.take_statsn());
+        self.stamp(&mut b);
+        let mut pdu = self.pdu(b, data);
+        pdu.served = served;
+        out.push(pdu);
     }
 
     // ---- task management -------------------------------------------------

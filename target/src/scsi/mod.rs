@@ -32,11 +32,31 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use ramslog_common::scsi_wire::{sense_key, FieldPointer, Sense};
 
+use crate::metrics::{CommandKind, LunMetrics};
 use crate::volume::Volume;
 use cdb::{opc, Geometry, Op};
 use pr::PrState;
 
 pub use crate::volume::Readiness;
+
+/// What a command with this operation code does, for counting.
+pub fn command_kind(opcode: u8) -> CommandKind {
+    match opcode {
+        opc::READ6 | opc::READ10 | opc::READ12 | opc::READ16 => CommandKind::Read,
+        opc::WRITE6
+        | opc::WRITE10
+        | opc::WRITE12
+        | opc::WRITE16
+        | opc::WRITE_VERIFY10
+        | opc::WRITE_VERIFY12
+        | opc::WRITE_VERIFY16
+        | opc::WRITE_SAME10
+        | opc::WRITE_SAME16
+        | opc::COMPARE_AND_WRITE => CommandKind::Write,
+        opc::SYNC_CACHE10 | opc::SYNC_CACHE16 => CommandKind::Flush,
+        _ => CommandKind::Other,
+    }
+}
 pub use inquiry::encode_lun;
 pub use sense::SenseReason;
 
@@ -256,6 +276,7 @@ pub struct LogicalUnit {
     state: Mutex<LuState>,
     /// Makes COMPARE AND WRITE atomic against the writes `execute` performs.
     atomic: Mutex<()>,
+    metrics: LunMetrics,
 }
 
 impl std::fmt::Debug for LogicalUnit {
@@ -279,6 +300,10 @@ impl LogicalUnit {
     pub fn blocks(&self) -> u64 {
         self.geo.blocks
     }
+    pub fn metrics(&self) -> &LunMetrics {
+        &self.metrics
+    }
+
     pub fn volume(&self) -> &Arc<Volume> {
         &self.volume
     }
@@ -380,6 +405,7 @@ impl ScsiTarget {
                 abort_epoch: AtomicU64::new(0),
                 state: Mutex::new(st),
                 atomic: Mutex::new(()),
+                metrics: LunMetrics::default(),
             };
             lu.refresh(&lu.lock());
             out.push(Arc::new(lu));

@@ -4,6 +4,7 @@
 mod identity;
 mod images;
 mod integrity;
+mod metrics;
 mod persistence;
 mod sessions;
 mod startup;

@@ -1,0 +1,646 @@
+//! What the daemon counts for `--metrics` and `status`.
+//!
+//! The I/O path only ever touches counters that belong to one session and
+//! are written by that session's connection thread alone: a plain load and
+//! store, no lock prefix, no allocation, no shared cache line. A logical unit
+//! keeps the list of its sessions' counters and the totals of the sessions
+//! that ended; a scrape sums both under the LU's lock, so every counter only
+//! ever grows.
+//!
+//! Service time runs from the engine taking a SCSI command off the PDU the
+//! driver handed it to the driver having posted (iSER) or written (TCP) the
+//! response that carries the status. Both ends read [`clock`]: the TSC
+//! through `quanta` where the CPU has an invariant TSC, else
+//! `CLOCK_MONOTONIC`. The drivers' own `Instant`s are not used for this,
+//! because the iSER driver reads its clock only every few polling rounds.
+
+pub mod export;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use serde::{Deserialize, Serialize};
+
+use ramslog_common::scsi_wire::{sense_key, status, Sense};
+
+/// The clock of service times (see the module docs).
+pub fn clock() -> &'static quanta::Clock {
+    static CLOCK: OnceLock<quanta::Clock> = OnceLock::new();
+    CLOCK.get_or_init(quanta::Clock::new)
+}
+
+/// What a SCSI command does, for counting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommandKind {
+    Read = 0,
+    /// WRITE, WRITE AND VERIFY, WRITE SAME, COMPARE AND WRITE.
+    Write = 1,
+    /// SYNCHRONIZE CACHE: what a ZFS log's flushes are.
+    Flush = 2,
+    Other = 3,
+}
+
+impl CommandKind {
+    pub const ALL: [CommandKind; 4] = [
+        CommandKind::Read,
+        CommandKind::Write,
+        CommandKind::Flush,
+        CommandKind::Other,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            CommandKind::Read => "read",
+            CommandKind::Write => "write",
+            CommandKind::Flush => "flush",
+            CommandKind::Other => "other",
+        }
+    }
+}
+
+/// The status a failed command ended with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailedStatus {
+    CheckCondition = 0,
+    ReservationConflict = 1,
+    Busy = 2,
+    TaskSetFull = 3,
+    Other = 4,
+}
+
+const FAILED_STATUSES: usize = 5;
+
+impl FailedStatus {
+    const ALL: [FailedStatus; FAILED_STATUSES] = [
+        FailedStatus::CheckCondition,
+        FailedStatus::ReservationConflict,
+        FailedStatus::Busy,
+        FailedStatus::TaskSetFull,
+        FailedStatus::Other,
+    ];
+
+    fn of(st: u8) -> FailedStatus {
+        match st {
+            status::CHECK_CONDITION => FailedStatus::CheckCondition,
+            status::RESERVATION_CONFLICT => FailedStatus::ReservationConflict,
+            status::BUSY => FailedStatus::Busy,
+            status::TASK_SET_FULL => FailedStatus::TaskSetFull,
+            _ => FailedStatus::Other,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            FailedStatus::CheckCondition => "check_condition",
+            FailedStatus::ReservationConflict => "reservation_conflict",
+            FailedStatus::Busy => "busy",
+            FailedStatus::TaskSetFull => "task_set_full",
+            FailedStatus::Other => "other",
+        }
+    }
+}
+
+/// SPC-4's sense key names, as label values; "none" for a status without
+/// sense data.
+pub fn sense_key_label(key: u8) -> &'static str {
+    match key {
+        sense_key::NO_SENSE => "none",
+        sense_key::RECOVERED_ERROR => "recovered_error",
+        sense_key::NOT_READY => "not_ready",
+        sense_key::MEDIUM_ERROR => "medium_error",
+        sense_key::HARDWARE_ERROR => "hardware_error",
+        sense_key::ILLEGAL_REQUEST => "illegal_request",
+        sense_key::UNIT_ATTENTION => "unit_attention",
+        sense_key::DATA_PROTECT => "data_protect",
+        0x8 => "blank_check",
+        0x9 => "vendor_specific",
+        0xa => "copy_aborted",
+        sense_key::ABORTED_COMMAND => "aborted_command",
+        0xd => "volume_overflow",
+        sense_key::MISCOMPARE => "miscompare",
+        _ => "reserved",
+    }
+}
+
+/// Upper bounds of the service-time buckets: 1 µs, 2 µs, 4 µs … 2^20 µs
+/// (about 1 s), then +Inf. Powers of two make the bucket a leading-zero count.
+pub const FINITE_BUCKETS: usize = 21;
+const BUCKETS: usize = FINITE_BUCKETS + 1;
+
+/// The upper bound of bucket `i`, in seconds.
+pub fn bucket_bound_seconds(i: usize) -> f64 {
+    (1u64 << i) as f64 * 1e-6
+}
+
+fn bucket_of(nanos: u64) -> usize {
+    let micros = nanos.div_ceil(1000).max(1);
+    ((u64::BITS - (micros - 1).leading_zeros()) as usize).min(FINITE_BUCKETS)
+}
+
+/// A counter with one writer (see the module docs); readers may see it lag.
+#[derive(Debug, Default)]
+struct Tally(AtomicU64);
+
+impl Tally {
+    #[inline]
+    fn add(&self, n: u64) {
+        let v = self.0.load(Ordering::Relaxed);
+        self.0.store(v.wrapping_add(n), Ordering::Relaxed);
+    }
+
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Debug, Default)]
+struct ServiceTimes {
+    buckets: [Tally; BUCKETS],
+    sum_nanos: Tally,
+}
+
+/// One session's counters of one LU.
+#[derive(Debug, Default)]
+pub struct LunCounters {
+    commands: [Tally; 4],
+    bytes: [Tally; 4],
+    /// By failed status, then sense key (0 when the status has no sense).
+    errors: [[Tally; 16]; FAILED_STATUSES],
+    service: [ServiceTimes; 4],
+}
+
+impl LunCounters {
+    /// A command ended with `st` (and `sense`); `bytes` moved if it succeeded.
+    #[inline]
+    pub fn completed(&self, kind: CommandKind, st: u8, sense: Option<&Sense>, bytes: u32) {
+        self.commands[kind as usize].add(1);
+        if st == status::GOOD {
+            self.bytes[kind as usize].add(u64::from(bytes));
+        } else {
+            let key = sense.map_or(0, |s| s.key & 0x0f);
+            self.errors[FailedStatus::of(st) as usize][key as usize].add(1);
+        }
+    }
+
+    #[inline]
+    pub fn served(&self, kind: CommandKind, nanos: u64) {
+        let s = &self.service[kind as usize];
+        s.buckets[bucket_of(nanos)].add(1);
+        s.sum_nanos.add(nanos);
+    }
+
+    fn add_to(&self, t: &mut LunTotals) {
+        for k in 0..4 {
+            t.commands[k] += self.commands[k].get();
+            t.bytes[k] += self.bytes[k].get();
+            for b in 0..BUCKETS {
+                t.service[k].buckets[b] += self.service[k].buckets[b].get();
+            }
+            t.service[k].sum_nanos += self.service[k].sum_nanos.get();
+        }
+        for (row, counts) in t.errors.iter_mut().zip(&self.errors) {
+            for (total, c) in row.iter_mut().zip(counts) {
+                *total += c.get();
+            }
+        }
+    }
+}
+
+/// Service times of one command kind, summed.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ServiceTotals {
+    /// Per bucket, not cumulative; the last is +Inf.
+    pub buckets: [u64; BUCKETS],
+    pub sum_nanos: u64,
+}
+
+impl ServiceTotals {
+    pub fn count(&self) -> u64 {
+        self.buckets.iter().sum()
+    }
+
+    /// The upper bound (in µs) of the bucket holding quantile `q`; `None`
+    /// without samples, `f64::INFINITY` past the last finite bucket.
+    pub fn quantile_bound_micros(&self, q: f64) -> Option<f64> {
+        let n = self.count();
+        if n == 0 {
+            return None;
+        }
+        let rank = ((n as f64) * q).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (i, c) in self.buckets.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return Some(if i < FINITE_BUCKETS {
+                    bucket_bound_seconds(i) * 1e6
+                } else {
+                    f64::INFINITY
+                });
+            }
+        }
+        Some(f64::INFINITY)
+    }
+}
+
+/// Everything counted for one LU, over all sessions past and present.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LunTotals {
+    pub commands: [u64; 4],
+    pub bytes: [u64; 4],
+    pub errors: [[u64; 16]; FAILED_STATUSES],
+    pub service: [ServiceTotals; 4],
+}
+
+impl LunTotals {
+    /// Non-zero error counts as (status, sense key, count).
+    pub fn errors(&self) -> impl Iterator<Item = (FailedStatus, u8, u64)> + '_ {
+        FailedStatus::ALL.into_iter().flat_map(move |st| {
+            (0u8..16).filter_map(move |key| {
+                let n = self.errors[st as usize][key as usize];
+                (n > 0).then_some((st, key, n))
+            })
+        })
+    }
+
+    /// The facts `status --json` prints.
+    pub fn report(&self) -> LunIo {
+        let kinds = CommandKind::ALL
+            .into_iter()
+            .map(|k| {
+                let s = &self.service[k as usize];
+                KindIo {
+                    kind: k.label().to_string(),
+                    commands: self.commands[k as usize],
+                    bytes: self.bytes[k as usize],
+                    service_time_sum_seconds: s.sum_nanos as f64 * 1e-9,
+                    service_time_p50_micros_at_most: s
+                        .quantile_bound_micros(0.5)
+                        .filter(|v| v.is_finite()),
+                    service_time_p99_micros_at_most: s
+                        .quantile_bound_micros(0.99)
+                        .filter(|v| v.is_finite()),
+                }
+            })
+            .collect();
+        let errors = self
+            .errors()
+            .map(|(st, key, count)| ErrorCount {
+                status: st.label().to_string(),
+                sense_key: sense_key_label(key).to_string(),
+                count,
+            })
+            .collect();
+        LunIo { kinds, errors }
+    }
+}
+
+/// A LU's I/O as `status` reports it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LunIo {
+    pub kinds: Vec<KindIo>,
+    pub errors: Vec<ErrorCount>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct KindIo {
+    pub kind: String,
+    pub commands: u64,
+    pub bytes: u64,
+    pub service_time_sum_seconds: f64,
+    /// The upper bound of the histogram bucket holding the median.
+    pub service_time_p50_micros_at_most: Option<f64>,
+    pub service_time_p99_micros_at_most: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ErrorCount {
+    pub status: String,
+    pub sense_key: String,
+    pub count: u64,
+}
+
+#[derive(Debug, Default)]
+struct LunRegistry {
+    live: Vec<Arc<LunCounters>>,
+    ended: LunTotals,
+}
+
+/// A LU's view of its sessions' counters.
+#[derive(Debug, Default)]
+pub struct LunMetrics {
+    registry: Mutex<LunRegistry>,
+}
+
+impl LunMetrics {
+    fn lock(&self) -> MutexGuard<'_, LunRegistry> {
+        self.registry
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Counters for a new session (at login, off the I/O path).
+    pub fn join(&self) -> Arc<LunCounters> {
+        let c = Arc::new(LunCounters::default());
+        self.lock().live.push(c.clone());
+        c
+    }
+
+    /// A session ended: its counts move to the totals.
+    pub fn leave(&self, c: &Arc<LunCounters>) {
+        let mut reg = self.lock();
+        if let Some(i) = reg.live.iter().position(|l| Arc::ptr_eq(l, c)) {
+            let gone = reg.live.swap_remove(i);
+            gone.add_to(&mut reg.ended);
+        }
+    }
+
+    pub fn totals(&self) -> LunTotals {
+        let reg = self.lock();
+        let mut t = reg.ended.clone();
+        for c in &reg.live {
+            c.add_to(&mut t);
+        }
+        t
+    }
+}
+
+/// Why a login was refused, by its login status (RFC 7143 11.13.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoginRefusal {
+    AuthenticationFailed = 0,
+    Forbidden = 1,
+    TargetNotFound = 2,
+    InitiatorError = 3,
+    MissingParameter = 4,
+    Unsupported = 5,
+    OutOfResources = 6,
+    Other = 7,
+}
+
+const LOGIN_REFUSALS: usize = 8;
+
+impl LoginRefusal {
+    pub const ALL: [LoginRefusal; LOGIN_REFUSALS] = [
+        LoginRefusal::AuthenticationFailed,
+        LoginRefusal::Forbidden,
+        LoginRefusal::TargetNotFound,
+        LoginRefusal::InitiatorError,
+        LoginRefusal::MissingParameter,
+        LoginRefusal::Unsupported,
+        LoginRefusal::OutOfResources,
+        LoginRefusal::Other,
+    ];
+
+    pub fn of_status(login_status: u16) -> LoginRefusal {
+        match login_status {
+            0x0201 => LoginRefusal::AuthenticationFailed,
+            0x0202 => LoginRefusal::Forbidden,
+            0x0203 | 0x0204 => LoginRefusal::TargetNotFound,
+            0x0207 => LoginRefusal::MissingParameter,
+            0x0205 | 0x0208 | 0x0209 => LoginRefusal::Unsupported,
+            0x0300..=0x03ff => LoginRefusal::OutOfResources,
+            0x0200..=0x02ff => LoginRefusal::InitiatorError,
+            _ => LoginRefusal::Other,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            LoginRefusal::AuthenticationFailed => "authentication_failed",
+            LoginRefusal::Forbidden => "forbidden",
+            LoginRefusal::TargetNotFound => "target_not_found",
+            LoginRefusal::InitiatorError => "initiator_error",
+            LoginRefusal::MissingParameter => "missing_parameter",
+            LoginRefusal::Unsupported => "unsupported",
+            LoginRefusal::OutOfResources => "out_of_resources",
+            LoginRefusal::Other => "other",
+        }
+    }
+}
+
+/// A configured limit that stopped something.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitHit {
+    /// `max_connections`: a connection was refused.
+    Connections = 0,
+    /// Connections from one address.
+    ConnectionsPerSource = 1,
+    /// Connections from one address still logging in.
+    PendingLoginsPerSource = 2,
+    /// iSER connections (each pins its queue pair's memory).
+    IserConnections = 3,
+    /// The daemon-wide staging budget: a command got TASK SET FULL.
+    StagingBudget = 4,
+    /// A session's command window: a command got TASK SET FULL.
+    CommandWindow = 5,
+    /// A peer read nothing for the output stall limit: it was dropped.
+    OutputStall = 6,
+}
+
+const LIMIT_HITS: usize = 7;
+
+impl LimitHit {
+    pub const ALL: [LimitHit; LIMIT_HITS] = [
+        LimitHit::Connections,
+        LimitHit::ConnectionsPerSource,
+        LimitHit::PendingLoginsPerSource,
+        LimitHit::IserConnections,
+        LimitHit::StagingBudget,
+        LimitHit::CommandWindow,
+        LimitHit::OutputStall,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            LimitHit::Connections => "connections",
+            LimitHit::ConnectionsPerSource => "connections_per_source",
+            LimitHit::PendingLoginsPerSource => "pending_logins_per_source",
+            LimitHit::IserConnections => "iser_connections",
+            LimitHit::StagingBudget => "staging_budget",
+            LimitHit::CommandWindow => "command_window",
+            LimitHit::OutputStall => "output_stall",
+        }
+    }
+}
+
+/// Portal-wide events; rare, so shared atomics.
+#[derive(Debug, Default)]
+pub struct PortalCounters {
+    logins_refused: [AtomicU64; LOGIN_REFUSALS],
+    limit_hits: [AtomicU64; LIMIT_HITS],
+}
+
+impl PortalCounters {
+    pub fn login_refused(&self, why: LoginRefusal) {
+        self.logins_refused[why as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn limit_hit(&self, which: LimitHit) {
+        self.limit_hits[which as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn logins_refused(&self, why: LoginRefusal) -> u64 {
+        self.logins_refused[why as usize].load(Ordering::Relaxed)
+    }
+
+    pub fn limit_hits(&self, which: LimitHit) -> u64 {
+        self.limit_hits[which as usize].load(Ordering::Relaxed)
+    }
+}
+
+/// The process's memory as the kernel counts it.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct ProcessMemory {
+    pub locked_bytes: u64,
+    pub resident_bytes: u64,
+}
+
+impl ProcessMemory {
+    /// From `/proc/self/status` (VmLck, VmRSS); zeros where unreadable.
+    pub fn now() -> ProcessMemory {
+        let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let kib = |field: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(field))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|n| n.parse::<u64>().ok())
+                .map_or(0, |n| n * 1024)
+        };
+        ProcessMemory {
+            locked_bytes: kib("VmLck:"),
+            resident_bytes: kib("VmRSS:"),
+        }
+    }
+}
+
+/// One session's counters, one entry per LU of its target; gives them back
+/// to their LUs when the session ends.
+#[derive(Debug, Default)]
+pub struct SessionMetrics {
+    luns: Vec<(u64, Arc<crate::scsi::LogicalUnit>, Arc<LunCounters>)>,
+}
+
+impl SessionMetrics {
+    pub fn join(lus: impl Iterator<Item = Arc<crate::scsi::LogicalUnit>>) -> SessionMetrics {
+        let luns = lus
+            .map(|lu| {
+                let c = lu.metrics().join();
+                (lu.lun(), lu, c)
+            })
+            .collect();
+        SessionMetrics { luns }
+    }
+
+    /// The counters of `lun`, as a slot number for [`Self::slot`].
+    #[inline]
+    pub fn slot_of(&self, lun: u64) -> Option<u16> {
+        self.luns
+            .iter()
+            .position(|(l, _, _)| *l == lun)
+            .and_then(|i| u16::try_from(i).ok())
+            .filter(|&i| i != u16::MAX)
+    }
+
+    #[inline]
+    pub fn slot(&self, slot: u16) -> Option<&LunCounters> {
+        self.luns.get(slot as usize).map(|(_, _, c)| &**c)
+    }
+}
+
+impl Drop for SessionMetrics {
+    fn drop(&mut self) {
+        for (_, lu, c) in &self.luns {
+            lu.metrics().leave(c);
+        }
+    }
+}
+
+/// A response that ends a SCSI command: the driver reports when it went out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Served {
+    pub slot: u16,
+    pub kind: CommandKind,
+    /// [`clock`]'s raw reading when the command arrived.
+    pub arrived: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_powers_of_two_microseconds() {
+        assert_eq!(bucket_of(0), 0);
+        assert_eq!(bucket_of(1000), 0);
+        assert_eq!(bucket_of(1001), 1);
+        assert_eq!(bucket_of(2000), 1);
+        assert_eq!(bucket_of(2001), 2);
+        assert_eq!(bucket_of(4000), 2);
+        assert_eq!(bucket_of(1_048_576_000), 20);
+        assert_eq!(bucket_of(1_048_576_001), FINITE_BUCKETS);
+        assert_eq!(bucket_of(u64::MAX), FINITE_BUCKETS);
+        assert_eq!(bucket_bound_seconds(0), 1e-6);
+        assert_eq!(bucket_bound_seconds(3), 8e-6);
+    }
+
+    #[test]
+    fn ended_sessions_keep_their_counts() {
+        let lu = LunMetrics::default();
+        let a = lu.join();
+        let b = lu.join();
+        a.completed(CommandKind::Write, status::GOOD, None, 4096);
+        a.served(CommandKind::Write, 3_000);
+        b.completed(CommandKind::Flush, status::GOOD, None, 0);
+        let s = Sense::new(sense_key::NOT_READY, 0x04, 0x03);
+        b.completed(CommandKind::Write, status::CHECK_CONDITION, Some(&s), 4096);
+        lu.leave(&a);
+        let t = lu.totals();
+        assert_eq!(t.commands, [0, 2, 1, 0]);
+        assert_eq!(t.bytes[CommandKind::Write as usize], 4096);
+        assert_eq!(t.service[CommandKind::Write as usize].count(), 1);
+        assert_eq!(t.service[CommandKind::Write as usize].buckets[2], 1);
+        let errors: Vec<_> = t.errors().collect();
+        assert_eq!(errors, vec![(FailedStatus::CheckCondition, 2, 1)]);
+        lu.leave(&b);
+        lu.leave(&b);
+        assert_eq!(lu.totals(), t);
+    }
+
+    #[test]
+    fn quantiles_name_the_bucket_bound() {
+        let mut s = ServiceTotals::default();
+        assert_eq!(s.quantile_bound_micros(0.5), None);
+        s.buckets[2] = 98;
+        s.buckets[10] = 2;
+        assert_eq!(s.quantile_bound_micros(0.5), Some(4.0));
+        assert_eq!(s.quantile_bound_micros(0.99), Some(1024.0));
+        s.buckets[FINITE_BUCKETS] = 100;
+        assert_eq!(s.quantile_bound_micros(0.99), Some(f64::INFINITY));
+    }
+
+    #[test]
+    fn login_statuses_map_to_bounded_reasons() {
+        assert_eq!(
+            LoginRefusal::of_status(0x0201),
+            LoginRefusal::AuthenticationFailed
+        );
+        assert_eq!(
+            LoginRefusal::of_status(0x0203),
+            LoginRefusal::TargetNotFound
+        );
+        assert_eq!(LoginRefusal::of_status(0x0209), LoginRefusal::Unsupported);
+        assert_eq!(
+            LoginRefusal::of_status(0x0206),
+            LoginRefusal::InitiatorError
+        );
+        assert_eq!(
+            LoginRefusal::of_status(0x020b),
+            LoginRefusal::InitiatorError
+        );
+        assert_eq!(
+            LoginRefusal::of_status(0x0301),
+            LoginRefusal::OutOfResources
+        );
+        assert_eq!(LoginRefusal::of_status(0x0101), LoginRefusal::Other);
+    }
+}
