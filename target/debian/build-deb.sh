@@ -35,6 +35,8 @@ install -D -m 644 target/systemd/ramslog-target.service "$stage/lib/systemd/syst
 install -D -m 640 "$here/ramslog.toml" "$stage/etc/ramslog/ramslog.toml"
 install -D -m 755 target/host/ramslog-log-sessions "$stage/usr/share/ramslog/host/ramslog-log-sessions"
 install -D -m 644 target/host/ramslog-zpool-import.service "$stage/usr/share/ramslog/host/ramslog-zpool-import.service"
+install -D -m 644 target/prometheus/ramslog-alerts.yml "$stage/usr/share/ramslog/prometheus/ramslog-alerts.yml"
+install -D -m 644 target/prometheus/ramslog-alerts.test.yml "$stage/usr/share/ramslog/prometheus/ramslog-alerts.test.yml"
 install -D -m 644 "$here/sysctl-hugepages.conf" "$doc/examples/60-ramslog-hugepages.conf"
 install -D -m 644 "$here/copyright" "$doc/copyright"
 for f in README.md docs/*.md; do
