@@ -5,6 +5,7 @@
 //! queue depths, `floor` the transport alone (against `floor-server`).
 #![deny(unsafe_code)]
 
+mod field;
 mod floor;
 mod machine;
 mod plot;
@@ -49,6 +50,10 @@ enum Cmd {
     Floor(floor::FloorArgs),
     /// Serve `rdma-bench floor` clients (TCP, and rdma_cm on the same port).
     FloorServer(floor::FloorServerArgs),
+    /// A report of this fabric to send back: machine and RDMA devices, the
+    /// transport floor, fua and zil at QD1 and QD32, fio on the attached LUN,
+    /// the target's own service times; JSON, SVG and markdown, redacted.
+    Report(field::ReportArgs),
 }
 
 #[derive(Args, Clone)]
@@ -641,6 +646,7 @@ fn main() -> Result<()> {
         Cmd::Sweep(a) => sweep(a),
         Cmd::Floor(a) => floor::run_client(&a),
         Cmd::FloorServer(a) => floor::serve(&a),
+        Cmd::Report(a) => field::run(a),
     }
 }
 

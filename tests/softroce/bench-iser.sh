@@ -7,7 +7,12 @@
 #      unless its write cache is on), with the floor
 #      measured in the same run: table, JSON and the SVG percentile plot,
 #   3. lat over iSER at QD8 (pipelining through registered buffers),
-#   4. the one-command demo: rdma-bench lat --softroce NETDEV on a fresh veth
+#   4. rdma-bench report: a second ramslog-target with --metrics, attached by
+#      the kernel initiator over iSER; the report of this (emulated) machine
+#      with LIO for comparison, the floor, fio on the attached LUN and the
+#      target's own service times: JSON, SVG and markdown, marked emulated,
+#      IQNs and addresses redacted,
+#   5. the one-command demo: rdma-bench lat --softroce NETDEV on a fresh veth
 #      pair (rxe device + ramslog-target created and torn down by rdma-bench).
 # Everything on one rxe address (rxe cannot connect across its two devices
 # in one namespace); LIO on port 3261. Results: $RESULTS/bench-iser-*.
@@ -21,6 +26,7 @@ BENCH_SECS=${1:-10}
 . "$HERE/lib/rxe.sh"
 . "$HERE/lib/bin.sh"
 . "$HERE/lib/lio.sh"
+. "$HERE/lib/iscsi.sh"
 BENCH=$(pick_bin rdma-bench) || { echo "build rdma-bench first"; exit 1; }
 TARGET=$(pick_bin ramslog-target) || { echo "build ramslog-target first"; exit 1; }
 IQN=iqn.2026-11.org.ramslog:bench
@@ -30,6 +36,7 @@ step() { echo; echo "== $*"; }
 PIDS=()
 cleanup() {
   local p
+  iscsid_stop
   for p in "${PIDS[@]}"; do stop_pid "$p"; done
   # LIO is left configured: the guest is thrown away.
   ip link del rsb-x 2>/dev/null || true
@@ -80,6 +87,54 @@ PY
 step "lat over iSER, 64 KiB writes at QD8 (RDMA READ of the rest after 8 KiB immediate data)"
 "$BENCH" lat "iser://$RXE_ADDR_A:3260/$IQN/0" --bs 64K --qd 8 --pattern write --time 3 --warmup 0.5 \
   --spin 0 --initiator-name "$INI" --quiet
+
+step "rdma-bench report: ramslog (with --metrics) vs LIO over iSER, floor, fio via the kernel initiator"
+REPORT_IQN=iqn.2026-11.org.ramslog:report
+iscsid_start
+HOST_INI=$(sed -n 's/^InitiatorName=//p' /etc/iscsi/initiatorname.iscsi)
+[ -n "$HOST_INI" ] || { HOST_INI=iqn.2026-11.org.ramslog.lab:host; echo "InitiatorName=$HOST_INI" >/etc/iscsi/initiatorname.iscsi; }
+# Its own daemon: service times cost clock reads, which the compare above
+# must not pay.
+"$TARGET" --size 128M --ephemeral --listen "$RXE_ADDR_A:3262" --target-name "$REPORT_IQN" \
+  --allow "$INI" --allow "$HOST_INI" --iser-spin 0 --metrics 127.0.0.1:9105 \
+  --control-socket /run/ramslog-report.sock >"$RESULTS/bench-report-target.log" 2>&1 &
+PIDS+=($!)
+wait_for "$RESULTS/bench-report-target.log" "iSER listening on $RXE_ADDR_A:3262"
+iscsiadm -m discovery -t sendtargets -p "$RXE_ADDR_A:3262" -I iser >/dev/null
+timeout 60 iscsiadm -m node -T "$REPORT_IQN" -p "$RXE_ADDR_A:3262" -I iser --login
+disk=$(iscsi_disk "$REPORT_IQN")
+echo "kernel initiator: $REPORT_IQN is $disk"
+rm -rf "$RESULTS/report"
+"$BENCH" report "iser://$RXE_ADDR_A:3262/$REPORT_IQN/0" --compare "iser://$RXE_ADDR_A:3261/$LIO_IQN/0" \
+  --floor "$RXE_ADDR_A:7470" --metrics 127.0.0.1:9105 --device "$disk" --time 2 --spin 0 \
+  --initiator-name "$INI" --out "$RESULTS/report"
+timeout 60 iscsiadm -m node -T "$REPORT_IQN" -p "$RXE_ADDR_A:3262" --logout
+sed -n '1,40p' "$RESULTS/report/report.md"
+python3 - "$RESULTS/report/report.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["emulated"] is True and r["machine"]["emulated"], "the lab's report is not marked emulated"
+assert any(d["software"] for d in r["machine"]["rdma_devices"]), r["machine"]["rdma_devices"]
+assert r["redacted"] and r["machine"]["hostname"] == "redacted"
+assert len(r["runs"]) == 8 and len({(x["workload"], x["url"]) for x in r["runs"]}) == 8, r["runs"]
+ours = [x for x in r["runs"] if "iqn.redacted:target-1" in x["url"]]
+assert len(ours) == 4 and all(x["summary"]["ios"] > 0 for x in ours), ours
+# LIO refuses FUA with its write cache off: those runs are recorded as failed.
+lio = [x for x in r["runs"] if "iqn.redacted:target-2" in x["url"]]
+assert all(x["summary"]["ios"] > 0 for x in lio if "zil" in x["workload"]), lio
+assert all(x.get("error") for x in lio if "Fua" in x["workload"]), lio
+assert r["floors"] and r["floors"][0]["summary"]["ios"] > 0
+assert r["fio"]["ios"] > 0, r["fio"]
+kinds = {k["kind"]: k for k in r["target_side"]["kinds"]}
+assert kinds["write"]["commands"] > 0 and kinds["flush"]["commands"] > 0, kinds
+assert kinds["write"]["p99_us_at_most"], kinds
+print("report: emulated, 8 runs, floor, fio %.0f IOPS, target-side writes %d" % (r["fio"]["iops"], kinds["write"]["commands"]))
+PY
+grep -q EMULATED "$RESULTS/report/report.md"
+[ -s "$RESULTS/report/latency.svg" ]
+if grep -l -e "$REPORT_IQN" -e "$LIO_IQN" -e "$INI" -e "$RXE_ADDR_A" -e "$HOST_INI" "$RESULTS"/report/*; then
+  echo "the report names an IQN or an address"; exit 1
+fi
 
 step "rdma-bench lat --softroce: its own rxe device and ramslog-target on a fresh veth"
 ip link add rsb-x type veth peer name rsb-y
