@@ -377,6 +377,10 @@ async fn run(args: RunArgs) -> Result<(), String> {
     let mut portal = Portal::new(targets, cfg.limits.clone(), cfg.listen.clone());
     portal.discovery_chap = cfg.discovery_chap.clone();
     portal.service_times = cfg.metrics.is_some();
+    if portal.service_times {
+        // Calibrate the TSC clock now, not on the first command's path.
+        ramslog_target::metrics::clock();
+    }
     let portal = Arc::new(portal);
 
     let stop = Arc::new(tokio::sync::Notify::new());

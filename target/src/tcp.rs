@@ -221,9 +221,11 @@ impl Output {
         if self.is_empty() {
             self.buf.clear();
             self.written = 0;
-            let now_raw = metrics::clock().raw();
-            for s in self.served.drain(..) {
-                conn.served(s, now_raw);
+            if !self.served.is_empty() {
+                let now_raw = metrics::clock().raw();
+                for s in self.served.drain(..) {
+                    conn.served(s, now_raw);
+                }
             }
         }
     }

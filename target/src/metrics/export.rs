@@ -29,7 +29,9 @@ use crate::scsi::Readiness;
 const CONCURRENT_SCRAPES: usize = 4;
 /// Longest request head read.
 const MAX_REQUEST: usize = 8 * 1024;
-/// A scraper gets this long to send its request and read the page.
+/// A scraper gets this long to send its request head…
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// …and this long for the whole exchange.
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(10);
 
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -317,8 +319,11 @@ pub async fn serve(addr: SocketAddr, portal: Arc<Portal>) -> std::io::Result<()>
                     continue;
                 }
             };
-            let Ok(permit) = slots.clone().acquire_owned().await else {
-                return;
+            // All slots busy (slow or idle clients): this one is closed at
+            // once, so idle sockets cannot keep a scraper out for long.
+            let Ok(permit) = slots.clone().try_acquire_owned() else {
+                drop(stream);
+                continue;
             };
             let portal = portal.clone();
             tokio::spawn(async move {
@@ -334,12 +339,21 @@ pub async fn serve(addr: SocketAddr, portal: Arc<Portal>) -> std::io::Result<()>
 async fn answer(mut stream: TcpStream, portal: &Arc<Portal>) -> std::io::Result<()> {
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+    let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT;
+    let mut scanned = 0usize;
+    while !head[scanned.saturating_sub(3)..]
+        .windows(4)
+        .any(|w| w == b"\r\n\r\n")
+    {
         if head.len() >= MAX_REQUEST {
             let status = "431 Request Header Fields Too Large";
             return reply(&mut stream, status, "text/plain", "", true).await;
         }
-        let n = stream.read(&mut buf).await?;
+        scanned = head.len();
+        let n = match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Ok(r) => r?,
+            Err(_) => return Ok(()),
+        };
         if n == 0 {
             return Ok(());
         }

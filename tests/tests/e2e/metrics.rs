@@ -154,6 +154,21 @@ impl Drop for Prometheus {
     }
 }
 
+fn wait_for_no_connections(metrics: SocketAddr) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sample(
+        &http_get(metrics, "/metrics").1,
+        "ramslog_connections{transport=\"tcp\"}",
+    ) != 0.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "a closed connection stays counted"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn alert_rules() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/prometheus/ramslog-alerts.yml")
 }
@@ -303,18 +318,7 @@ async fn refused_logins_and_limits_are_counted_without_peer_names() {
     });
     // The harness's readiness probe holds the one connection until the
     // daemon sees it closed.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while sample(
-        &http_get(metrics, "/metrics").1,
-        "ramslog_connections{transport=\"tcp\"}",
-    ) != 0.0
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the readiness probe's connection stays"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_no_connections(metrics);
     let wrong = ramslog_initiator::Session::login(
         t.addr(),
         ramslog_initiator::LoginParams::normal(PROBE_INITIATOR, "iqn.2026-11.org.ramslog:no-such"),
@@ -324,6 +328,8 @@ async fn refused_logins_and_limits_are_counted_without_peer_names() {
         wrong.is_err(),
         "a login to a target that does not exist succeeded"
     );
+    // The refused connection gives its place back after the client saw the reject.
+    wait_for_no_connections(metrics);
     let s = open(&t, PROBE_INITIATOR).await;
     // The one connection allowed is taken: the next is refused at accept.
     let second = ramslog_initiator::Session::login(
