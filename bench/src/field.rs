@@ -57,6 +57,11 @@ pub struct ReportArgs {
     /// Keep IQNs, addresses and the host name in the files.
     #[arg(long)]
     no_redact: bool,
+    /// Write to the LUNs even when their first or last 512 KiB hold data.
+    /// The runs write 4 KiB blocks from the start of each LUN: never point
+    /// the report at a log that is in a pool.
+    #[arg(long)]
+    overwrite: bool,
     /// A text file to include verbatim (repeatable), e.g. the output of
     /// `zpool iostat -vl POOL 1 10` or `iostat -xn 1 10` on the host.
     #[arg(long, value_name = "FILE")]
@@ -285,7 +290,11 @@ struct FieldReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     fio: Option<FioRun>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    fio_error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     target_side: Option<TargetSide>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    target_side_error: Option<String>,
     pasted: Vec<Pasted>,
 }
 
@@ -343,6 +352,11 @@ pub fn run(a: ReportArgs) -> Result<()> {
     }
     let transports: Vec<Transport> = urls.iter().map(|u| u.transport).collect();
     let o = a.session.options();
+    if !a.overwrite {
+        for url in &urls {
+            refuse_if_holding_data(url, &o)?;
+        }
+    }
     let mut runs = Vec::new();
     let mut curves = Vec::new();
     let mut floor_runs = Vec::new();
@@ -408,9 +422,18 @@ pub fn run(a: ReportArgs) -> Result<()> {
             }
         }
     }
-    let fio = match &a.device {
-        Some(dev) => Some(fio_sync_qd1(dev, secs)?),
-        None => None,
+    // Checked again: the device may have changed during the runs.
+    let fio_result = a
+        .device
+        .as_ref()
+        .map(|dev| check_device(dev).and_then(|real| fio_sync_qd1(&real, secs)));
+    let (fio, fio_error) = match fio_result {
+        Some(Ok(f)) => (Some(f), None),
+        Some(Err(e)) => {
+            eprintln!("rdma-bench: fio: {e:#}");
+            (None, Some(format!("{e:#}")))
+        }
+        None => (None, None),
     };
     if urls.is_empty() {
         eprintln!(
@@ -419,16 +442,27 @@ pub fn run(a: ReportArgs) -> Result<()> {
         );
         std::thread::sleep(secs);
     }
-    let target_side = match (a.metrics, before) {
-        (Some(addr), Some(before)) => {
-            let after = scrape(addr)?;
-            Some(target_side(
+    let only = urls
+        .first()
+        .map(|u| (u.target_name.clone(), u.lun.to_string()));
+    let side = match (a.metrics, before) {
+        (Some(addr), Some(before)) => Some(scrape(addr).and_then(|after| {
+            target_side(
                 &before,
                 &after,
                 started.elapsed().as_secs_f64(),
-            ))
-        }
+                only.as_ref(),
+            )
+        })),
         _ => None,
+    };
+    let (target_side, target_side_error) = match side {
+        Some(Ok(t)) => (Some(t), None),
+        Some(Err(e)) => {
+            eprintln!("rdma-bench: target side: {e:#}");
+            (None, Some(format!("{e:#}")))
+        }
+        None => (None, None),
     };
 
     let emulated = !machine.emulated.is_empty();
@@ -441,19 +475,31 @@ pub fn run(a: ReportArgs) -> Result<()> {
         floors: floor_runs,
         runs,
         fio,
+        fio_error,
         target_side,
+        target_side_error,
         pasted,
     };
     let redact = if a.no_redact {
         Redactor::default()
     } else {
-        Redactor::for_run(&a, &report)
+        Redactor::for_run(&a)
     };
     if !a.no_redact {
-        // By field, not by search: a short host name would hit other words.
+        // By field, not by search: a short name would hit other words.
         report.machine.base.hostname = "redacted".into();
+        for t in report.runs.iter_mut().filter_map(|r| r.target.as_mut()) {
+            for (k, v) in &mut t.negotiated {
+                if k == "TargetAlias" || k == "TargetAddress" {
+                    *v = "redacted".into();
+                }
+            }
+        }
     }
     let json = redact.apply(&serde_json::to_string_pretty(&report)?);
+    serde_json::from_str::<serde_json::Value>(&json).context(
+        "redaction broke the JSON (a redacted name matched its syntax): use --no-redact and redact by hand",
+    )?;
     write(&a.out.join("report.json"), &json)?;
     if !curves.is_empty() {
         let svg = a.out.join("latency.svg");
@@ -487,6 +533,13 @@ pub fn run(a: ReportArgs) -> Result<()> {
             ": IQNs, addresses and the host name redacted; read it before sending"
         }
     );
+    if let Some(e) = report
+        .fio_error
+        .as_ref()
+        .or(report.target_side_error.as_ref())
+    {
+        bail!("the report is written, but incomplete: {e}");
+    }
     if !failed.is_empty() {
         bail!(
             "{} of the LUN's runs failed (see report.md): {}",
@@ -524,8 +577,9 @@ fn write(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text).with_context(|| format!("write {}", path.display()))
 }
 
-/// The device must be an unused ramslog LUN: fio overwrites it.
-fn check_device(dev: &Path) -> Result<()> {
+/// The device must be an unused ramslog LUN: fio overwrites it. Returns
+/// its canonical path.
+fn check_device(dev: &Path) -> Result<PathBuf> {
     let real = std::fs::canonicalize(dev).with_context(|| format!("--device {}", dev.display()))?;
     let name = real
         .file_name()
@@ -557,12 +611,27 @@ fn check_device(dev: &Path) -> Result<()> {
     let mounted = mounts
         .lines()
         .any(|l| l.split_whitespace().next() == Some(&real.to_string_lossy()));
-    let signature = Command::new("blkid")
-        .args(["-p", "-o", "value", "-s", "TYPE"])
+    // Low-level probe of the whole device: filesystems, ZFS labels and
+    // partition tables (PTTYPE); exit status 2 alone means "nothing found".
+    let probe = Command::new("blkid")
+        .args(["-p", "-o", "export"])
         .arg(&real)
         .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default();
+        .context(
+            "cannot run blkid (apt-get install util-linux) to see whether the device holds data",
+        )?;
+    let signature = match probe.status.code() {
+        Some(2) => String::new(),
+        Some(0) => String::from_utf8_lossy(&probe.stdout)
+            .lines()
+            .filter(|l| l.starts_with("TYPE=") || l.starts_with("PTTYPE="))
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => format!(
+            "an unreadable probe (blkid: {})",
+            String::from_utf8_lossy(&probe.stderr).trim()
+        ),
+    };
     if holders > 0 || partitions > 0 || mounted || !signature.is_empty() {
         bail!(
             "--device {}: in use or holding data ({}): the fio run would overwrite it. Measure \
@@ -573,12 +642,49 @@ fn check_device(dev: &Path) -> Result<()> {
                 (holders > 0).then(|| "held by another device".to_string()),
                 (partitions > 0).then(|| "partitioned".to_string()),
                 mounted.then(|| "mounted".to_string()),
-                (!signature.is_empty()).then(|| format!("a {signature} signature")),
+                (!signature.is_empty()).then(|| signature.clone()),
             ]
             .into_iter()
             .flatten()
             .collect::<Vec<_>>()
             .join(", ")
+        );
+    }
+    Ok(real)
+}
+
+/// How much of each end of a LUN is checked for data: ZFS keeps two labels
+/// of 256 KiB at each end, GPT its headers at both ends.
+const CHECKED_END: u64 = 512 * 1024;
+
+/// Refuse to measure (write to) a LUN whose ends hold anything but zeros.
+fn refuse_if_holding_data(url: &TargetUrl, o: &runner::ConnectOptions) -> Result<()> {
+    let w = Workload {
+        pattern: Pattern::Read,
+        bs: 4096,
+        qd: 1,
+    };
+    let mut r = runner::connect(url, w, o)?;
+    let info = r.info().clone();
+    let block = u64::from(info.block_size.max(1));
+    // The blocks the workload addresses: whole 4 KiB I/Os, so up to 3.5 KiB
+    // short of the end on a 512-byte LUN whose size is no multiple of 4 KiB.
+    let total = info.blocks * block;
+    let span = CHECKED_END.min(total / 2) / block * block;
+    let mut buf = vec![0u8; span as usize];
+    let mut dirty = false;
+    for start in [0, total - span] {
+        r.read_at(start / block, &mut buf)
+            .with_context(|| format!("reading {url} to see whether it holds data"))?;
+        dirty |= buf.iter().any(|&b| b != 0);
+    }
+    r.close();
+    if dirty {
+        bail!(
+            "{url} holds data in its first or last {} KiB (a ZFS label, a partition table, or an \
+             earlier benchmark): the report writes over it. If it is in a pool, stop: measure a \
+             LUN that is not. If the data does not matter, add --overwrite",
+            CHECKED_END / 1024
         );
     }
     Ok(())
@@ -589,7 +695,11 @@ fn check_device(dev: &Path) -> Result<()> {
 fn fio_sync_qd1(dev: &Path, secs: Duration) -> Result<FioRun> {
     let out = Command::new("fio")
         .arg("--name=ramslog-sync-qd1")
-        .arg(format!("--filename={}", dev.display()))
+        // fio splits --filename at ':'.
+        .arg(format!(
+            "--filename={}",
+            dev.display().to_string().replace(':', "\\:")
+        ))
         .args([
             "--rw=randwrite",
             "--bs=4k",
@@ -641,7 +751,9 @@ fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
     Some(&rest[..rest.find('"')?])
 }
 
-fn parse_scrape(page: &str) -> Scrape {
+/// `only`: count just this (target, lun); other LUNs on the box may carry
+/// other hosts' I/O.
+fn parse_scrape(page: &str, only: Option<&(String, String)>) -> Scrape {
     let mut s = Scrape::default();
     for line in page.lines().filter(|l| !l.starts_with('#')) {
         let Some((series, value)) = line.rsplit_once(' ') else {
@@ -656,6 +768,11 @@ fn parse_scrape(page: &str) -> Scrape {
         let Some(kind) = label(labels, "kind") else {
             continue;
         };
+        if let Some((target, lun)) = only {
+            if label(labels, "target") != Some(target) || label(labels, "lun") != Some(lun) {
+                continue;
+            }
+        }
         let kind = kind.to_string();
         match name {
             "ramslog_lun_service_time_seconds_bucket" => {
@@ -677,7 +794,8 @@ fn parse_scrape(page: &str) -> Scrape {
     s
 }
 
-fn scrape(addr: SocketAddr) -> Result<Scrape> {
+/// The raw page; parsed by [`parse_scrape`] once the LUN is known.
+fn scrape(addr: SocketAddr) -> Result<String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
         .with_context(|| format!("--metrics {addr}: is ramslog-target running with --metrics?"))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
@@ -694,14 +812,29 @@ fn scrape(addr: SocketAddr) -> Result<Scrape> {
             head.lines().next().unwrap_or("no answer")
         );
     }
-    let parsed = parse_scrape(body);
-    if parsed.count.is_empty() {
+    if !body.contains("ramslog_lun_service_time_seconds") {
         bail!("--metrics {addr}: the page has no ramslog service-time histogram");
     }
-    Ok(parsed)
+    Ok(body.to_string())
 }
 
-fn target_side(before: &Scrape, after: &Scrape, seconds: f64) -> TargetSide {
+fn target_side(
+    before: &str,
+    after: &str,
+    seconds: f64,
+    only: Option<&(String, String)>,
+) -> Result<TargetSide> {
+    let (before, after) = (parse_scrape(before, only), parse_scrape(after, only));
+    if only.is_some() && after.count.is_empty() {
+        bail!("the metrics page has no service times for the LUN measured (another daemon?)");
+    }
+    let went_down = before
+        .count
+        .iter()
+        .any(|(k, n)| after.count.get(k).copied().unwrap_or(0.0) < *n);
+    if went_down {
+        bail!("the target's counters went down during the run: the daemon restarted");
+    }
     let kinds = after
         .count
         .iter()
@@ -736,7 +869,7 @@ fn target_side(before: &Scrape, after: &Scrape, seconds: f64) -> TargetSide {
             })
         })
         .collect();
-    TargetSide { seconds, kinds }
+    Ok(TargetSide { seconds, kinds })
 }
 
 /// Replaces every name that identifies the site with a placeholder.
@@ -744,13 +877,18 @@ fn target_side(before: &Scrape, after: &Scrape, seconds: f64) -> TargetSide {
 struct Redactor {
     /// (secret, placeholder), longest secret first.
     pairs: Vec<(String, String)>,
+    /// Also replace every iqn./eui./naa. name and IPv4 address left (in
+    /// pasted output, error messages, resolved addresses).
+    scrub: bool,
 }
 
 impl Redactor {
-    fn for_run(a: &ReportArgs, r: &FieldReport) -> Redactor {
+    fn for_run(a: &ReportArgs) -> Redactor {
         let mut pairs: Vec<(String, String)> = Vec::new();
         let mut add = |secret: &str, placeholder: String| {
-            if secret.len() >= 3 && !pairs.iter().any(|(s, _)| s == secret) {
+            // Short names would hit other words; the scrub pass and the
+            // field-level redaction cover names and addresses.
+            if secret.len() >= 4 && !pairs.iter().any(|(s, _)| s == secret) {
                 pairs.push((secret.to_string(), placeholder));
             }
         };
@@ -758,9 +896,8 @@ impl Redactor {
             if let Ok(url) = TargetUrl::parse(u) {
                 add(&url.target_name, format!("iqn.redacted:target-{}", i + 1));
                 add(&url.host, format!("box-{}", i + 1));
-                if let Some((user, secret)) = &url.chap {
+                if let Some((_, secret)) = &url.chap {
                     add(secret, "chap-secret".into());
-                    add(user, "chap-user".into());
                 }
             }
         }
@@ -768,17 +905,8 @@ impl Redactor {
         for addr in [a.metrics, a.floor.floor].into_iter().flatten() {
             add(&addr.ip().to_string(), "box".into());
         }
-        add(&r.machine.base.hostname, "redacted-host".into());
-        for run in r.runs.iter().filter_map(|run| run.target.as_ref()) {
-            // The URL as the runner printed it may spell the address another way.
-            for (k, v) in &run.negotiated {
-                if k == "TargetAlias" || k == "TargetAddress" {
-                    add(v, "redacted".into());
-                }
-            }
-        }
         pairs.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
-        Redactor { pairs }
+        Redactor { pairs, scrub: true }
     }
 
     fn apply(&self, text: &str) -> String {
@@ -786,8 +914,62 @@ impl Redactor {
         for (secret, placeholder) in &self.pairs {
             t = t.replace(secret.as_str(), placeholder);
         }
+        if self.scrub {
+            t = scrub(&t);
+        }
         t
     }
+}
+
+fn name_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '.' | ':' | '-' | '_')
+}
+
+/// Replace SCSI names (`iqn.…`, `eui.…`, `naa.…`) and dotted-quad IPv4
+/// addresses, token by token; the placeholders themselves are kept.
+fn scrub(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(start) = rest.find(name_char) {
+        out.push_str(&rest[..start]);
+        let tail = &rest[start..];
+        let end = tail.find(|c| !name_char(c)).unwrap_or(tail.len());
+        let token = &tail[..end];
+        let lower = token.to_ascii_lowercase();
+        let scsi_name = ["iqn.", "eui.", "naa."]
+            .iter()
+            .any(|p| lower.starts_with(p))
+            && !lower.starts_with("iqn.redacted")
+            && token.len() > 8;
+        if scsi_name {
+            out.push_str("iqn.redacted");
+        } else {
+            out.push_str(&scrub_ipv4(token));
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Within one token (e.g. `10.0.0.1:3260`), a dotted quad becomes `ip-redacted`.
+fn scrub_ipv4(token: &str) -> String {
+    token
+        .split(':')
+        .map(|p| {
+            let octets: Vec<&str> = p.split('.').collect();
+            let quad = octets.len() == 4
+                && octets.iter().all(|o| {
+                    !o.is_empty() && o.len() <= 3 && o.bytes().all(|b| b.is_ascii_digit())
+                });
+            if quad {
+                "ip-redacted"
+            } else {
+                p
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 fn us(v: f64) -> String {
@@ -975,9 +1157,15 @@ mod tests {
                  ramslog_lun_service_time_seconds_bucket{{le=\"+Inf\",target=\"t\",lun=\"0\",kind=\"write\"}} {inf}\n"
             )
         };
-        let before = parse_scrape(&page(10.0, 10.0, 0.00005));
-        let after = parse_scrape(&page(108.0, 110.0, 0.00065));
-        let t = target_side(&before, &after, 1.0);
+        let (before, after) = (page(10.0, 10.0, 0.00005), page(108.0, 110.0, 0.00065));
+        let only = ("t".to_string(), "0".to_string());
+        let t = target_side(&before, &after, 1.0, Some(&only)).expect("target side");
+        let other = ("u".to_string(), "0".to_string());
+        assert!(target_side(&before, &after, 1.0, Some(&other)).is_err());
+        assert!(
+            target_side(&after, &before, 1.0, None).is_err(),
+            "a restart goes unnoticed"
+        );
         assert_eq!(t.kinds.len(), 1);
         let k = &t.kinds[0];
         assert_eq!(k.commands, 100);
@@ -993,10 +1181,50 @@ mod tests {
                 ("10.0.0.10".into(), "box-2".into()),
                 ("10.0.0.1".into(), "box-1".into()),
             ],
+            scrub: false,
         };
         assert_eq!(
             r.apply("iser://10.0.0.10:3260 and 10.0.0.1:7470"),
             "iser://box-2:3260 and box-1:7470"
         );
+    }
+
+    #[test]
+    fn what_a_run_names_is_redacted_and_the_json_survives() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: ReportArgs,
+        }
+        let cli = Cli::parse_from([
+            "x",
+            "iser://192.0.2.7:3260/iqn.2026-11.org.example:slog-a/0",
+            "--compare",
+            "iscsi://user%averylongsecret@flashbox.example:3260/iqn.2001-05.com.vendor:log/1",
+            "--metrics",
+            "192.0.2.8:9105",
+            "--initiator-name",
+            "iqn.1993-08.org.debian:01:myhost",
+        ]);
+        let r = Redactor::for_run(&cli.a);
+        let text = r#"{"url":"iser://192.0.2.7:3260/iqn.2026-11.org.example:slog-a/0","b":"flashbox.example averylongsecret","c":"iqn.1993-08.org.debian:01:myhost 192.0.2.8 198.51.100.4:3260 naa.600144f0abcdef","rdma_bench":"0.1.0","fw":"20.31.1014","kernel":"6.1.0-57-amd64"}"#;
+        let out = r.apply(text);
+        for leak in [
+            "192.0.2",
+            "198.51",
+            "slog-a",
+            "flashbox",
+            "averylongsecret",
+            "myhost",
+            "600144f0",
+        ] {
+            assert!(!out.contains(leak), "{leak} left in {out}");
+        }
+        let j: serde_json::Value = serde_json::from_str(&out).expect("still JSON");
+        assert_eq!(j["rdma_bench"], "0.1.0");
+        assert_eq!(j["fw"], "20.31.1014");
+        assert_eq!(j["kernel"], "6.1.0-57-amd64");
+        assert!(out.contains("iqn.redacted:target-1"), "{out}");
     }
 }

@@ -111,6 +111,8 @@ pub struct TargetInfo {
 pub trait Runner {
     fn info(&self) -> &TargetInfo;
     fn run(&mut self, until: Until, progress: &Progress) -> Result<Sample>;
+    /// Read `out.len()` bytes (whole blocks) from `lba`.
+    fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<()>;
     fn close(self: Box<Self>);
 }
 
@@ -291,6 +293,17 @@ impl Runner for TcpRunner {
     fn run(&mut self, until: Until, progress: &Progress) -> Result<Sample> {
         let lun = self.lun.clone();
         self.rt.block_on(run_tcp(lun, until, progress))
+    }
+
+    fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<()> {
+        let l = &self.lun;
+        let blocks = u32::try_from(out.len() / l.block as usize)?;
+        let data = self
+            .rt
+            .block_on(l.session.read(l.lun, lba, blocks, l.block))?;
+        let n = data.len().min(out.len());
+        out[..n].copy_from_slice(&data[..n]);
+        Ok(())
     }
 
     fn close(self: Box<Self>) {
@@ -558,6 +571,17 @@ impl Runner for IserRunner {
             hist,
             secs: elapsed.as_secs_f64(),
         })
+    }
+
+    fn read_at(&mut self, lba: u64, out: &mut [u8]) -> Result<()> {
+        // In pieces of the I/O size the session registered buffers for.
+        let block = self.info.block_size as usize;
+        let piece = (self.w.bs as usize).max(4096) / block * block;
+        for (i, chunk) in out.chunks_mut(piece.max(block)).enumerate() {
+            let at = lba + (i * piece.max(block) / block) as u64;
+            self.session.read16(self.lun, at, chunk)?;
+        }
+        Ok(())
     }
 
     fn close(self: Box<Self>) {

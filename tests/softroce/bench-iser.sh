@@ -105,8 +105,14 @@ timeout 60 iscsiadm -m node -T "$REPORT_IQN" -p "$RXE_ADDR_A:3262" -I iser --log
 disk=$(iscsi_disk "$REPORT_IQN")
 echo "kernel initiator: $REPORT_IQN is $disk"
 rm -rf "$RESULTS/report"
+# LIO's LUN holds the compare run's data: without --overwrite the report refuses it.
+if "$BENCH" report "iser://$RXE_ADDR_A:3262/$REPORT_IQN/0" --compare "iser://$RXE_ADDR_A:3261/$LIO_IQN/0" \
+  --time 1 --spin 0 --initiator-name "$INI" --out /tmp/report-refused 2>/tmp/report-refused.err; then
+  echo "rdma-bench report wrote over a LUN that holds data"; exit 1
+fi
+grep "holds data" /tmp/report-refused.err
 "$BENCH" report "iser://$RXE_ADDR_A:3262/$REPORT_IQN/0" --compare "iser://$RXE_ADDR_A:3261/$LIO_IQN/0" \
-  --floor "$RXE_ADDR_A:7470" --metrics 127.0.0.1:9105 --device "$disk" --time 2 --spin 0 \
+  --floor "$RXE_ADDR_A:7470" --metrics 127.0.0.1:9105 --device "$disk" --time 2 --spin 0 --overwrite \
   --initiator-name "$INI" --out "$RESULTS/report"
 timeout 60 iscsiadm -m node -T "$REPORT_IQN" -p "$RXE_ADDR_A:3262" --logout
 sed -n '1,40p' "$RESULTS/report/report.md"
