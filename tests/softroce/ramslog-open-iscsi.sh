@@ -151,7 +151,7 @@ start_target
 t_up=$(date +%s.%N)
 grep "restored and verified" "$LOG"
 "$BIN" status --state-dir "$STATE" | grep "restored from"
-wait "$fio_pid" || { cat /tmp/fio-restart.txt; echo "fio verify FAILED across the restart"; exit 1; }
+wait "$fio_pid" || { cat /tmp/fio-restart.txt; iscsi_diagnostics; echo "fio verify FAILED across the restart"; exit 1; }
 echo "fio verify passed across the restart (target down for $(awk "BEGIN { printf \"%.1f\", $t_up - $t_stop }") s)"
 if dmesg | tail -n +"$((dmesg_mark + 1))" | grep -iE "$sdx.*(I/O error|critical|Medium Error|Not Ready)"; then
   echo "the host saw I/O errors during a clean restart"; exit 1

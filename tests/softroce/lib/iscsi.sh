@@ -9,6 +9,17 @@ iscsid_start() {
   sleep 1
 }
 
+# What the initiator side saw, for a failed step: iscsid's own log (reconnect
+# attempts, login errors) and the kernel's session and SCSI messages.
+iscsi_diagnostics() {
+  echo "--- iscsid log (last 60 lines) ---"
+  tail -n 60 /tmp/iscsid.log 2>/dev/null || true
+  echo "--- kernel messages (last 60 lines) ---"
+  dmesg | tail -n 60
+  echo "--- sessions ---"
+  iscsiadm -m session -P1 2>&1 | head -40 || true
+}
+
 iscsid_stop() {
   iscsiadm -m node --logoutall=all >/dev/null 2>&1 || true
   if [ -n "${ISCSID_PID:-}" ]; then stop_pid "$ISCSID_PID"; fi

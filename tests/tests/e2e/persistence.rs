@@ -265,6 +265,52 @@ async fn logins_during_the_dump_are_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// (e2) Once shutdown began, a TCP connect is refused by the kernel: the
+/// listening socket is closed first. A connection accepted and then dropped
+/// mid-login wedged open-iscsi (Debian 12, Linux 6.1): iscsid never bound a
+/// connection again ("can't bind conn ... retcode -107") and the host lost the
+/// disk after its replacement timeout, although the target was back in 12 s.
+/// A refused connect is a failure iscsid retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "accepted during the dump")]
+async fn connections_during_the_dump_are_refused_by_the_kernel() {
+    let dir = scratch("dump-connect");
+    let pattern = random_pattern(5);
+    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let s = Arc::new(open(&t, INITIATOR).await);
+    write_all(&s, &pattern).await;
+    drop(s);
+    let addr = t.addr();
+    ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::TERM);
+    let (mut during_dump, mut accepted) = (0, 0);
+    while t.is_running() {
+        if !t.output().contains("logins refused") {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            continue;
+        }
+        during_dump += 1;
+        match tokio::net::TcpStream::connect(addr).await {
+            Ok(_) => accepted += 1,
+            Err(e) => assert_eq!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionRefused,
+                "connect during the dump: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(
+        during_dump > 0,
+        "the dump ended before a connection could be tried"
+    );
+    assert_eq!(
+        accepted, 0,
+        "{accepted} of {during_dump} connections accepted during the dump"
+    );
+    stop_cleanly(&mut t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// (f) One state directory, one daemon; two daemons with their own state
 /// directories may share an image directory and never read each other's images.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
