@@ -403,6 +403,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
             .await
             .map_err(|e| format!("cannot serve metrics on {addr}: {e} (change --metrics)"))?;
     }
+    let mut tcp_listeners = Vec::new();
     for addr in &cfg.listen {
         let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
             format!("cannot listen on {addr}: {e} (is another target on that port? use --listen)")
@@ -414,7 +415,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
                 .map(|a| a.to_string())
                 .unwrap_or_default()
         );
-        tokio::spawn(tcp::serve(listener, portal.clone()));
+        tcp_listeners.push(tokio::spawn(tcp::serve(listener, portal.clone())));
     }
     if cfg.iser {
         ramslog_target::rdma::start(
@@ -434,6 +435,17 @@ async fn run(args: RunArgs) -> Result<(), String> {
         _ = stop.notified() => tracing::info!("stop requested on the control socket"),
     }
     notify("STOPPING=1\nSTATUS=fencing and dumping LUN content");
+    // Close the listening sockets before anything else, so a host's reconnect
+    // during the dump is refused by the kernel (a failure initiators retry)
+    // instead of being accepted and dropped mid-login, which can wedge
+    // open-iscsi's session for good. An aborted task's future, with its
+    // listener, is dropped before its handle resolves.
+    for listener in &tcp_listeners {
+        listener.abort();
+    }
+    for listener in tcp_listeners {
+        let _ = listener.await;
+    }
     let outcome = {
         let portal = portal.clone();
         tokio::task::spawn_blocking(move || lifecycle::shutdown(&portal))
