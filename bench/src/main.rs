@@ -3,7 +3,6 @@
 //! `lat` measures one workload against one LUN, `compare` the same workload
 //! against several targets interleaved in rounds, `sweep` block sizes ×
 //! queue depths, `floor` the transport alone (against `floor-server`).
-#![deny(unsafe_code)]
 
 mod field;
 mod floor;

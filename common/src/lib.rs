@@ -4,7 +4,6 @@
 //! typed errors; encoders write into caller-owned buffers. The one exception
 //! is `verbs` (feature `rdma`): the safe RDMA verbs / rdma_cm wrapper that the
 //! target and the initiator share, and the only place with unsafe code here.
-#![deny(unsafe_code)]
 
 pub mod iscsi;
 pub mod iser;

@@ -7,7 +7,6 @@
 //!   (`&self`), with SCSI command helpers. For the bench and data-integrity tests.
 //! - [`iser::IserSession`]: the same over iSER (RDMA), blocking and
 //!   single-threaded, behaving like the Linux or the illumos initiator.
-#![deny(unsafe_code)]
 
 pub mod cdb;
 pub mod chap;

@@ -5,7 +5,6 @@
 //! device) → `volume` (a LUN's memory, identity, readiness and persistence) →
 //! `store` (the memory itself). `config`, `portal`, `state` and
 //! `control` form the control plane and stay off the I/O path.
-#![deny(unsafe_code)]
 
 pub mod config;
 pub mod control;

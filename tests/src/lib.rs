@@ -4,7 +4,6 @@
 //! until it accepts TCP connections, keeps its stderr/stdout in a log file for post-mortem and
 //! stops it (SIGTERM, then SIGKILL) when dropped. [`testcu`] runs and parses libiscsi's
 //! `iscsi-test-cu`.
-#![deny(unsafe_code)]
 
 pub mod testcu;
 

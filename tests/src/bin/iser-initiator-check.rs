@@ -18,7 +18,6 @@
 //! the target pings and the session answers; pings once more by hand; checks
 //! SendTargets over an iSER discovery session; logs out. Prints
 //! `ISER <PROFILE> CHECK PASSED` and exits 0, or says what failed and exits 1.
-#![deny(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::net::SocketAddr;

@@ -6,7 +6,6 @@
 //!
 //! 1 MiB writes, 16 in flight. Prints bytes and MiB/s; with --check, reads
 //! back and exits 1 at the first chunk that differs.
-#![deny(unsafe_code)]
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
