@@ -11,17 +11,12 @@
 #
 # Build first (on the host):  cargo build -j1 -p rdma-bench
 # Run:  tests/softroce/run tests/softroce/bench-floor.sh [SECONDS_PER_SHAPE] [BS]
-set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(cd "$HERE/../.." && pwd)
-RESULTS=${RESULTS:-$REPO/build/softroce/results}
+. "$HERE/lib/common.sh"
 SECS=${1:-2}
 BS=${2:-4096}
-. "$HERE/lib/rxe.sh"
-. "$HERE/lib/bin.sh"
 
 BIN=${RDMA_BENCH_BIN:-$(pick_bin rdma-bench)} || { echo "build rdma-bench first: cargo build -j1 -p rdma-bench"; exit 1; }
-step() { echo; echo "== $*"; }
 SERVER_PID=
 LOG=$RESULTS/floor-server.log
 
@@ -58,17 +53,8 @@ mkdir -p "$RESULTS"
 # Spin budget 0: busy polling on emulated CPUs starves rxe and the client.
 "$BIN" floor-server --listen "$ADDR" --spin 0 >"$LOG" 2>&1 &
 SERVER_PID=$!
-ready=0
-for _ in $(seq 1 100); do
-  grep -q "listening on $ADDR (tcp and rdma_cm)" "$LOG" 2>/dev/null && { ready=1; break; }
-  kill -0 "$SERVER_PID" 2>/dev/null || break
-  sleep 0.2
-done
-if [ "$ready" != 1 ]; then
-  echo "floor-server is not listening on $ADDR"
-  cat "$LOG"
-  exit 1
-fi
+wait_for_log "$LOG" "listening on $ADDR (tcp and rdma_cm)" "$SERVER_PID" 20 ||
+  { echo "floor-server is not listening on $ADDR"; exit 1; }
 cat "$LOG"
 
 fail=0

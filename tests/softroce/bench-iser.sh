@@ -18,21 +18,17 @@
 # in one namespace); LIO on port 3261. Results: $RESULTS/bench-iser-*.
 #
 #   tests/softroce/run tests/softroce/bench-iser.sh [SECONDS]
-set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(cd "$HERE/../.." && pwd)
-RESULTS=${RESULTS:-$REPO/build/softroce/results}
+. "$HERE/lib/common.sh"
 BENCH_SECS=${1:-10}
-. "$HERE/lib/rxe.sh"
-. "$HERE/lib/bin.sh"
 . "$HERE/lib/lio.sh"
 . "$HERE/lib/iscsi.sh"
 BENCH=$(pick_bin rdma-bench) || { echo "build rdma-bench first"; exit 1; }
-TARGET=$(pick_bin ramslog-target) || { echo "build ramslog-target first"; exit 1; }
+# shellcheck disable=SC2034 # read by target_start
+TARGET_BIN=$(pick_bin ramslog-target) || { echo "build ramslog-target first"; exit 1; }
 IQN=iqn.2026-11.org.ramslog:bench
 LIO_IQN=iqn.2026-11.org.ramslog.lab:lio-bench
 INI=iqn.2026-11.org.ramslog:rdma-bench
-step() { echo; echo "== $*"; }
 PIDS=()
 cleanup() {
   local p
@@ -42,23 +38,19 @@ cleanup() {
   ip link del rsb-x 2>/dev/null || true
   rxe_down
 }
-wait_for() { # FILE TEXT
-  for _ in $(seq 1 150); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.2; done
-  echo "timed out waiting for '$2' in $1"; cat "$1"; return 1
-}
 mkdir -p "$RESULTS"
 
 step "rxe up; floor-server, ramslog-target and LIO on $RXE_ADDR_A (bench $BENCH)"
 rxe_up
 trap cleanup EXIT
 "$BENCH" floor-server --listen "$RXE_ADDR_A:7470" --spin 0 2>"$RESULTS/bench-floor-server.log" &
-PIDS+=($!)
-"$TARGET" --size 256M --ephemeral --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --allow "$INI" \
-  --iser-spin 0 >"$RESULTS/bench-ramslog-target.log" 2>&1 &
-PIDS+=($!)
+FLOOR_PID=$!
+PIDS+=("$FLOOR_PID")
+target_start "$RESULTS/bench-ramslog-target.log" "iSER listening on $RXE_ADDR_A:3260" \
+  --size 256M --ephemeral --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --allow "$INI" --iser-spin 0
+PIDS+=("$TARGET_STARTED")
 lio_export "$LIO_IQN" "$RXE_ADDR_A" rdbench iser 3261
-wait_for "$RESULTS/bench-floor-server.log" "listening on"
-wait_for "$RESULTS/bench-ramslog-target.log" "iSER listening on $RXE_ADDR_A:3260"
+wait_for_log "$RESULTS/bench-floor-server.log" "listening on" "$FLOOR_PID"
 
 step "transport floor over rdma (spin 0: sleeping on the completion channel)"
 "$BENCH" floor "$RXE_ADDR_A:7470" --transport rdma --time 2 --spin 0
@@ -95,11 +87,11 @@ HOST_INI=$(sed -n 's/^InitiatorName=//p' /etc/iscsi/initiatorname.iscsi)
 [ -n "$HOST_INI" ] || { HOST_INI=iqn.2026-11.org.ramslog.lab:host; echo "InitiatorName=$HOST_INI" >/etc/iscsi/initiatorname.iscsi; }
 # Its own daemon: service times cost clock reads, which the compare above
 # must not pay.
-"$TARGET" --size 128M --ephemeral --listen "$RXE_ADDR_A:3262" --target-name "$REPORT_IQN" \
+target_start "$RESULTS/bench-report-target.log" "iSER listening on $RXE_ADDR_A:3262" \
+  --size 128M --ephemeral --listen "$RXE_ADDR_A:3262" --target-name "$REPORT_IQN" \
   --allow "$INI" --allow "$HOST_INI" --iser-spin 0 --metrics 127.0.0.1:9105 \
-  --control-socket /run/ramslog-report.sock >"$RESULTS/bench-report-target.log" 2>&1 &
-PIDS+=($!)
-wait_for "$RESULTS/bench-report-target.log" "iSER listening on $RXE_ADDR_A:3262"
+  --control-socket /run/ramslog-report.sock
+PIDS+=("$TARGET_STARTED")
 iscsiadm -m discovery -t sendtargets -p "$RXE_ADDR_A:3262" -I iser >/dev/null
 timeout 60 iscsiadm -m node -T "$REPORT_IQN" -p "$RXE_ADDR_A:3262" -I iser --login
 disk=$(iscsi_disk "$REPORT_IQN")

@@ -17,23 +17,19 @@
 # Build first (on the host):
 #   cargo build -j1 -p ramslog-target -p ramslog-tests --bin ramslog-target --bin iser-initiator-check
 # Run:  tests/softroce/run tests/softroce/iser-initiators.sh [SECONDS]
-set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(cd "$HERE/../.." && pwd)
-RESULTS=${RESULTS:-$REPO/build/softroce/results}
+. "$HERE/lib/common.sh"
 SECS=${1:-5}
-. "$HERE/lib/rxe.sh"
-. "$HERE/lib/bin.sh"
 IQN=iqn.2026-11.org.ramslog:iser-initiators
 # The target pings after this many idle seconds; the check waits for one.
 NOP_INTERVAL=8
 # An unanswered ping ends the connection after this many seconds.
 NOP_TIMEOUT=10
 
-BIN=${RAMSLOG_TARGET_BIN:-$(pick_bin ramslog-target)} || { echo "build ramslog-target first"; exit 1; }
+TARGET_BIN=${RAMSLOG_TARGET_BIN:-$(pick_bin ramslog-target)} || { echo "build ramslog-target first"; exit 1; }
+BIN=$TARGET_BIN
 CHECK=${ISER_CHECK_BIN:-$(pick_bin iser-initiator-check)} ||
   { echo "build the check first: cargo build -j1 -p ramslog-tests --bin iser-initiator-check"; exit 1; }
-step() { echo; echo "== $*"; }
 TARGET_PID=
 LOG=$RESULTS/ramslog-target-iser-initiators.log
 
@@ -48,23 +44,14 @@ trap cleanup EXIT
 ibv_devices
 
 step "ramslog-target on $RXE_ADDR_A:3260 ($BIN)"
-mkdir -p "$RESULTS"
 # Spin budget 0: busy polling on emulated CPUs starves rxe and the initiator.
-"$BIN" --size 256M --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --ephemeral \
+rc=0
+target_start "$LOG" "iSER listening on $RXE_ADDR_A:3260" \
+  --size 256M --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --ephemeral \
   --allow "iqn.2026-11.org.ramslog:check-illumos" --allow "iqn.2026-11.org.ramslog:check-linux" \
-  --nop-interval "$NOP_INTERVAL" --nop-timeout "$NOP_TIMEOUT" --iser-spin 0 >"$LOG" 2>&1 &
-TARGET_PID=$!
-ready=0
-for _ in $(seq 1 150); do
-  grep -q "iSER listening on $RXE_ADDR_A:3260" "$LOG" 2>/dev/null && { ready=1; break; }
-  kill -0 "$TARGET_PID" 2>/dev/null || break
-  sleep 0.2
-done
-if [ "$ready" != 1 ]; then
-  echo "ramslog-target is not listening for iSER on $RXE_ADDR_A:3260"
-  cat "$LOG"
-  exit 1
-fi
+  --nop-interval "$NOP_INTERVAL" --nop-timeout "$NOP_TIMEOUT" --iser-spin 0 || rc=$?
+TARGET_PID=$TARGET_STARTED
+[ "$rc" = 0 ] || { echo "ramslog-target is not listening for iSER on $RXE_ADDR_A:3260"; exit 1; }
 grep "iSER listening" "$LOG"
 
 fail=0
@@ -150,10 +137,12 @@ if [ "$fail" = 0 ]; then
   # a 300 s NOP interval, so that only the stall can end it.
   step "a peer that posts no receives: the connection ends after the 30 s output stall"
   LOG2=$RESULTS/ramslog-target-iser-stall.log
-  "$BIN" --size 64M --listen "$RXE_ADDR_A:3261" --target-name "$IQN" --ephemeral --control-socket /run/ramslog/stall.sock \
-    --allow "iqn.2026-11.org.ramslog:check-linux" --nop-interval 300 --iser-spin 0 >"$LOG2" 2>&1 &
-  STALL_PID=$!
-  for _ in $(seq 1 150); do grep -q "iSER listening on $RXE_ADDR_A:3261" "$LOG2" 2>/dev/null && break; sleep 0.2; done
+  rc=0
+  target_start "$LOG2" "iSER listening on $RXE_ADDR_A:3261" \
+    --size 64M --listen "$RXE_ADDR_A:3261" --target-name "$IQN" --ephemeral --control-socket /run/ramslog/stall.sock \
+    --allow "iqn.2026-11.org.ramslog:check-linux" --nop-interval 300 --iser-spin 0 || rc=$?
+  STALL_PID=$TARGET_STARTED
+  [ "$rc" = 0 ] || { stop_pid "$STALL_PID"; echo "the stall target did not start"; exit 1; }
   "$CHECK" --profile linux --target "$RXE_ADDR_A:3261" --iqn "$IQN" --flood-pings 450 >/tmp/flood.log 2>&1 &
   SUBJECT=$!
   for _ in $(seq 1 300); do grep -q "now silent" /tmp/flood.log 2>/dev/null && break; sleep 0.2; done

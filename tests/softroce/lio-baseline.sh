@@ -6,17 +6,13 @@
 # Other scripts reuse the pieces (lib/rxe.sh, lib/iscsi.sh, lib/fio.sh and
 # lib/lio.sh), so ramslog-target can run through the same fio job in the same
 # boot and the two can be compared.
-set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(cd "$HERE/../.." && pwd)
-RESULTS=${RESULTS:-$REPO/build/softroce/results}
+. "$HERE/lib/common.sh"
 SECS=${FIO_SECONDS:-15}
-. "$HERE/lib/rxe.sh"
 . "$HERE/lib/iscsi.sh"
 . "$HERE/lib/fio.sh"
 . "$HERE/lib/lio.sh"
 IQN=iqn.2026-11.org.ramslog.lab:lio-rd0
-step() { echo; echo "== $*"; }
 
 step "rxe up"
 rxe_up

@@ -10,14 +10,11 @@
 # required, never zeros) until `accept-empty`.
 #
 #   ramslog-open-iscsi.sh iser|tcp
-set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/lib/common.sh"
 TRANSPORT=${1:-iser}
 case $TRANSPORT in iser|tcp) ;; *) echo "usage: $0 iser|tcp"; exit 2;; esac
-HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(cd "$HERE/../.." && pwd)
-RESULTS=${RESULTS:-$REPO/build/softroce/results}
 SECS=${FIO_SECONDS:-15}
-. "$HERE/lib/rxe.sh"
 . "$HERE/lib/iscsi.sh"
 . "$HERE/lib/fio.sh"
 . "$HERE/lib/lio.sh"
@@ -28,10 +25,8 @@ IFACE=default; [ "$TRANSPORT" = iser ] && IFACE=iser
 # The line the target prints once it serves this transport.
 READY="listening on $RXE_ADDR_A:3260"; [ "$TRANSPORT" = iser ] && READY="iSER listening on $RXE_ADDR_A:3260"
 STATE=/tmp/ramslog-state
-BIN=$REPO/build/release/ramslog-target
-[ -x "$BIN" ] || BIN=$REPO/build/debug/ramslog-target
-[ -x "$BIN" ] || { echo "build ramslog-target first (cargo build)"; exit 1; }
-step() { echo; echo "== $*"; }
+TARGET_BIN=$(pick_bin ramslog-target) || { echo "build ramslog-target first (cargo build --release)"; exit 1; }
+BIN=$TARGET_BIN
 TARGET_PID=
 STARTS=0
 
@@ -39,17 +34,12 @@ STARTS=0
 start_target() {
   STARTS=$((STARTS + 1))
   LOG=$RESULTS/ramslog-target-$TRANSPORT-$STARTS.log
-  mkdir -p "$RESULTS"
   # Spin budget 0: busy polling on two emulated CPUs starves rxe and fio.
-  "$BIN" --size 512M --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --allow "$INITIATOR" \
-    --state-dir "$STATE" --nop-interval 5 --iser-spin 0 >"$LOG" 2>&1 &
-  TARGET_PID=$!
-  for _ in $(seq 1 100); do
-    grep -q "$READY" "$LOG" 2>/dev/null && return 0
-    kill -0 "$TARGET_PID" 2>/dev/null || { cat "$LOG"; return 1; }
-    sleep 0.2
-  done
-  echo "ramslog-target did not start"; cat "$LOG"; return 1
+  local rc=0
+  target_start "$LOG" "$READY" --size 512M --listen "$RXE_ADDR_A:3260" --target-name "$IQN" \
+    --allow "$INITIATOR" --state-dir "$STATE" --nop-interval 5 --iser-spin 0 || rc=$?
+  TARGET_PID=$TARGET_STARTED
+  return "$rc"
 }
 
 cleanup() {

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Lab self-test: rxe is visible to ibv_devices, rping and ib_write_lat work.
-set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-. "$HERE/lib/rxe.sh"
-step() { echo; echo "== $*"; }
+. "$HERE/lib/common.sh"
 
 step "rxe up"
 rxe_up

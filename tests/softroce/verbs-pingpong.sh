@@ -8,17 +8,14 @@
 # Build first (on the host):
 #   cargo build -j1 -p ramslog-common --features rdma --example verbs_pingpong
 # Run:  tests/softroce/run tests/softroce/verbs-pingpong.sh [ROUND_TRIPS]
-set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(cd "$HERE/../.." && pwd)
-. "$HERE/lib/rxe.sh"
+. "$HERE/lib/common.sh"
 BIN=${VERBS_PINGPONG:-$REPO/build/debug/examples/verbs_pingpong}
 ROUNDS=${1:-1000}
 [ -x "$BIN" ] || {
   echo "missing $BIN: cargo build -j1 -p ramslog-common --features rdma --example verbs_pingpong"
   exit 1
 }
-step() { echo; echo "== $*"; }
 LOGDIR=$(mktemp -d /tmp/verbs-pingpong.XXXXXX)
 
 step "rxe up"
@@ -29,11 +26,8 @@ ADDR="$RXE_ADDR_A:7471"
 step "server and client on $ADDR ($ROUNDS round trips)"
 timeout 120 "$BIN" server "$ADDR" >"$LOGDIR/server.log" 2>&1 &
 srv=$!
-for _ in $(seq 1 50); do
-  grep -q listening "$LOGDIR/server.log" 2>/dev/null && break
-  kill -0 "$srv" 2>/dev/null || break
-  sleep 0.1
-done
+# The client's own error says enough if the server never listens.
+wait_for_log "$LOGDIR/server.log" listening "$srv" 5 || true
 crc=0
 timeout 120 "$BIN" client "$ADDR" "$ROUNDS" >"$LOGDIR/client.log" 2>&1 || crc=$?
 src=0

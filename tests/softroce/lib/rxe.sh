@@ -41,10 +41,3 @@ rxe_down() {
   rdma link delete "$RXE_DEV_B" 2>/dev/null || true
   ip link delete rsl-a 2>/dev/null || true
 }
-
-# Kill a background process by PID and reap it (a bare `wait` would also wait
-# for daemons such as iscsid and hang the guest).
-stop_pid() {
-  kill "$1" 2>/dev/null || true
-  wait "$1" 2>/dev/null || true
-}

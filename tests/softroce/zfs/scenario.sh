@@ -36,22 +36,20 @@
 #      ramslog ships (applied with a planned offline/online of half B);
 #      sync writes never fail, half B FAULTED, zpool clear brings it back.
 # Every step asserts states and data; speed is reported, never asserted.
-set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 SOFTROCE=$(cd "$HERE/.." && pwd)
-REPO=$(cd "$HERE/../../.." && pwd)
-RESULTS=${RESULTS:-$REPO/build/softroce/results/zfs}
+. "$SOFTROCE/lib/common.sh"
+RESULTS=$RESULTS/zfs
 SECS=${FIO_SECONDS:-15}
 SLOW_MS=${SLOW_MS:-20}
 ROUNDS=${ZFS_ROUNDS:-2}
-. "$SOFTROCE/lib/rxe.sh"
 . "$SOFTROCE/lib/iscsi.sh"
 . "$SOFTROCE/lib/fio.sh"
-. "$SOFTROCE/lib/bin.sh"
 . "$SOFTROCE/lib/lio.sh"
 KREL=$(uname -r)
 MODS=${RAMSLOG_ZFS_CACHE:-$REPO/build/softroce/zfs}/modules/$KREL
-BIN=$(pick_bin ramslog-target) || { echo "build ramslog-target first (cargo build --release)"; exit 1; }
+TARGET_BIN=$(pick_bin ramslog-target) || { echo "build ramslog-target first (cargo build --release)"; exit 1; }
+BIN=$TARGET_BIN
 POOL=tank
 DS=$POOL/sync
 IQN_A=iqn.2026-11.org.ramslog:box-a
@@ -68,7 +66,6 @@ FAILED_STATES='REMOVED|FAULTED|UNAVAIL'
 mkdir -p "$RESULTS"
 rm -f "$RESULTS"/*.json "$RESULTS"/*.log "$RESULTS"/*.txt
 
-step() { echo; echo "===== [$(cut -d' ' -f1 /proc/uptime) s] $*"; }
 fail() { echo "FAILED: $*"; zpool status -P "$POOL" 2>/dev/null || true; exit 1; }
 # x CMD...: show the exact command, then run it.
 x() { echo "# $*"; "$@"; }
@@ -76,19 +73,14 @@ x() { echo "# $*"; "$@"; }
 declare -A TARGET_PID BOX_LOG
 # start_box NAME ADDR IQN: one ramslog-target "box" on its own rxe address.
 start_box() {
-  local name=$1 addr=$2 iqn=$3 log i
+  local name=$1 addr=$2 iqn=$3 log rc=0
   log=$RESULTS/ramslog-$name-$(date +%s%N).log
   BOX_LOG[$name]=$log
-  "$BIN" --size 256M --listen "$addr:3260" --target-name "$iqn" --allow "$INITIATOR" \
-    --state-dir "/tmp/ramslog-$name" --iser-spin 0 >"$log" 2>&1 &
-  TARGET_PID[$name]=$!
-  for i in $(seq 1 100); do
-    grep -q "iSER listening on $addr:3260" "$log" && { echo "box $name: ramslog-target pid ${TARGET_PID[$name]} on $addr:3260 ($log)"; return 0; }
-    kill -0 "${TARGET_PID[$name]}" 2>/dev/null || break
-    sleep 0.2
-  done
-  cat "$log"
-  fail "ramslog-target $name did not start"
+  target_start "$log" "iSER listening on $addr:3260" --size 256M --listen "$addr:3260" \
+    --target-name "$iqn" --allow "$INITIATOR" --state-dir "/tmp/ramslog-$name" --iser-spin 0 || rc=$?
+  TARGET_PID[$name]=$TARGET_STARTED
+  [ "$rc" = 0 ] || fail "ramslog-target $name did not start"
+  echo "box $name: ramslog-target pid ${TARGET_PID[$name]} on $addr:3260 ($log)"
 }
 # The clean stop systemd (or a UPS-driven shutdown) does: SIGTERM, the dump,
 # exit 0.

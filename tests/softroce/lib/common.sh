@@ -1,0 +1,59 @@
+# shellcheck shell=bash
+# Sourced first by every lab script: strict mode, the repository's paths, the
+# rxe and binary helpers, and what every script needs besides: step headings,
+# waiting for a daemon's log line, starting ramslog-target, stopping a process.
+#
+#   REPO, RESULTS          the checkout (shared into the guest) and where runs write
+#   step TEXT              a heading, with the guest's uptime
+#   wait_for_log FILE TEXT [PID] [SECONDS]
+#                          until FILE holds TEXT (a fixed string); fails, showing
+#                          FILE, when PID exits first or after SECONDS (30)
+#   target_start LOG READY ARG...
+#                          ramslog-target ARG... ($TARGET_BIN, else the newest
+#                          build) logging to LOG, until it logs READY (its listen
+#                          line, e.g. "iSER listening on ADDR"); PID in TARGET_STARTED
+#   stop_pid PID           kill and reap
+set -euo pipefail
+LAB_LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$LAB_LIB/../../.." && pwd)
+RESULTS=${RESULTS:-$REPO/build/softroce/results}
+# shellcheck source=rxe.sh
+. "$LAB_LIB/rxe.sh"
+# shellcheck source=bin.sh
+. "$LAB_LIB/bin.sh"
+
+step() { echo; echo "== [$(cut -d' ' -f1 /proc/uptime) s] $*"; }
+
+wait_for_log() {
+  local file=$1 text=$2 pid=${3:-} secs=${4:-30} i
+  for ((i = 0; i < secs * 5; i++)); do
+    grep -qF -- "$text" "$file" 2>/dev/null && return 0
+    if [ -n "$pid" ] && ! kill -0 "$pid" 2>/dev/null; then
+      echo "the process writing $file ended before it logged '$text':"
+      cat "$file" 2>/dev/null || true
+      return 1
+    fi
+    sleep 0.2
+  done
+  echo "no '$text' in $file after ${secs} s:"
+  cat "$file" 2>/dev/null || true
+  return 1
+}
+
+target_start() {
+  local log=$1 ready=$2 bin
+  shift 2
+  bin=${TARGET_BIN:-$(pick_bin ramslog-target)} || { echo "build ramslog-target first (cargo build --release)"; return 1; }
+  mkdir -p "$(dirname "$log")"
+  "$bin" "$@" >"$log" 2>&1 &
+  TARGET_STARTED=$!
+  # A restore of a large LUN under emulation takes seconds before the listen line.
+  wait_for_log "$log" "$ready" "$TARGET_STARTED" 60
+}
+
+# Kill a background process by PID and reap it (a bare `wait` would also wait
+# for daemons such as iscsid and hang the guest).
+stop_pid() {
+  kill "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+}
