@@ -7,6 +7,7 @@
 
 pub mod iscsi;
 pub mod iser;
+pub mod lun;
 pub mod scsi_wire;
 pub mod serial;
 #[cfg(feature = "rdma")]

@@ -22,6 +22,8 @@ pub mod seq;
 mod session;
 pub mod url;
 
+use ramslog_common::lun::Lun;
+
 pub use conn::{Connection, DEFAULT_PORT};
 pub use datain::{Residual, ScsiResult};
 pub use discovery::discover;
@@ -34,30 +36,20 @@ pub use pdu::{Digests, Pdu};
 pub use session::Session;
 pub use url::{TargetUrl, Transport};
 
-/// Encode a LUN number as the 8-byte LUN field (SAM-5 4.7): peripheral device
-/// addressing below 256, flat space addressing below 16384.
+/// Encode a LUN number as the 8-byte LUN field (see [`Lun`]).
 pub fn encode_lun(lun: u64) -> Result<u64, Error> {
-    match lun {
-        0..=255 => Ok(lun << 48),
-        256..=0x3fff => Ok((0x4000 | lun) << 48),
-        _ => Err(Error::InvalidArgument(format!(
-            "LUN {lun} needs an addressing method this initiator does not encode"
-        ))),
-    }
+    Lun::new(lun).map(Lun::to_wire).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "LUN {lun} is above {} and needs an addressing method this initiator does not encode",
+            Lun::MAX
+        ))
+    })
 }
 
-/// Decode an 8-byte LUN field to a LUN number (peripheral and flat space
-/// addressing); other forms are returned as the raw 64-bit value.
+/// Decode an 8-byte LUN field to a LUN number; a field in any other form
+/// than [`Lun`]'s is returned as the raw 64-bit value, for display.
 pub fn decode_lun(raw: u64) -> u64 {
-    let first = (raw >> 48) as u16;
-    if raw & 0x0000_ffff_ffff_ffff != 0 {
-        return raw;
-    }
-    match first >> 14 {
-        0b00 if first >> 8 == 0 => u64::from(first & 0xff),
-        0b01 => u64::from(first & 0x3fff),
-        _ => raw,
-    }
+    Lun::from_wire(raw).map_or(raw, Lun::number)
 }
 
 #[cfg(test)]

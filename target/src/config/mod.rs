@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
+use ramslog_common::lun::Lun;
 use thiserror::Error;
 
 use crate::portal::{AclEntry, ChapSecret, Limits};
@@ -625,10 +626,9 @@ fn check_target_name(name: &str) -> Result<(), String> {
 
 /// LUNs are addressed flat (SAM-5 single-level); 14 bits.
 fn check_lun_number(lun: u64) -> Result<(), String> {
-    if lun <= 16383 {
-        Ok(())
-    } else {
-        Err(format!("LUN {lun} is above 16383"))
+    match Lun::new(lun) {
+        Some(_) => Ok(()),
+        None => Err(format!("LUN {lun} is above {}", Lun::MAX)),
     }
 }
 

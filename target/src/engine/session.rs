@@ -11,6 +11,7 @@ use ramslog_common::iscsi::{
     RESERVED_TAG,
 };
 use ramslog_common::iser::RemoteBuffer;
+use ramslog_common::lun::Lun;
 use ramslog_common::scsi_wire::{sense_key, status, Sense};
 use ramslog_common::serial;
 
@@ -110,7 +111,7 @@ enum WriteFailure {
 /// and every burst ended complete.
 struct Task {
     itt: u32,
-    lun: u64,
+    lun: Lun,
     plan: Plan,
     /// Bytes of data-out the command consumes: min(EDTL, CDB transfer length).
     moved: u32,
@@ -211,20 +212,6 @@ pub(super) struct Session {
     counting: Counting,
     /// Service times are measured (`Portal::service_times`).
     timed: bool,
-}
-
-fn lun_from_wire(raw: u64) -> Option<u64> {
-    let b = raw.to_be_bytes();
-    if b[2..].iter().any(|x| *x != 0) {
-        return None;
-    }
-    match b[0] >> 6 {
-        // Peripheral device addressing, bus 0.
-        0 if b[0] & 0x3f == 0 => Some(b[1] as u64),
-        // Flat space addressing.
-        1 => Some((((b[0] & 0x3f) as u64) << 8) | b[1] as u64),
-        _ => None,
-    }
 }
 
 impl Session {
@@ -564,7 +551,7 @@ impl Session {
             },
             bytes: 0,
         };
-        let Some(lun) = lun_from_wire(bhs.lun()) else {
+        let Some(lun) = Lun::from_wire(bhs.lun()) else {
             let s = Sense::new(sense_key::ILLEGAL_REQUEST, 0x25, 0);
             self.respond(out, itt, status::CHECK_CONDITION, Some(s), Residual::None);
             return;
@@ -587,8 +574,8 @@ impl Session {
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
         }
-        self.counting.slot = self.metrics.slot_of(lun).unwrap_or(NO_SLOT);
-        let plan = match scsi.prepare(self.nexus, lun, cdb) {
+        self.counting.slot = self.metrics.slot_of(lun.number()).unwrap_or(NO_SLOT);
+        let plan = match scsi.prepare(self.nexus, lun.number(), cdb) {
             Ok(p) => p,
             Err(reason) => {
                 self.fail(out, itt, reason, Residual::None);
@@ -624,7 +611,7 @@ impl Session {
         let residual = Residual::between(edtl_out, need);
         if moved > 0
             && matches!(plan.out_placement, OutPlacement::Store { .. })
-            && moved % scsi.block_size(lun) != 0
+            && moved % scsi.block_size(lun.number()) != 0
         {
             // The data would end inside a block: refuse rather than write part of one.
             let s = Sense::new(sense_key::ILLEGAL_REQUEST, 0x0e, 0x03);
@@ -760,7 +747,7 @@ impl Session {
             OutPlacement::Store { offset: base } => self
                 .scsi
                 .as_ref()
-                .and_then(|s| s.lu(task.lun))
+                .and_then(|s| s.lu(task.lun.number()))
                 .is_some_and(|lu| {
                     lu.volume()
                         .store()
@@ -793,7 +780,7 @@ impl Session {
             let ttt = self.new_ttt();
             let mut b = Bhs::new(Opcode::ReadyToTransfer);
             b.set_final(true)
-                .set_lun(self.lun_wire(task.lun))
+                .set_lun(task.lun.to_wire())
                 .set_itt(task.itt)
                 .set_ttt(ttt)
                 .set_statsn(out.peek_statsn())
@@ -837,7 +824,7 @@ impl Session {
         };
         let dest = match task.plan.out_placement {
             OutPlacement::Store { offset: base } => ReadDest::Store {
-                lun: task.lun,
+                lun: task.lun.number(),
                 offset: base + u64::from(offset),
             },
             _ => ReadDest::Buffer,
@@ -881,14 +868,6 @@ impl Session {
             task.fail(WriteFailure::Placement);
         }
         self.advance(out, &scsi, task);
-    }
-
-    fn lun_wire(&self, lun: u64) -> u64 {
-        if lun < 256 {
-            lun << 48
-        } else {
-            (0x4000 | (lun & 0x3fff)) << 48
-        }
     }
 
     fn data_out(&mut self, bhs: &Bhs, data: &[u8], out: &mut Out) {
@@ -1023,7 +1002,7 @@ impl Session {
         out: &mut Out,
         scsi: &Arc<ScsiTarget>,
         itt: u32,
-        lun: u64,
+        lun: Lun,
         plan: &Plan,
         data_out: &[u8],
         edtl_in: u32,
@@ -1050,7 +1029,7 @@ impl Session {
         &mut self,
         out: &mut Out,
         itt: u32,
-        lun: u64,
+        lun: Lun,
         src: DataSource,
         produced: u32,
         edtl: u32,
@@ -1072,7 +1051,7 @@ impl Session {
             };
             let data = match src {
                 DataSource::Store(offset) => OutData::Store {
-                    lun,
+                    lun: lun.number(),
                     offset,
                     len: xfer,
                 },
@@ -1092,8 +1071,8 @@ impl Session {
             let statsn = out.take_statsn();
             let mut stream = DataInStream {
                 itt,
-                lun,
-                lun_wire: self.lun_wire(lun),
+                lun: lun.number(),
+                lun_wire: lun.to_wire(),
                 base,
                 xfer,
                 off: 0,
@@ -1125,9 +1104,7 @@ impl Session {
             if last || off + len == burst_end {
                 flags |= 0x80;
             }
-            b.set_lun(self.lun_wire(lun))
-                .set_itt(itt)
-                .set_ttt(RESERVED_TAG);
+            b.set_lun(lun.to_wire()).set_itt(itt).set_ttt(RESERVED_TAG);
             b.set_datasn(datasn).set_buffer_offset(off);
             if last {
                 flags |= scsi_rsp::STATUS | residual.flags();
@@ -1139,7 +1116,7 @@ impl Session {
             self.stamp(&mut b);
             let data = match src {
                 DataSource::Store(base) => OutData::Store {
-                    lun,
+                    lun: lun.number(),
                     offset: base + off as u64,
                     len,
                 },
@@ -1208,8 +1185,12 @@ impl Session {
 
     fn task_mgmt(&mut self, bhs: &Bhs, out: &mut Out) {
         let function = bhs.flags() & 0x7f;
-        let lun = lun_from_wire(bhs.lun());
-        let lun_known = lun.is_some_and(|l| self.scsi.as_ref().is_some_and(|s| s.lu(l).is_some()));
+        // The LUN the request names, if this target has it.
+        let known_lun = Lun::from_wire(bhs.lun()).filter(|l| {
+            self.scsi
+                .as_ref()
+                .is_some_and(|s| s.lu(l.number()).is_some())
+        });
         let response = match function {
             tmf::ABORT_TASK => {
                 let rtt = bhs.ttt();
@@ -1223,18 +1204,17 @@ impl Session {
                 }
             }
             tmf::ABORT_TASK_SET | tmf::CLEAR_TASK_SET | tmf::LOGICAL_UNIT_RESET => {
-                if !lun_known {
-                    tmf::RSP_NO_LUN
-                } else {
-                    let l = lun.unwrap_or(0);
+                if let Some(l) = known_lun {
                     self.abort_tasks(|t| t.lun == l);
                     if function == tmf::LOGICAL_UNIT_RESET {
                         if let Some(s) = &self.scsi {
-                            s.reset(crate::scsi::ResetScope::Lu(l), self.nexus);
+                            s.reset(crate::scsi::ResetScope::Lu(l.number()), self.nexus);
                         }
-                        tracing::info!(initiator = %self.initiator_name, lun = l, "logical unit reset");
+                        tracing::info!(initiator = %self.initiator_name, lun = %l, "logical unit reset");
                     }
                     tmf::RSP_COMPLETE
+                } else {
+                    tmf::RSP_NO_LUN
                 }
             }
             tmf::TARGET_WARM_RESET => {

@@ -2,6 +2,7 @@
 
 use super::cdb::{Geometry, MAX_CAW_BLOCKS, MAX_TRANSFER_BYTES, MAX_WRITE_SAME_BYTES};
 use super::Identity;
+use ramslog_common::lun::Lun;
 
 pub(crate) const VENDOR: &[u8; 8] = b"RAMSLOG ";
 pub(crate) const PRODUCT: &[u8; 16] = b"RAMDISK         ";
@@ -93,31 +94,13 @@ pub(crate) fn vpd(out: &mut Vec<u8>, code: u8, id: &Identity, geo: Geometry) {
     }
 }
 
-/// LUN field encoding (SAM-5 4.7): peripheral addressing below 256, flat
-/// space addressing up to 16383, extended flat beyond that (not expected).
-pub fn encode_lun(lun: u64) -> [u8; 8] {
-    let mut b = [0u8; 8];
-    if lun < 256 {
-        b[1] = lun as u8;
-    } else if lun < 0x4000 {
-        b[0] = 0x40 | (lun >> 8) as u8;
-        b[1] = lun as u8;
-    } else {
-        // Extended flat space, 3-byte LUN (SAM-5 4.7.7.4).
-        b[0] = 0xd2;
-        b[1] = (lun >> 16) as u8;
-        b[2] = (lun >> 8) as u8;
-        b[3] = lun as u8;
-    }
-    b
-}
-
 pub(crate) fn report_luns(out: &mut Vec<u8>, select: u8, luns: impl Iterator<Item = u64>) {
     out.extend_from_slice(&[0; 8]);
     // SELECT REPORT 01h asks for well-known LUNs only; we have none.
     if select != 1 {
-        for lun in luns {
-            out.extend_from_slice(&encode_lun(lun));
+        // The configuration admits no LUN above Lun::MAX.
+        for lun in luns.filter_map(Lun::new) {
+            out.extend_from_slice(&lun.to_bytes());
         }
     }
     let len = (out.len() - 8) as u32;

@@ -57,7 +57,6 @@ pub fn command_kind(opcode: u8) -> CommandKind {
         _ => CommandKind::Other,
     }
 }
-pub use inquiry::encode_lun;
 pub use sense::SenseReason;
 
 /// One I_T nexus (an iSCSI session).

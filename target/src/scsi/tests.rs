@@ -1061,7 +1061,6 @@ fn identity_and_port_format() {
         isid: [0x80, 0x12, 0x34, 0x56, 0x78, 0x9a],
     };
     assert_eq!(n.initiator_port(), "iqn.x,i,0x80123456789a");
-    assert_eq!(encode_lun(5), [0, 5, 0, 0, 0, 0, 0, 0]);
 }
 
 #[test]
