@@ -26,6 +26,28 @@ pub const RSV: u8 = 0x04;
 /// The iSER protocol version we speak (RFC 7145: 1).
 pub const VERSION: u8 = 1;
 
+/// What the two iSER initiators ramslog serves can take, from their sources
+/// (docs/iser-compat.md). Target, userspace initiator and tests size their
+/// buffers and limits from these.
+pub mod peer {
+    use super::HEADER_LEN;
+    use crate::iscsi::BHS_LEN;
+
+    /// Data room of Linux ib_iser's full-feature receive buffers
+    /// (`ISER_RECV_DATA_SEG_LEN`): nothing longer may be sent to it after login.
+    pub const LINUX_FULL_FEATURE_RECV_DATA: u32 = 128;
+    /// Data room of Linux ib_iser's login receive buffer.
+    pub const LINUX_LOGIN_RECV_DATA: usize = 8192;
+    /// illumos receives every message into a fixed 16 KiB buffer
+    /// (`ISER_MAX_CTRLPDU_LEN`): iSER header, BHS and data together.
+    pub const ILLUMOS_MSG_LEN: usize = 16 * 1024;
+    /// The largest data segment an illumos initiator can receive.
+    pub const ILLUMOS_MAX_RECV_DATA: u32 = (ILLUMOS_MSG_LEN - HEADER_LEN - BHS_LEN) as u32;
+    /// RDMA READs illumos lets a target have in flight
+    /// (`iser_ib_open_rc_channel`: responder resources and initiator depth 4).
+    pub const ILLUMOS_RDMA_READ_CREDITS: u8 = 4;
+}
+
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum IserError {
     #[error("iSER message of {0} bytes is shorter than the 28-byte header")]

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ramslog_common::iscsi::{Bhs, BHS_LEN};
-use ramslog_common::iser::{CmPeer, CmRequest, Header, HEADER_LEN, VERSION};
+use ramslog_common::iser::{peer, CmPeer, CmRequest, Header, HEADER_LEN, VERSION};
 use ramslog_common::verbs::{
     self, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam,
     Device, EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr,
@@ -47,7 +47,7 @@ const RECV_SLOT_LEN: usize = 10 * 1024;
 const RECV_SLOTS: usize = 320;
 /// The illumos initiator receives into fixed 16 KiB messages: nothing we
 /// SEND is ever larger.
-const SEND_SLOT_LEN: usize = 16 * 1024;
+const SEND_SLOT_LEN: usize = peer::ILLUMOS_MSG_LEN;
 const SEND_SLOTS: usize = 256;
 /// Read data that is not LUN memory (INQUIRY, MODE SENSE, ...) is RDMA-written
 /// from these; they are small.
@@ -315,7 +315,7 @@ fn run_connection(
         .ok_or_else(|| ConnError::Protocol("connection lost its device".into()))?;
     let attrs = dev.attrs()?;
     let credit_cap = match offer.request.peer {
-        CmPeer::Illumos => 4,
+        CmPeer::Illumos => usize::from(peer::ILLUMOS_RDMA_READ_CREDITS),
         _ => MAX_READ_CREDITS,
     };
     let credits = (offer.initiator_depth as usize)

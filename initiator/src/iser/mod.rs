@@ -34,7 +34,7 @@ use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
 use ramslog_common::iscsi::{scsi_cmd, Bhs, Opcode, BHS_LEN, RESERVED_TAG};
-use ramslog_common::iser::{Header, RemoteBuffer, HEADER_LEN, LINUX_CM_PRIVATE_DATA};
+use ramslog_common::iser::{peer, Header, RemoteBuffer, HEADER_LEN, LINUX_CM_PRIVATE_DATA};
 use ramslog_common::scsi_wire::{be32, be64, Sense};
 use ramslog_common::verbs::{
     self, Access, CmEventKind, RegisteredBuffer, WcOpcode, WorkCompletion,
@@ -56,16 +56,10 @@ use transport::{expect_event, Rdma};
 
 /// iSER header plus BHS: where a PDU's AHS (and then data) starts in a message.
 const HEADERS_LEN: usize = HEADER_LEN + BHS_LEN;
-/// illumos receives every message into a fixed 16 KiB buffer
-/// (`ISER_MAX_CTRLPDU_LEN`); our sends are never larger either.
-const ILLUMOS_MSG_LEN: usize = 16 * 1024;
-/// Linux ib_iser's login receive buffer: headers plus 8192 bytes of data.
-const LINUX_RECV_LEN: usize = HEADERS_LEN + 8192;
-/// Data room of Linux ib_iser's full-feature receive buffers
-/// (`ISER_RECV_DATA_SEG_LEN`).
-const LINUX_FULL_FEATURE_DATA: u32 = 128;
-/// Bytes of one send slot.
-const SEND_SLOT_LEN: usize = ILLUMOS_MSG_LEN;
+/// Linux ib_iser's login receive buffer: headers plus its data room.
+const LINUX_RECV_LEN: usize = HEADERS_LEN + peer::LINUX_LOGIN_RECV_DATA;
+/// Bytes of one send slot: illumos's fixed message, which no send exceeds.
+const SEND_SLOT_LEN: usize = peer::ILLUMOS_MSG_LEN;
 /// Receives and sends beyond the command slots: NOP-Ins, async messages,
 /// rejects, and our NOP-Outs, text and logout.
 const EXTRA_SLOTS: usize = 16;
@@ -147,7 +141,7 @@ impl IserProfile {
     fn recv_len(self) -> usize {
         match self {
             IserProfile::Linux => LINUX_RECV_LEN,
-            IserProfile::Illumos => ILLUMOS_MSG_LEN,
+            IserProfile::Illumos => peer::ILLUMOS_MSG_LEN,
         }
     }
 }
@@ -425,7 +419,7 @@ impl IserSession {
         self.tsih = outcome.tsih;
         self.max_rx_data = neg.max_recv_data_segment_length;
         if self.opts.profile == IserProfile::Linux && self.session_type == SessionType::Normal {
-            self.max_rx_data = self.max_rx_data.min(LINUX_FULL_FEATURE_DATA);
+            self.max_rx_data = self.max_rx_data.min(peer::LINUX_FULL_FEATURE_RECV_DATA);
         }
         self.negotiated = neg;
         self.full_feature = true;

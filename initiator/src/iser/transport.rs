@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ramslog_common::iscsi::Bhs;
-use ramslog_common::iser::{Header, HEADER_LEN};
+use ramslog_common::iser::{peer, Header, HEADER_LEN};
 use ramslog_common::verbs::{
     self, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam,
     EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr,
@@ -119,8 +119,8 @@ impl Rdma {
             // RNR retry 2.
             IserProfile::Illumos => ConnParam {
                 private_data: &private,
-                responder_resources: 4,
-                initiator_depth: 4,
+                responder_resources: peer::ILLUMOS_RDMA_READ_CREDITS,
+                initiator_depth: peer::ILLUMOS_RDMA_READ_CREDITS,
                 retry_count: 2,
                 rnr_retry_count: opts.rnr_retry.unwrap_or(2),
             },

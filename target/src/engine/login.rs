@@ -530,10 +530,6 @@ fn is_plausible_name(name: &str) -> bool {
         && !name.chars().any(|c| c.is_control() || c.is_whitespace())
 }
 
-/// Largest data segment the illumos iSER initiator can receive: its 16 KiB
-/// receive messages minus the iSER header and BHS.
-pub const ILLUMOS_MAX_SEND_DATA: u32 = 16384 - 28 - 48;
-
 /// Keys that mean nothing in a discovery session (RFC 7143 13).
 const NORMAL_ONLY: &[&str] = &[
     "MaxConnections",
@@ -601,7 +597,7 @@ fn negotiate(
             Some(v) => {
                 // illumos receives into fixed 16 KiB messages, headers included.
                 let cap = if illumos_iser {
-                    ILLUMOS_MAX_SEND_DATA
+                    ramslog_common::iser::peer::ILLUMOS_MAX_RECV_DATA
                 } else {
                     u32::MAX
                 };

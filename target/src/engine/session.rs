@@ -10,7 +10,7 @@ use ramslog_common::iscsi::{
     parse_ahs, scsi_cmd, scsi_rsp, text, tmf, Bhs, Opcode, RejectReason, AHS_EXTENDED_CDB,
     RESERVED_TAG,
 };
-use ramslog_common::iser::RemoteBuffer;
+use ramslog_common::iser::{peer, RemoteBuffer};
 use ramslog_common::lun::Lun;
 use ramslog_common::scsi_wire::{sense_key, status, Sense};
 use ramslog_common::serial;
@@ -25,10 +25,6 @@ use crate::portal::{OpenSessionError, Portal, SessionControl, SessionKey};
 use crate::scsi::{
     command_kind, DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason,
 };
-
-/// Data room of the Linux ib_iser initiator's full-feature receive buffers
-/// (`ISER_RECV_DATA_SEG_LEN`).
-const LINUX_ISER_RECV_DATA: u32 = 128;
 
 /// Largest RDMA READ into the iSER driver's own buffer (parameter lists and
 /// compare data the SCSI device must see whole): the driver's bounce slots.
@@ -260,15 +256,15 @@ impl Session {
         let mut params = login.params.clone();
         if params.iser {
             // Everything we send over iSER is one SEND into a 16 KiB message.
-            params.initiator_mrdsl = params
-                .initiator_mrdsl
-                .min(super::login::ILLUMOS_MAX_SEND_DATA);
+            params.initiator_mrdsl = params.initiator_mrdsl.min(peer::ILLUMOS_MAX_RECV_DATA);
         }
         if params.rdma_extensions && login.kind == SessionKind::Normal {
             // Linux ib_iser receives full-feature PDUs into buffers with 128
             // bytes of data room, whatever it declared during login (a
             // discovery session keeps its login buffer).
-            params.initiator_mrdsl = params.initiator_mrdsl.min(LINUX_ISER_RECV_DATA);
+            params.initiator_mrdsl = params
+                .initiator_mrdsl
+                .min(peer::LINUX_FULL_FEATURE_RECV_DATA);
         }
         Ok(Session {
             portal: portal.clone(),

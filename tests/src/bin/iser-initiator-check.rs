@@ -25,6 +25,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use ramslog_common::iser::peer;
 use ramslog_initiator::iser::{self, IserOptions, IserProfile, IserSession, Tag};
 use ramslog_initiator::{cdb, LoginParams};
 use rand::rngs::StdRng;
@@ -347,13 +348,16 @@ fn run(a: &Args) -> Result<(), String> {
 
     let st = s.stats();
     println!("session stats: {st:?}");
-    if a.profile == IserProfile::Linux && st.largest_full_feature_data > 128 {
+    if a.profile == IserProfile::Linux
+        && st.largest_full_feature_data > peer::LINUX_FULL_FEATURE_RECV_DATA
+    {
         return Err(format!(
-            "a {}-byte data segment in full feature phase (ib_iser receives 128)",
-            st.largest_full_feature_data
+            "a {}-byte data segment in full feature phase (ib_iser receives {})",
+            st.largest_full_feature_data,
+            peer::LINUX_FULL_FEATURE_RECV_DATA
         ));
     }
-    if st.largest_message as usize > 16 * 1024 {
+    if st.largest_message as usize > peer::ILLUMOS_MSG_LEN {
         return Err(format!("a {}-byte message", st.largest_message));
     }
 
