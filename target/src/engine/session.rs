@@ -12,7 +12,7 @@ use ramslog_common::iscsi::{
 };
 use ramslog_common::iser::{peer, RemoteBuffer};
 use ramslog_common::lun::Lun;
-use ramslog_common::scsi_wire::{sense_key, status, Sense};
+use ramslog_common::scsi_wire::{status, Sense};
 use ramslog_common::serial;
 
 use super::login::{Login, SessionKind};
@@ -548,8 +548,7 @@ impl Session {
             bytes: 0,
         };
         let Some(lun) = Lun::from_wire(bhs.lun()) else {
-            let s = Sense::new(sense_key::ILLEGAL_REQUEST, 0x25, 0);
-            self.respond(out, itt, status::CHECK_CONDITION, Some(s), Residual::None);
+            self.fail(out, itt, SenseReason::LuNotSupported, Residual::None);
             return;
         };
         if (data.len() as u32) > edtl
@@ -610,8 +609,7 @@ impl Session {
             && moved % scsi.block_size(lun.number()) != 0
         {
             // The data would end inside a block: refuse rather than write part of one.
-            let s = Sense::new(sense_key::ILLEGAL_REQUEST, 0x0e, 0x03);
-            self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
+            self.fail(out, itt, SenseReason::InvalidFieldInCommandIu, residual);
             return;
         }
         let unsol_end = if flags & 0x80 != 0 || self.params.initial_r2t {
@@ -665,8 +663,12 @@ impl Session {
         {
             // The driver reads such data into a buffer of its own, which
             // has this size: refuse the command rather than the connection.
-            let s = Sense::new(sense_key::ILLEGAL_REQUEST, 0x24, 0x00);
-            self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
+            self.fail(
+                out,
+                itt,
+                SenseReason::TransferTooLargeForTransport,
+                residual,
+            );
             return;
         }
         if matches!(task.plan.out_placement, OutPlacement::Buffer) {
@@ -711,12 +713,11 @@ impl Session {
             Some(why) => {
                 let itt = task.itt;
                 self.finish_task(task);
-                let s = match why {
-                    // ABORTED COMMAND, DATA PHASE ERROR: the initiator may retry.
-                    WriteFailure::DataPhase => Sense::new(sense_key::ABORTED_COMMAND, 0x4b, 0x00),
-                    WriteFailure::Placement => Sense::new(sense_key::HARDWARE_ERROR, 0x44, 0),
+                let reason = match why {
+                    WriteFailure::DataPhase => SenseReason::DataPhaseError,
+                    WriteFailure::Placement => SenseReason::InternalTargetFailure,
                 };
-                self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
+                self.fail(out, itt, reason, residual);
             }
             None if task.solicit_next >= task.moved => {
                 self.complete_write(out, scsi, task, residual)
@@ -1041,8 +1042,7 @@ impl Session {
             // Checked when the command arrived; the address cannot overflow
             // once the initiator registered that many bytes there.
             let Some(remote) = self.remote_read else {
-                let s = Sense::new(sense_key::ABORTED_COMMAND, 0x4b, 0x00);
-                self.respond(out, itt, status::CHECK_CONDITION, Some(s), residual);
+                self.fail(out, itt, SenseReason::DataPhaseError, residual);
                 return;
             };
             let data = match src {

@@ -591,8 +591,13 @@ mod tests {
         a.completed(CommandKind::Write, status::GOOD, None, 4096);
         a.served(CommandKind::Write, 3_000);
         b.completed(CommandKind::Flush, status::GOOD, None, 0);
-        let s = Sense::new(sense_key::NOT_READY, 0x04, 0x03);
-        b.completed(CommandKind::Write, status::CHECK_CONDITION, Some(&s), 4096);
+        let s = crate::scsi::SenseReason::NotReadyManualIntervention.sense();
+        b.completed(
+            CommandKind::Write,
+            status::CHECK_CONDITION,
+            s.as_ref(),
+            4096,
+        );
         lu.leave(&a);
         let t = lu.totals();
         assert_eq!(t.commands, [0, 2, 1, 0]);

@@ -30,7 +30,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use ramslog_common::scsi_wire::{sense_key, FieldPointer, Sense};
+use ramslog_common::scsi_wire::FieldPointer;
 
 use crate::metrics::{CommandKind, LunMetrics};
 use crate::volume::Volume;
@@ -605,7 +605,7 @@ impl ScsiTarget {
                         }
                     }
                 };
-                let s = s.unwrap_or(Sense::new(sense_key::NO_SENSE, 0, 0));
+                let s = s.unwrap_or(sense::NO_SENSE);
                 if desc {
                     data_in.extend_from_slice(&[0x72, s.key, s.asc, s.ascq, 0, 0, 0, 0]);
                 } else {

@@ -39,6 +39,16 @@ pub enum SenseReason {
     /// HARDWARE ERROR, INTERNAL TARGET FAILURE (44h/00h): a bug, not a
     /// client error (e.g. the store refused a range we already checked).
     InternalTargetFailure,
+    /// ABORTED COMMAND, DATA PHASE ERROR (4Bh/00h): the command's data did
+    /// not arrive as the protocol requires; the initiator may retry.
+    DataPhaseError,
+    /// ILLEGAL REQUEST, INVALID FIELD IN COMMAND INFORMATION UNIT (0Eh/03h):
+    /// the iSCSI command itself is inconsistent (e.g. its expected data
+    /// length ends inside a block).
+    InvalidFieldInCommandIu,
+    /// ILLEGAL REQUEST, INVALID FIELD IN CDB (24h/00h) without a field
+    /// pointer: a transfer larger than this transport's buffers can stage.
+    TransferTooLargeForTransport,
     /// The volume was fenced for shutdown after the command's data landed:
     /// the command gets no status at all and the connection closes, so the
     /// host retries it after the restart (see `Volume::fence`). Never sent;
@@ -76,6 +86,9 @@ impl SenseReason {
             SenseReason::UnitAttention { asc, ascq } => (UNIT_ATTENTION, asc, ascq, None, None),
             SenseReason::Miscompare { offset } => (MISCOMPARE, 0x1d, 0, None, Some(offset)),
             SenseReason::InternalTargetFailure => (HARDWARE_ERROR, 0x44, 0, None, None),
+            SenseReason::DataPhaseError => (ABORTED_COMMAND, 0x4b, 0, None, None),
+            SenseReason::InvalidFieldInCommandIu => (ILLEGAL_REQUEST, 0x0e, 0x03, None, None),
+            SenseReason::TransferTooLargeForTransport => (ILLEGAL_REQUEST, 0x24, 0, None, None),
             SenseReason::ReservationConflict
             | SenseReason::TaskSetFull
             | SenseReason::Busy
@@ -90,6 +103,15 @@ impl SenseReason {
         })
     }
 }
+
+/// REQUEST SENSE's answer when nothing is pending: NO SENSE.
+pub(crate) const NO_SENSE: Sense = Sense {
+    key: sense_key::NO_SENSE,
+    asc: 0,
+    ascq: 0,
+    information: None,
+    field: None,
+};
 
 pub(crate) fn bad_cdb(byte: u16) -> SenseReason {
     SenseReason::InvalidFieldInCdb(FieldPointer::cdb(byte))
