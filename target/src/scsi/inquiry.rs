@@ -1,16 +1,12 @@
 //! INQUIRY (standard data and VPD pages) and REPORT LUNS.
 
-use super::cdb::{Geometry, MAX_CAW_BLOCKS, MAX_TRANSFER_BYTES, MAX_WRITE_SAME_BYTES};
+use super::vocab::{Geometry, MAX_CAW_BLOCKS, MAX_TRANSFER_BYTES, MAX_WRITE_SAME_BYTES, VPD_PAGES};
 use super::Identity;
 use ramslog_common::lun::Lun;
 
 pub(crate) const VENDOR: &[u8; 8] = b"RAMSLOG ";
 pub(crate) const PRODUCT: &[u8; 16] = b"RAMDISK         ";
 pub(crate) const REVISION: &[u8; 4] = b"0001";
-
-/// VPD pages we serve, in the order page 00h lists them. No B2h: the LU is
-/// fully provisioned, so we do not advertise logical block provisioning.
-pub(crate) const VPD_PAGES: [u8; 6] = [0x00, 0x80, 0x83, 0x86, 0xb0, 0xb1];
 
 /// Peripheral qualifier 011b / device type 1Fh: "no LU at this LUN".
 const NO_LU: u8 = 0x7f;

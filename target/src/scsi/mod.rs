@@ -24,6 +24,7 @@ mod pr;
 mod sense;
 #[cfg(test)]
 mod tests;
+mod vocab;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -34,8 +35,8 @@ use ramslog_common::scsi_wire::FieldPointer;
 
 use crate::metrics::{CommandKind, LunMetrics};
 use crate::volume::Volume;
-use cdb::{opc, Geometry, Op};
 use pr::PrState;
+use vocab::{opc, Geometry, Op};
 
 pub use crate::volume::Readiness;
 
@@ -529,7 +530,7 @@ impl ScsiTarget {
         }
         let mut st = lu.lock();
         let opcode = cdb.first().copied().unwrap_or(0xff);
-        if !cdb::ua_exempt(opcode) {
+        if !vocab::ua_exempt(opcode) {
             if let Some((asc, ascq)) = st.pop_ua(nexus) {
                 lu.refresh(&st);
                 return Err(SenseReason::UnitAttention { asc, ascq });

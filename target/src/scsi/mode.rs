@@ -6,8 +6,8 @@
 
 use ramslog_common::scsi_wire::{be16, be32, be64};
 
-use super::cdb::{Geometry, ModeSenseReq};
 use super::sense::{bad_cdb, bad_cdb_bit, bad_param, bad_param_bit, SenseReason};
+use super::vocab::{Geometry, ModeSenseReq};
 
 const PAGE_CACHING: u8 = 0x08;
 const PAGE_CONTROL: u8 = 0x0a;

@@ -1,8 +1,8 @@
 //! REPORT SUPPORTED OPERATION CODES (SPC-4 6.35), generated from the same
 //! command table that validates CDBs, so what we claim is what we accept.
 
-use super::cdb::{has_service_actions, lookup, opcode_known, Op, COMMANDS};
 use super::sense::{bad_cdb, SenseReason};
+use super::vocab::{has_service_actions, lookup, opcode_known, Op, COMMANDS};
 
 /// Command timeouts descriptor (RCTD=1): no nominal/recommended timeout given.
 const TIMEOUTS: [u8; 12] = [0, 0x0a, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];

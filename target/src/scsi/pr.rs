@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use ramslog_common::scsi_wire::be64;
 
-use super::cdb::Access;
 use super::sense::{bad_cdb_bit, bad_param, bad_param_bit, ua, SenseReason};
+use super::vocab::Access;
 
 pub(crate) const WE: u8 = 1;
 pub(crate) const EA: u8 = 3;

@@ -241,12 +241,12 @@ fn invalid_opcode_and_reserved_bits() {
         blocks: 1 << 40,
         block_size: 512,
     };
-    let c = rw16(0x88, 0, (cdb::MAX_TRANSFER_BYTES / 512) + 1);
+    let c = rw16(0x88, 0, (vocab::MAX_TRANSFER_BYTES / 512) + 1);
     assert_eq!(
         cdb::decode(&c, geo).unwrap_err(),
         SenseReason::InvalidFieldInCdb(FieldPointer::cdb(10))
     );
-    assert!(cdb::decode(&rw16(0x88, 0, cdb::MAX_TRANSFER_BYTES / 512), geo).is_ok());
+    assert!(cdb::decode(&rw16(0x88, 0, vocab::MAX_TRANSFER_BYTES / 512), geo).is_ok());
 }
 
 #[test]
@@ -273,8 +273,8 @@ fn inquiry_standard_and_vpd() {
 
     let (id, _) = t.identity(0).unwrap();
     let pages = run(&t, n, 0, &[0x12, 1, 0, 0, 255, 0], &[]).unwrap();
-    assert_eq!(&pages[4..], &inquiry::VPD_PAGES);
-    for &p in &inquiry::VPD_PAGES {
+    assert_eq!(&pages[4..], &vocab::VPD_PAGES);
+    for &p in &vocab::VPD_PAGES {
         let d = run(&t, n, 0, &[0x12, 1, p, 0, 255, 0], &[]).unwrap();
         assert_eq!(d[1], p);
         assert_eq!(usize::from(be16(&d, 2)) + 4, d.len());
@@ -580,7 +580,7 @@ fn write_same() {
 fn write_same_limit() {
     // "0 blocks" means to the end of the medium, which must fit MAXIMUM
     // WRITE SAME LENGTH.
-    let max = (cdb::MAX_WRITE_SAME_BYTES / 512) as u32;
+    let max = (vocab::MAX_WRITE_SAME_BYTES / 512) as u32;
     let geo = Geometry {
         blocks: 4 * u64::from(max),
         block_size: 512,
@@ -1011,7 +1011,7 @@ fn report_supported_opcodes() {
             off += step;
             count += 1;
         }
-        assert_eq!(count, cdb::COMMANDS.len());
+        assert_eq!(count, vocab::COMMANDS.len());
     }
     // READ(10)/WRITE(10)/COMPARE AND WRITE usage data shows DPO and FUA,
     // matching DPOFUA in MODE SENSE.
@@ -1100,7 +1100,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
     #[test]
     fn random_cdbs_never_panic(op in prop::sample::select(
-            cdb::COMMANDS.iter().map(|c| c.usage[0]).chain([0x42u8, 0xff]).collect::<Vec<_>>()),
+            vocab::COMMANDS.iter().map(|c| c.usage[0]).chain([0x42u8, 0xff]).collect::<Vec<_>>()),
         rest in proptest::collection::vec(any::<u8>(), 0..16),
         data in proptest::collection::vec(any::<u8>(), 0..1100),
         lun in 0u64..2) {
@@ -1124,7 +1124,7 @@ fn heavy_commands_are_bounded_by_the_block_limits() {
         blocks: 1 << 30,
         block_size: 512,
     };
-    let too_many = cdb::MAX_TRANSFER_BYTES / 512 + 1;
+    let too_many = vocab::MAX_TRANSFER_BYTES / 512 + 1;
     let mut verify = rw16(0x8f, 0, too_many);
     verify[1] = 3 << 1; // BYTCHK=3: one block compared against every block
     assert_eq!(
@@ -1147,4 +1147,20 @@ fn heavy_commands_are_bounded_by_the_block_limits() {
         "defect 9: WRITE SAME over 16 MiB accepted"
     );
     assert!(cdb::decode(&rw16(0x93, 0, (16 << 20) / 512), geo).is_ok());
+}
+
+/// The vocabulary is a leaf: decoding, INQUIRY, MODE SENSE and REPORT
+/// SUPPORTED OPERATION CODES build on it, so it must build on none of them.
+#[test]
+fn the_vocabulary_imports_nothing_from_the_crate() {
+    for (n, line) in include_str!("vocab.rs").lines().enumerate() {
+        let code = line.split("//").next().unwrap_or_default();
+        assert!(
+            !["crate::", "super::", "self::"]
+                .iter()
+                .any(|path| code.contains(path)),
+            "vocab.rs:{}: {line}",
+            n + 1
+        );
+    }
 }
