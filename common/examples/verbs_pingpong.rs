@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use ramslog_common::verbs::{
     device_count, wait_readable, Access, CmEvent, CmEventKind, CmId, CompletionChannel,
     CompletionQueue, ConnParam, EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer,
-    SendOp, SendWr, Sge, WcOpcode, WorkCompletion,
+    SendOp, SendWr, Sge, WcOpcode, WorkCompletion, WrId,
 };
 
 type Res<T> = Result<T, Box<dyn StdError>>;
@@ -47,10 +47,11 @@ const DONE: u32 = u32::from_be_bytes(*b"DONE");
 const DONE_OK: u32 = u32::from_be_bytes(*b"D_OK");
 const DONE_BAD: u32 = u32::from_be_bytes(*b"DBAD");
 
-// wr_id: receive slots are 0..RECV_SLOTS; the rest are fixed.
-const WR_SEND: u64 = 1000;
-const WR_READ: u64 = 1001;
-const WR_WRITE: u64 = 1002;
+// Work requests: receives use slots 0..RECV_SLOTS; the rest one each.
+const RECV: u32 = 0;
+const WR_SEND: WrId = WrId::new(1, 0);
+const WR_READ: WrId = WrId::new(2, 0);
+const WR_WRITE: WrId = WrId::new(3, 0);
 
 /// A 64-byte message: kind, sequence, and a buffer description.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -178,10 +179,10 @@ impl Reaper {
                 self.head += 1;
                 if !wc.is_ok() {
                     return Err(format!(
-                        "work request {} failed: {} (status {}, vendor error {:#x})",
+                        "work request {:?} failed: {} (status {}, vendor error {:#x})",
                         wc.wr_id,
                         wc.status_str(),
-                        wc.status,
+                        wc.status.raw(),
                         wc.vendor_err
                     )
                     .into());
@@ -240,7 +241,7 @@ fn rdma_op(
     id: &CmId,
     reaper: &mut Reaper,
     op: SendOp,
-    wr_id: u64,
+    wr_id: WrId,
     sge: Sge,
     want: WcOpcode,
 ) -> Res<()> {
@@ -263,7 +264,7 @@ fn post_recv_slot(id: &CmId, slots: &[RegisteredBuffer], i: usize) -> Res<()> {
         .sge(0, MSG as u32)
         .ok_or("receive slot too small")?;
     id.post_recv(&[RecvWr {
-        wr_id: i as u64,
+        wr_id: WrId::new(RECV, i as u32),
         sge,
     }])?;
     Ok(())
@@ -275,7 +276,7 @@ fn post_all_recvs(id: &CmId, slots: &[RegisteredBuffer]) -> Res<()> {
     for (i, b) in slots.iter().enumerate() {
         let sge = b.sge(0, MSG as u32).ok_or("receive slot too small")?;
         wrs.push(RecvWr {
-            wr_id: i as u64,
+            wr_id: WrId::new(RECV, i as u32),
             sge,
         });
     }
@@ -376,10 +377,10 @@ fn server(addr: SocketAddr) -> Res<()> {
         if wc.wr_id == WR_SEND {
             continue;
         }
-        let slot = usize::try_from(wc.wr_id)
-            .ok()
-            .filter(|&s| s < RECV_SLOTS)
-            .ok_or("unknown wr_id")?;
+        let slot = Some(wc.wr_id)
+            .filter(|w| w.kind == RECV && (w.slot as usize) < RECV_SLOTS)
+            .ok_or("unknown work request")?
+            .slot as usize;
         if wc.opcode != WcOpcode::Recv || wc.byte_len as usize != MSG {
             return Err(format!("unexpected completion {wc:?}").into());
         }
@@ -495,14 +496,14 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
             let wc = reaper.next()?;
             match wc.wr_id {
                 WR_SEND => sent = true,
-                w if (w as usize) < RECV_SLOTS => {
-                    let slot = w as usize;
+                WrId { kind: RECV, slot } if (slot as usize) < RECV_SLOTS => {
+                    let slot = slot as usize;
                     let m =
                         Msg::decode(slots[slot].bytes(0..MSG).ok_or("receive slot too small")?)?;
                     post_recv_slot(&id, &slots, slot)?;
                     reply = Some(m);
                 }
-                w => return Err(format!("unexpected wr_id {w}").into()),
+                w => return Err(format!("unexpected work request {w:?}").into()),
             }
         }
         total += t0.elapsed();
@@ -566,14 +567,14 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
         let wc = reaper.next()?;
         match wc.wr_id {
             WR_SEND => sent = true,
-            w if (w as usize) < RECV_SLOTS => {
-                let slot = w as usize;
+            WrId { kind: RECV, slot } if (slot as usize) < RECV_SLOTS => {
+                let slot = slot as usize;
                 verdict = Some(
                     Msg::decode(slots[slot].bytes(0..MSG).ok_or("receive slot too small")?)?.kind,
                 );
                 post_recv_slot(&id, &slots, slot)?;
             }
-            w => return Err(format!("unexpected completion {wc:?} (wr_id {w})").into()),
+            _ => return Err(format!("unexpected completion {wc:?}").into()),
         }
     }
     if verdict != Some(DONE_OK) {

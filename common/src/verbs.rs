@@ -47,8 +47,8 @@ mod ib;
 pub use cm::{CmEvent, CmEventKind, CmId, ConnParam, EventChannel, QpCaps};
 pub use ib::{
     Access, CompletionChannel, CompletionQueue, Device, DeviceAttrs, MemoryRegion, PostError,
-    ProtectionDomain, RecvWr, RegisteredBuffer, SendOp, SendWr, Sge, WcOpcode, WorkCompletion,
-    MAX_POLL_BATCH,
+    ProtectionDomain, RecvWr, RegisteredBuffer, SendOp, SendWr, Sge, WcOpcode, WcStatus,
+    WorkCompletion, WrId, MAX_POLL_BATCH,
 };
 
 /// Result of every fallible call in this module.
@@ -354,8 +354,28 @@ mod tests {
         assert!(wc.is_ok());
         assert_eq!(wc.opcode, WcOpcode::Send);
         assert_eq!(wc.status_str(), "success");
-        let bad = WorkCompletion { status: 5, ..wc };
+        let bad = WorkCompletion {
+            status: WcStatus::Flushed,
+            ..wc
+        };
         assert!(!bad.is_ok());
         assert_eq!(bad.status_str(), "Work Request Flushed Error");
+    }
+
+    #[test]
+    fn work_request_ids_and_statuses_survive_their_raw_forms() {
+        for id in [
+            WrId::new(0, 0),
+            WrId::new(5, 319),
+            WrId::new(u32::MAX, u32::MAX),
+        ] {
+            assert_eq!(WrId::from_raw(id.to_raw()), id);
+        }
+        assert_eq!(WrId::new(2, 7).to_raw(), (2 << 32) | 7);
+        for raw in 0..32 {
+            assert_eq!(WcStatus::from_raw(raw).raw(), raw);
+        }
+        assert_eq!(WcStatus::from_raw(1), WcStatus::LocalLength);
+        assert_eq!(WcStatus::from_raw(5), WcStatus::Flushed);
     }
 }

@@ -27,7 +27,7 @@ use ramslog_common::iser::{peer, CmPeer, CmRequest, Header, HEADER_LEN, VERSION}
 use ramslog_common::verbs::{
     self, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam,
     Device, EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr,
-    WcOpcode, WorkCompletion,
+    WcOpcode, WorkCompletion, WrId,
 };
 
 use crate::engine::{
@@ -68,23 +68,13 @@ const REPOST_BATCH: usize = 16;
 /// How long a closing connection waits for its last SENDs to complete.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
-/// `wr_id` = kind << 32 | slot.
+/// Work request kinds (`WrId::kind`); the slot is the kind's buffer slot.
 mod wr {
-    pub const RECV: u64 = 1;
-    pub const SEND: u64 = 2;
-    pub const DATAIN: u64 = 3;
-    pub const WRITE_STORE: u64 = 4;
-    pub const READ: u64 = 5;
-
-    pub const fn id(kind: u64, slot: usize) -> u64 {
-        (kind << 32) | slot as u64
-    }
-    pub const fn kind(id: u64) -> u64 {
-        id >> 32
-    }
-    pub const fn slot(id: u64) -> usize {
-        (id & 0xffff_ffff) as usize
-    }
+    pub const RECV: u32 = 1;
+    pub const SEND: u32 = 2;
+    pub const DATAIN: u32 = 3;
+    pub const WRITE_STORE: u32 = 4;
+    pub const READ: u32 = 5;
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -404,7 +394,7 @@ fn run_connection(
         sq_depth,
         held: None,
         reposts: [RecvWr {
-            wr_id: 0,
+            wr_id: WrId::default(),
             sge: verbs::Sge::default(),
         }; 32],
         n_reposts: 0,
@@ -438,7 +428,7 @@ fn recv_wr(recv: &RegisteredBuffer, slot: usize) -> Result<RecvWr, ConnError> {
         .sge(slot * RECV_SLOT_LEN, RECV_SLOT_LEN as u32)
         .ok_or_else(|| ConnError::Protocol("receive slot outside its buffer".into()))?;
     Ok(RecvWr {
-        wr_id: wr::id(wr::RECV, slot),
+        wr_id: WrId::new(wr::RECV, slot as u32),
         sge,
     })
 }
@@ -662,8 +652,8 @@ impl Driver<'_> {
     }
 
     fn completion(&mut self, now: Instant, wc: &WorkCompletion) -> Result<(), ConnError> {
-        let kind = wr::kind(wc.wr_id);
-        let slot = wr::slot(wc.wr_id);
+        let WrId { kind, slot } = wc.wr_id;
+        let slot = slot as usize;
         if kind != wr::RECV {
             self.sq_in_flight = self.sq_in_flight.saturating_sub(1);
         }
@@ -717,7 +707,7 @@ impl Driver<'_> {
             _ => {
                 debug_assert!(wc.opcode != WcOpcode::Recv);
                 return Err(ConnError::Protocol(format!(
-                    "unknown work request id {:#x}",
+                    "unknown work request {:?}",
                     wc.wr_id
                 )));
             }
@@ -809,7 +799,7 @@ impl Driver<'_> {
             )
             .map_err(|e| ConnError::Protocol(e.to_string()))?;
         self.post(
-            wr::id(wr::SEND, slot as usize),
+            WrId::new(wr::SEND, slot),
             SendOp::Send,
             Self::buffer_sge(&self.send, start, HEADER_LEN)?,
         )
@@ -826,7 +816,7 @@ impl Driver<'_> {
 
     /// Post one send-queue request. All are signaled: every completion frees
     /// a slot or a credit, and the send CQ wakes nobody unless armed.
-    fn post(&mut self, wr_id: u64, op: SendOp, sge: verbs::Sge) -> Result<(), ConnError> {
+    fn post(&mut self, wr_id: WrId, op: SendOp, sge: verbs::Sge) -> Result<(), ConnError> {
         self.id.post_send(&SendWr {
             wr_id,
             op,
@@ -895,7 +885,7 @@ impl Driver<'_> {
             }
         };
         let sge = Self::buffer_sge(&self.send, start, total)?;
-        self.post(wr::id(wr::SEND, slot as usize), SendOp::Send, sge)?;
+        self.post(WrId::new(wr::SEND, slot), SendOp::Send, sge)?;
         if let Some(served) = pdu.served {
             // A fresh reading: the loop's `now` may be rounds old.
             self.conn.served(served, metrics::clock().raw());
@@ -934,7 +924,7 @@ impl Driver<'_> {
             OutData::None => Ok(Posted::Done),
             OutData::Store { lun, offset, len } => {
                 let sge = self.lun_sge(lun, offset, len)?;
-                self.post(wr::id(wr::WRITE_STORE, 0), op, sge)?;
+                self.post(WrId::new(wr::WRITE_STORE, 0), op, sge)?;
                 Ok(Posted::Done)
             }
             OutData::Owned(v) => {
@@ -962,7 +952,7 @@ impl Driver<'_> {
                 };
                 dst.copy_from_slice(&v);
                 let sge = Self::buffer_sge(&large.datain, start, v.len())?;
-                self.post(wr::id(wr::DATAIN, slot as usize), op, sge)?;
+                self.post(WrId::new(wr::DATAIN, slot), op, sge)?;
                 Ok(Posted::Done)
             }
         }
@@ -1009,7 +999,7 @@ impl Driver<'_> {
             }
         };
         self.post(
-            wr::id(wr::READ, read_slot),
+            WrId::new(wr::READ, read_slot as u32),
             SendOp::RdmaRead {
                 remote_addr,
                 rkey: stag,

@@ -28,7 +28,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use ramslog_common::verbs::{
     self, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam,
     EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr, Sge,
-    WorkCompletion,
+    WcStatus, WorkCompletion, WrId,
 };
 
 use super::wire::{marker, Accept, Frame, Hello, Op, RDMA_HDR_LEN};
@@ -48,15 +48,11 @@ const CM_TIMEOUT: Duration = Duration::from_secs(10);
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
 /// The server closes a connection whose client says nothing for this long.
 const SERVER_IDLE: Duration = Duration::from_secs(120);
-/// `ibv_wc_status` IBV_WC_WR_FLUSH_ERR: the QP went down under the request.
-const WC_FLUSHED: u32 = 5;
-
-// wr_id: kind in the high half, receive slot in the low half.
-const KIND: u64 = !0xffff_ffff;
-const WR_RECV: u64 = 1 << 32;
-const WR_SEND: u64 = 2 << 32;
-const WR_READ: u64 = 3 << 32;
-const WR_WRITE: u64 = 4 << 32;
+// Work request kinds (`WrId::kind`); only receives use the slot.
+const WR_RECV: u32 = 1;
+const WR_SEND: u32 = 2;
+const WR_READ: u32 = 3;
+const WR_WRITE: u32 = 4;
 
 pub(super) const NO_RDMA: &str =
     "no RDMA device: floor over rdma needs one (on this machine use the SoftRoCE lab: \
@@ -259,16 +255,16 @@ impl Conn {
             .get(slot)
             .ok_or_else(|| anyhow!("receive slot {slot} does not exist"))?;
         self.id.post_recv(&[RecvWr {
-            wr_id: WR_RECV | slot as u64,
+            wr_id: WrId::new(WR_RECV, slot as u32),
             sge: sge(b, self.recv_len as usize)?,
         }])?;
         Ok(())
     }
 
-    fn post(&self, wr_id: u64, op: SendOp, sge: Sge) -> Result<()> {
+    fn post(&self, kind: u32, op: SendOp, sge: Sge) -> Result<()> {
         let inline = !matches!(op, SendOp::RdmaRead { .. }) && sge.len() <= self.max_inline;
         self.id.post_send(&SendWr {
-            wr_id,
+            wr_id: WrId::new(kind, 0),
             op,
             sge,
             signaled: true,
@@ -353,7 +349,7 @@ impl Conn {
     /// The frame in receive slot `slot` after its completion `wc`; reposts
     /// the slot.
     fn take_frame(&self, wc: &WorkCompletion) -> Result<Frame> {
-        let slot = (wc.wr_id & !KIND) as usize;
+        let slot = wc.wr_id.slot as usize;
         let b = self
             .recv
             .get(slot)
@@ -407,30 +403,26 @@ fn check(wc: WorkCompletion) -> Result<WorkCompletion> {
     if wc.is_ok() {
         return Ok(wc);
     }
-    let what = match wc.wr_id & KIND {
+    let what = match wc.wr_id.kind {
         WR_RECV => "receive",
         WR_SEND => "SEND",
         WR_READ => "RDMA READ",
         WR_WRITE => "RDMA WRITE",
         _ => "work request",
     };
-    if wc.status == WC_FLUSHED {
+    if wc.status == WcStatus::Flushed {
         return Err(PeerGone(format!("{what} flushed")).into());
     }
     bail!(
         "{what} failed: {} (status {}, vendor error {:#x})",
         wc.status_str(),
-        wc.status,
+        wc.status.raw(),
         wc.vendor_err
     )
 }
 
 fn unexpected(wc: &WorkCompletion) -> anyhow::Error {
-    anyhow!(
-        "unexpected completion (wr_id {:#x}, {:?})",
-        wc.wr_id,
-        wc.opcode
-    )
+    anyhow!("unexpected completion ({:?}, {:?})", wc.wr_id, wc.opcode)
 }
 
 // ---------------------------------------------------------------- client
@@ -522,7 +514,7 @@ impl Client {
         let (mut sent, mut answered) = (false, false);
         while !(sent && answered) {
             let wc = self.conn.wait(deadline, "the floor-server's answer")?;
-            match wc.wr_id & KIND {
+            match wc.wr_id.kind {
                 WR_SEND => sent = true,
                 WR_RECV => {
                     let f = self.conn.take_frame(&wc)?;
@@ -595,7 +587,7 @@ impl Client {
         let t = Instant::now();
         self.conn.post(WR_READ, op, s)?;
         let wc = self.conn.wait(t + IO_TIMEOUT, "an RDMA READ")?;
-        if wc.wr_id & KIND != WR_READ {
+        if wc.wr_id.kind != WR_READ {
             return Err(unexpected(&wc));
         }
         Ok(ns(t))
@@ -636,7 +628,7 @@ impl Client {
         let mut written = false;
         let wdst = &self.wdst;
         self.conn.wait_byte(wdst, last, want, deadline, |_, wc| {
-            match wc.wr_id & KIND {
+            match wc.wr_id.kind {
                 WR_WRITE => written = true,
                 _ => return Err(unexpected(&wc)),
             }
@@ -645,7 +637,7 @@ impl Client {
         let half = ns(t) / 2;
         while !written {
             let wc = self.conn.wait(deadline, "an RDMA WRITE completion")?;
-            match wc.wr_id & KIND {
+            match wc.wr_id.kind {
                 WR_WRITE => written = true,
                 _ => return Err(unexpected(&wc)),
             }
@@ -855,7 +847,7 @@ impl Replier {
         let deadline = Instant::now() + IO_TIMEOUT;
         while !self.send_done {
             let wc = conn.wait(deadline, "the previous answer's completion")?;
-            match wc.wr_id & KIND {
+            match wc.wr_id.kind {
                 WR_SEND => self.send_done = true,
                 _ => return Err(unexpected(&wc)),
             }
@@ -874,7 +866,7 @@ fn message_loop(conn: &mut Conn, bufs: &mut ServerBufs) -> Result<()> {
             Instant::now() + SERVER_IDLE,
             "the client's next message (idle)",
         )?;
-        match wc.wr_id & KIND {
+        match wc.wr_id.kind {
             WR_SEND => rep.on_send(),
             WR_RECV => {
                 let f = conn.take_frame(&wc)?;
@@ -927,7 +919,7 @@ fn read_block(conn: &mut Conn, bufs: &ServerBufs, rep: &mut Replier, f: &Frame) 
     let deadline = Instant::now() + IO_TIMEOUT;
     loop {
         let wc = conn.wait(deadline, "the RDMA READ of the client's block")?;
-        match wc.wr_id & KIND {
+        match wc.wr_id.kind {
             WR_READ => return Ok(()),
             WR_SEND => rep.on_send(),
             _ => return Err(unexpected(&wc)),
@@ -951,7 +943,7 @@ fn write_lat(conn: &mut Conn, bufs: &mut ServerBufs, rep: &mut Replier, f: &Fram
         let want = marker(n);
         let deadline = Instant::now() + SERVER_IDLE;
         let got = conn.wait_byte(&bufs.wdst, last, want, deadline, |c, wc| {
-            match wc.wr_id & KIND {
+            match wc.wr_id.kind {
                 WR_WRITE => write_pending = false,
                 WR_SEND => rep.on_send(),
                 WR_RECV => {
@@ -971,7 +963,7 @@ fn write_lat(conn: &mut Conn, bufs: &mut ServerBufs, rep: &mut Replier, f: &Fram
             let deadline = Instant::now() + IO_TIMEOUT;
             while write_pending {
                 let wc = conn.wait(deadline, "the last RDMA WRITE's completion")?;
-                match wc.wr_id & KIND {
+                match wc.wr_id.kind {
                     WR_WRITE => write_pending = false,
                     WR_SEND => rep.on_send(),
                     _ => return Err(unexpected(&wc)),
@@ -984,7 +976,7 @@ fn write_lat(conn: &mut Conn, bufs: &mut ServerBufs, rep: &mut Replier, f: &Fram
         let deadline = Instant::now() + IO_TIMEOUT;
         while write_pending {
             let wc = conn.wait(deadline, "an RDMA WRITE's completion")?;
-            match wc.wr_id & KIND {
+            match wc.wr_id.kind {
                 WR_WRITE => write_pending = false,
                 WR_SEND => rep.on_send(),
                 _ => return Err(unexpected(&wc)),

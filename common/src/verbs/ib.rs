@@ -759,12 +759,74 @@ impl WcOpcode {
     }
 }
 
+/// A work request's id, the one encoding every user of this module shares:
+/// what kind of request it was (each user numbers its own kinds) and which
+/// slot of that kind it used. A completion hands it back unchanged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct WrId {
+    pub kind: u32,
+    pub slot: u32,
+}
+
+impl WrId {
+    pub const fn new(kind: u32, slot: u32) -> WrId {
+        WrId { kind, slot }
+    }
+
+    pub(crate) const fn to_raw(self) -> u64 {
+        ((self.kind as u64) << 32) | self.slot as u64
+    }
+
+    pub(crate) const fn from_raw(raw: u64) -> WrId {
+        WrId {
+            kind: (raw >> 32) as u32,
+            slot: raw as u32,
+        }
+    }
+}
+
+/// How a work request ended (`ibv_wc_status`), named where a user acts on it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WcStatus {
+    #[default]
+    Success,
+    /// A receive buffer was too small for the message (`IBV_WC_LOC_LEN_ERR`).
+    LocalLength,
+    /// The queue pair went to the error state with the request still queued
+    /// (`IBV_WC_WR_FLUSH_ERR`): a disconnect, not a fault of this request.
+    Flushed,
+    /// Any other failure, by its `ibv_wc_status` number.
+    Other(u32),
+}
+
+impl WcStatus {
+    pub(crate) fn from_raw(status: u32) -> WcStatus {
+        use ffi::ibv_wc_status as s;
+        match status {
+            s::IBV_WC_SUCCESS => WcStatus::Success,
+            s::IBV_WC_LOC_LEN_ERR => WcStatus::LocalLength,
+            s::IBV_WC_WR_FLUSH_ERR => WcStatus::Flushed,
+            other => WcStatus::Other(other),
+        }
+    }
+
+    /// The `ibv_wc_status` number.
+    pub fn raw(self) -> u32 {
+        use ffi::ibv_wc_status as s;
+        match self {
+            WcStatus::Success => s::IBV_WC_SUCCESS,
+            WcStatus::LocalLength => s::IBV_WC_LOC_LEN_ERR,
+            WcStatus::Flushed => s::IBV_WC_WR_FLUSH_ERR,
+            WcStatus::Other(other) => other,
+        }
+    }
+}
+
 /// One completion (the parts of `ibv_wc` an RC user needs).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct WorkCompletion {
-    pub wr_id: u64,
-    /// `ibv_wc_status`: 0 is success.
-    pub status: u32,
+    pub wr_id: WrId,
+    pub status: WcStatus,
     pub opcode: WcOpcode,
     /// Bytes received (receive completions only).
     pub byte_len: u32,
@@ -774,8 +836,8 @@ pub struct WorkCompletion {
 impl WorkCompletion {
     fn from_raw(wc: &ffi::ibv_wc) -> WorkCompletion {
         WorkCompletion {
-            wr_id: wc.wr_id,
-            status: wc.status,
+            wr_id: WrId::from_raw(wc.wr_id),
+            status: WcStatus::from_raw(wc.status),
             opcode: WcOpcode::from_raw(wc.opcode),
             byte_len: wc.byte_len,
             vendor_err: wc.vendor_err,
@@ -783,14 +845,14 @@ impl WorkCompletion {
     }
 
     pub fn is_ok(&self) -> bool {
-        self.status == ffi::ibv_wc_status::IBV_WC_SUCCESS
+        self.status == WcStatus::Success
     }
 
     /// Text for `status` (`ibv_wc_status_str`).
     pub fn status_str(&self) -> &'static str {
         // SAFETY: ibv_wc_status_str accepts any value and returns a pointer
         // to a static string in libibverbs (or "unknown").
-        let p = unsafe { ffi::ibv_wc_status_str(self.status) };
+        let p = unsafe { ffi::ibv_wc_status_str(self.status.raw()) };
         if p.is_null() {
             return "unknown";
         }
@@ -865,7 +927,7 @@ pub enum SendOp {
 /// One send-queue work request with a single SGE (`len == 0`: no SGE).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SendWr {
-    pub wr_id: u64,
+    pub wr_id: WrId,
     pub op: SendOp,
     pub sge: Sge,
     /// Generate a completion (the QP has sq_sig_all = 0).
@@ -879,7 +941,7 @@ pub struct SendWr {
 /// One receive work request with a single SGE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RecvWr {
-    pub wr_id: u64,
+    pub wr_id: WrId,
     pub sge: Sge,
 }
 
@@ -982,7 +1044,7 @@ pub(crate) fn post_send(
             unsafe {
                 sge_base.add(i).write(raw_sge(&w.sge));
                 let r = wr_base.add(i);
-                (*r).wr_id = w.wr_id;
+                (*r).wr_id = w.wr_id.to_raw();
                 (*r).next = if i + 1 < n {
                     wr_base.add(i + 1)
                 } else {
@@ -1052,7 +1114,7 @@ pub(crate) fn post_recv(
             unsafe {
                 sge_base.add(i).write(raw_sge(&w.sge));
                 wr_base.add(i).write(ffi::ibv_recv_wr {
-                    wr_id: w.wr_id,
+                    wr_id: w.wr_id.to_raw(),
                     next: if i + 1 < n {
                         wr_base.add(i + 1)
                     } else {

@@ -37,7 +37,7 @@ use ramslog_common::iscsi::{scsi_cmd, Bhs, Opcode, BHS_LEN, RESERVED_TAG};
 use ramslog_common::iser::{peer, Header, RemoteBuffer, HEADER_LEN, LINUX_CM_PRIVATE_DATA};
 use ramslog_common::scsi_wire::{be32, be64, Sense};
 use ramslog_common::verbs::{
-    self, Access, CmEventKind, RegisteredBuffer, WcOpcode, WorkCompletion,
+    self, Access, CmEventKind, RegisteredBuffer, WcOpcode, WcStatus, WorkCompletion,
 };
 
 use crate::cdb;
@@ -63,17 +63,14 @@ const SEND_SLOT_LEN: usize = peer::ILLUMOS_MSG_LEN;
 /// Receives and sends beyond the command slots: NOP-Ins, async messages,
 /// rejects, and our NOP-Outs, text and logout.
 const EXTRA_SLOTS: usize = 16;
-/// `ibv_wc_status`: the message was longer than the receive buffer.
-const WC_LOC_LEN_ERR: u32 = 1;
-/// `ibv_wc_status`: flushed (the QP went to the error state).
-const WC_WR_FLUSH_ERR: u32 = 5;
 /// What our NOP-Out pings carry (and the echo must carry back).
 const PING_DATA: &[u8] = b"ramslog-ping";
 /// Largest unanswered control PDU backlog before the target is at fault.
 const MAX_CONTROL_BACKLOG: usize = 64;
 
-/// `wr_id` of a SEND: this bit and the send slot; of a receive: the slot.
-const SEND_WR: u64 = 1 << 32;
+/// Work request kinds (`WrId::kind`); the slot is a receive or send slot.
+const RECV_WR: u32 = 0;
+const SEND_WR: u32 = 1;
 
 /// Which initiator to behave like.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -881,7 +878,7 @@ impl IserSession {
                     if !wc.is_ok() {
                         return Ok(sent);
                     }
-                    self.rdma.free_send.push((wc.wr_id & !SEND_WR) as usize);
+                    self.rdma.free_send.push(wc.wr_id.slot as usize);
                 }
                 if stalled_at.elapsed() > Duration::from_secs(1) || Instant::now() >= deadline {
                     return Ok(sent);
@@ -1190,13 +1187,13 @@ impl IserSession {
     }
 
     fn completion(&mut self, wc: &WorkCompletion) -> Result<(), Error> {
-        let is_recv = wc.wr_id & SEND_WR == 0;
-        let slot = (wc.wr_id & !SEND_WR) as usize;
+        let is_recv = wc.wr_id.kind == RECV_WR;
+        let slot = wc.wr_id.slot as usize;
         if !wc.is_ok() {
-            if wc.status == WC_WR_FLUSH_ERR && (self.peer_disconnected || self.logging_out) {
+            if wc.status == WcStatus::Flushed && (self.peer_disconnected || self.logging_out) {
                 return Err(Error::Closed);
             }
-            if is_recv && wc.status == WC_LOC_LEN_ERR {
+            if is_recv && wc.status == WcStatus::LocalLength {
                 return Err(Error::proto(format!(
                     "the target sent a message longer than our {}-byte receive buffer{}",
                     self.rdma.recv_len,
@@ -1210,7 +1207,7 @@ impl IserSession {
                 "{} work request failed: {} (status {}, vendor error {:#x})",
                 if is_recv { "receive" } else { "send" },
                 wc.status_str(),
-                wc.status,
+                wc.status.raw(),
                 wc.vendor_err
             )));
         }
@@ -1224,12 +1221,12 @@ impl IserSession {
             let r = self.message(slot, wc.byte_len as usize);
             self.rdma.queue_recv(slot)?;
             r
-        } else if !is_recv && slot < self.rdma.send.len() / SEND_SLOT_LEN {
+        } else if wc.wr_id.kind == SEND_WR && slot < self.rdma.send.len() / SEND_SLOT_LEN {
             self.rdma.free_send.push(slot);
             Ok(())
         } else {
             Err(Error::Rdma(format!(
-                "completion with unknown wr_id {:#x}",
+                "completion of an unknown work request {:?}",
                 wc.wr_id
             )))
         }

@@ -10,10 +10,10 @@ use ramslog_common::iscsi::Bhs;
 use ramslog_common::iser::{peer, Header, HEADER_LEN};
 use ramslog_common::verbs::{
     self, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam,
-    EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr,
+    EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr, WrId,
 };
 
-use super::{IserOptions, IserProfile, EXTRA_SLOTS, HEADERS_LEN, SEND_SLOT_LEN, SEND_WR};
+use super::{IserOptions, IserProfile, EXTRA_SLOTS, HEADERS_LEN, RECV_WR, SEND_SLOT_LEN, SEND_WR};
 use crate::Error;
 
 /// Timeout of rdma_cm's address and route resolution, milliseconds.
@@ -135,7 +135,7 @@ impl Rdma {
             .sge(0, self.recv_len as u32)
             .ok_or_else(|| Error::Rdma("receive slot outside its buffer".into()))?;
         self.reposts.push(RecvWr {
-            wr_id: slot as u64,
+            wr_id: WrId::new(RECV_WR, slot as u32),
             sge,
         });
         Ok(())
@@ -185,7 +185,7 @@ impl Rdma {
             .sge(start, total as u32)
             .ok_or_else(|| Error::Rdma("send slot outside its buffer".into()))?;
         let r = self.id.post_send(&SendWr {
-            wr_id: SEND_WR | slot as u64,
+            wr_id: WrId::new(SEND_WR, slot as u32),
             op: SendOp::Send,
             sge,
             signaled: true,
