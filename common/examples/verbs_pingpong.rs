@@ -117,29 +117,10 @@ fn check_pattern(buf: &[u8], f: fn(usize) -> u8, what: &str) -> Res<()> {
     }
 }
 
-/// Wait for the next CM event on `ch` (non-blocking) and insist on `want`.
+/// Wait for `want` on `ch` (non-blocking); an event that ends the
+/// connection fails.
 fn wait_cm(ch: &EventChannel, want: CmEventKind, timeout: Duration) -> Res<CmEvent> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        match ch.get_event() {
-            Ok(ev) if ev.kind == want => return Ok(ev),
-            Ok(ev) => {
-                return Err(format!(
-                    "expected {want:?}, got {:?} (status {})",
-                    ev.kind, ev.status
-                )
-                .into());
-            }
-            Err(e) if e.is_would_block() => {}
-            Err(e) => return Err(e.into()),
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(format!("timed out waiting for {want:?}").into());
-        }
-        let mut ready = [false];
-        wait_readable(&[ch.fd()], Some(deadline - now), &mut ready)?;
-    }
+    Ok(ch.wait_for(want, Instant::now() + timeout)?)
 }
 
 /// Hands out completions one at a time, failing on any error completion.

@@ -44,7 +44,7 @@ use std::time::Duration;
 mod cm;
 mod ib;
 
-pub use cm::{CmEvent, CmEventKind, CmId, ConnParam, EventChannel, QpCaps};
+pub use cm::{CmEvent, CmEventKind, CmId, CmWaitError, ConnParam, EventChannel, QpCaps};
 pub use ib::{
     Access, CompletionChannel, CompletionQueue, Device, DeviceAttrs, MemoryRegion, PostError,
     ProtectionDomain, RecvWr, RegisteredBuffer, SendOp, SendWr, Sge, WcOpcode, WcStatus,

@@ -67,3 +67,14 @@ impl Error {
         Error::Protocol(msg.into())
     }
 }
+
+impl From<ramslog_common::verbs::CmWaitError> for Error {
+    fn from(e: ramslog_common::verbs::CmWaitError) -> Self {
+        use ramslog_common::verbs::CmWaitError;
+        match e {
+            CmWaitError::Timeout { want } => Error::Timeout(format!("the rdma_cm event {want:?}")),
+            CmWaitError::Verbs(e) => e.into(),
+            other => Error::Rdma(other.to_string()),
+        }
+    }
+}

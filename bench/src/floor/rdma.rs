@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use ramslog_common::verbs::{
-    self, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam,
-    EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr, Sge,
-    WcStatus, WorkCompletion, WrId,
+    self, Access, CmEvent, CmEventKind, CmId, CmWaitError, CompletionChannel, CompletionQueue,
+    ConnParam, EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr,
+    Sge, WcStatus, WorkCompletion, WrId,
 };
 
 use super::wire::{marker, Accept, Frame, Hello, Op, RDMA_HDR_LEN};
@@ -79,52 +79,36 @@ fn no_rdma(e: verbs::Error) -> anyhow::Error {
     }
 }
 
-/// Wait for `want` on a non-blocking event channel.
+/// Wait for `want` on a non-blocking event channel, with hints for the
+/// failures a user of the bench can fix.
 fn expect_event(
     events: &EventChannel,
     want: CmEventKind,
     deadline: Instant,
     peer: SocketAddr,
 ) -> Result<CmEvent> {
-    loop {
-        match events.get_event() {
-            Ok(e) if e.kind == want => return Ok(e),
-            Ok(e) if e.kind == CmEventKind::Rejected => bail!(
-                "{peer} rejected the RDMA connection (CM reason {}): is an rdma-bench \
-                 floor-server (without --no-rdma) listening there?",
-                e.status
-            ),
-            Ok(e) if matches!(e.kind, CmEventKind::AddrError | CmEventKind::RouteError) => {
-                let os = std::io::Error::from_raw_os_error(e.status.saturating_abs());
-                bail!(
-                    "{peer} is not reachable over RDMA ({:?}: {os}); over SoftRoCE use the \
-                     rxe device's own address, never 127.0.0.1",
-                    e.kind
-                )
-            }
-            Ok(e) if e.kind.ends_connection() => {
-                let os = std::io::Error::from_raw_os_error(e.status.saturating_abs());
-                bail!(
-                    "{peer}: rdma_cm {:?} (status {}: {os}) waiting for {want:?}",
-                    e.kind,
-                    e.status
-                )
-            }
-            Ok(_) => {}
-            Err(e) if e.is_would_block() => {
-                let now = Instant::now();
-                if now >= deadline {
-                    bail!(
-                        "{peer}: no rdma_cm {want:?} within {} s",
-                        CM_TIMEOUT.as_secs()
-                    );
-                }
-                let mut ready = [false];
-                verbs::wait_readable(&[events.fd()], Some(deadline - now), &mut ready)?;
-            }
-            Err(e) => return Err(e.into()),
+    events.wait_for(want, deadline).map_err(|e| match e {
+        CmWaitError::Rejected { reason, .. } => anyhow!(
+            "{peer} rejected the RDMA connection (CM reason {reason}): is an rdma-bench \
+             floor-server (without --no-rdma) listening there?"
+        ),
+        CmWaitError::Ended {
+            kind: kind @ (CmEventKind::AddrError | CmEventKind::RouteError),
+            status,
+            ..
+        } => {
+            let os = std::io::Error::from_raw_os_error(status.saturating_abs());
+            anyhow!(
+                "{peer} is not reachable over RDMA ({kind:?}: {os}); over SoftRoCE use the \
+                 rxe device's own address, never 127.0.0.1"
+            )
         }
-    }
+        CmWaitError::Timeout { .. } => anyhow!(
+            "{peer}: no rdma_cm {want:?} within {} s",
+            CM_TIMEOUT.as_secs()
+        ),
+        other => anyhow!("{peer}: rdma_cm: {other}"),
+    })
 }
 
 fn buffer(pd: &Arc<ProtectionDomain>, len: usize, access: Access) -> Result<RegisteredBuffer> {

@@ -6,6 +6,7 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::RawFd;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
+use std::time::Instant;
 
 use rdma_sys as ffi;
 
@@ -64,6 +65,44 @@ impl EventChannel {
 
     pub fn set_nonblocking(&self, on: bool) -> Result<()> {
         set_fd_nonblocking(self.fd(), on)
+    }
+
+    /// Wait on this non-blocking channel until `want` arrives or `deadline`
+    /// passes. A rejection or another event that ends the connection fails
+    /// the wait; events that neither answer nor end it are skipped.
+    pub fn wait_for(
+        &self,
+        want: CmEventKind,
+        deadline: Instant,
+    ) -> std::result::Result<CmEvent, CmWaitError> {
+        loop {
+            match self.get_event() {
+                Ok(e) if e.kind == want => return Ok(e),
+                Ok(e) if e.kind == CmEventKind::Rejected => {
+                    return Err(CmWaitError::Rejected {
+                        want,
+                        reason: e.status,
+                    })
+                }
+                Ok(e) if e.kind.ends_connection() => {
+                    return Err(CmWaitError::Ended {
+                        want,
+                        kind: e.kind,
+                        status: e.status,
+                    })
+                }
+                Ok(_) => {}
+                Err(e) if e.is_would_block() => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(CmWaitError::Timeout { want });
+                    }
+                    let mut ready = [false];
+                    super::wait_readable(&[self.fd()], Some(deadline - now), &mut ready)?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 
     /// The next event (`rdma_get_cm_event`), copied out and acknowledged
@@ -226,6 +265,27 @@ impl CmEventKind {
             other => CmEventKind::Other(other),
         }
     }
+}
+
+/// Why [`EventChannel::wait_for`] returned without its event.
+#[derive(Debug, thiserror::Error)]
+pub enum CmWaitError {
+    /// The peer (or its CM) rejected the connection; `reason` is the CM
+    /// reject reason.
+    #[error("the peer rejected the connection (CM reason {reason}) while waiting for {want:?}")]
+    Rejected { want: CmEventKind, reason: i32 },
+    /// An event that ends the connection; `status` is 0 or a negative errno
+    /// (`AddrError` and `RouteError`: the address is not reachable over RDMA).
+    #[error("{kind:?} ({}) while waiting for {want:?}", std::io::Error::from_raw_os_error(status.saturating_abs()))]
+    Ended {
+        want: CmEventKind,
+        kind: CmEventKind,
+        status: i32,
+    },
+    #[error("no rdma_cm {want:?} in time")]
+    Timeout { want: CmEventKind },
+    #[error(transparent)]
+    Verbs(#[from] Error),
 }
 
 /// One rdma_cm event, copied out of librdmacm (already acknowledged).

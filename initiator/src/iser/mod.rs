@@ -52,7 +52,7 @@ use crate::url::{TargetUrl, Transport};
 use crate::{encode_lun, Error};
 
 mod transport;
-use transport::{expect_event, Rdma};
+use transport::Rdma;
 
 /// iSER header plus BHS: where a PDU's AHS (and then data) starts in a message.
 const HEADERS_LEN: usize = HEADER_LEN + BHS_LEN;
@@ -978,7 +978,7 @@ impl IserSession {
         if !self.peer_disconnected {
             let _ = self.rdma.id.disconnect();
             let end = Instant::now() + Duration::from_secs(2);
-            if let Err(e) = expect_event(&self.rdma.events, CmEventKind::Disconnected, end) {
+            if let Err(e) = self.rdma.events.wait_for(CmEventKind::Disconnected, end) {
                 tracing::debug!("iSER disconnect after logout: {e}");
             }
         }

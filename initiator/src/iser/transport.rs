@@ -9,8 +9,8 @@ use std::time::Instant;
 use ramslog_common::iscsi::Bhs;
 use ramslog_common::iser::{peer, Header, HEADER_LEN};
 use ramslog_common::verbs::{
-    self, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam,
-    EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr, WrId,
+    Access, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam, EventChannel,
+    ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr, WrId,
 };
 
 use super::{IserOptions, IserProfile, EXTRA_SLOTS, HEADERS_LEN, RECV_WR, SEND_SLOT_LEN, SEND_WR};
@@ -46,9 +46,9 @@ impl Rdma {
         events.set_nonblocking(true)?;
         let mut id = CmId::new(&events)?;
         id.resolve_addr(None, addr, RESOLVE_TIMEOUT_MS)?;
-        expect_event(&events, CmEventKind::AddrResolved, deadline)?;
+        events.wait_for(CmEventKind::AddrResolved, deadline)?;
         id.resolve_route(RESOLVE_TIMEOUT_MS)?;
-        expect_event(&events, CmEventKind::RouteResolved, deadline)?;
+        events.wait_for(CmEventKind::RouteResolved, deadline)?;
         let dev = id
             .device()
             .ok_or_else(|| Error::Rdma(format!("{addr}: no RDMA device after route resolution")))?;
@@ -126,7 +126,7 @@ impl Rdma {
             },
         };
         rdma.id.connect(&param)?;
-        expect_event(&rdma.events, CmEventKind::Established, deadline)?;
+        rdma.events.wait_for(CmEventKind::Established, deadline)?;
         Ok(rdma)
     }
 
@@ -196,41 +196,5 @@ impl Rdma {
             return Err(e.into());
         }
         Ok(())
-    }
-}
-
-/// Wait for `want` on a (non-blocking) event channel.
-pub(super) fn expect_event(
-    events: &EventChannel,
-    want: CmEventKind,
-    deadline: Instant,
-) -> Result<CmEvent, Error> {
-    loop {
-        match events.get_event() {
-            Ok(e) if e.kind == want => return Ok(e),
-            Ok(e) if e.kind == CmEventKind::Rejected => {
-                return Err(Error::Rdma(format!(
-                    "the target rejected the connection (reason {}) waiting for {want:?}",
-                    e.status
-                )))
-            }
-            Ok(e) if e.kind.ends_connection() => {
-                let os = std::io::Error::from_raw_os_error(e.status.saturating_abs());
-                return Err(Error::Rdma(format!(
-                    "{:?} (status {}: {os}) waiting for {want:?}",
-                    e.kind, e.status
-                )));
-            }
-            Ok(e) => tracing::debug!("rdma_cm event {:?} while waiting for {want:?}", e.kind),
-            Err(e) if e.is_would_block() => {
-                let now = Instant::now();
-                if now >= deadline {
-                    return Err(Error::Timeout(format!("the rdma_cm event {want:?}")));
-                }
-                let mut ready = [false];
-                verbs::wait_readable(&[events.fd()], Some(deadline - now), &mut ready)?;
-            }
-            Err(e) => return Err(e.into()),
-        }
     }
 }
