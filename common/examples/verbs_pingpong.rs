@@ -19,14 +19,14 @@
 
 use std::error::Error as StdError;
 use std::net::SocketAddr;
-use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ramslog_common::verbs::wait;
 use ramslog_common::verbs::{
-    device_count, wait_readable, Access, CmEvent, CmEventKind, CmId, CompletionChannel,
-    CompletionQueue, ConnParam, EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer,
-    SendOp, SendWr, Sge, WcOpcode, WorkCompletion, WrId,
+    device_count, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue,
+    ConnParam, EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr,
+    Sge, WcOpcode, WorkCompletion, WrId,
 };
 
 type Res<T> = Result<T, Box<dyn StdError>>;
@@ -183,9 +183,7 @@ impl Reaper {
                 std::hint::spin_loop();
                 continue;
             };
-            // Arm, poll once more (a completion may have raced the arming),
-            // then sleep.
-            self.cq.req_notify()?;
+            wait::arm(&[&*self.cq])?;
             self.len = self.cq.poll(&mut self.buf)?;
             if self.len > 0 {
                 continue;
@@ -194,13 +192,8 @@ impl Reaper {
             if now >= deadline {
                 return Err("timed out waiting for a completion".into());
             }
-            let fds: [RawFd; 2] = [ch.fd(), self.cm.fd()];
-            let mut ready = [false; 2];
-            wait_readable(&fds, Some(deadline - now), &mut ready)?;
-            if ready[0] {
-                ch.consume_event(&self.cq)?;
-            }
-            if ready[1] {
+            let woken = wait::sleep(ch, &[&*self.cq], Some(&self.cm), Some(deadline - now))?;
+            if woken.cm {
                 match self.cm.get_event() {
                     Ok(ev) => {
                         return Err(format!(

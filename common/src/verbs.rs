@@ -43,6 +43,7 @@ use std::time::Duration;
 
 mod cm;
 mod ib;
+pub mod wait;
 
 pub use cm::{CmEvent, CmEventKind, CmId, CmWaitError, ConnParam, EventChannel, QpCaps};
 pub use ib::{

@@ -6,6 +6,7 @@
 //! `store` (the memory itself). `config`, `portal`, `state` and
 //! `control` form the control plane and stay off the I/O path.
 
+pub mod clock;
 pub mod config;
 pub mod control;
 pub mod engine;

@@ -17,19 +17,20 @@
 //! held and everything behind it waits: order is never traded for speed.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ramslog_common::iscsi::{Bhs, BHS_LEN};
 use ramslog_common::iser::{peer, CmPeer, CmRequest, Header, HEADER_LEN, VERSION};
+use ramslog_common::verbs::wait::{self, SpinBudget};
 use ramslog_common::verbs::{
     self, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam,
     Device, EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr,
     WcOpcode, WorkCompletion, WrId,
 };
 
+use crate::clock::CoarseClock;
 use crate::engine::{
     Action, ConnInfo, Connection, OutData, OutPdu, ReadDest, ISER_BUFFERED_READ_MAX,
 };
@@ -507,18 +508,12 @@ impl Driver<'_> {
         opts: IserOptions,
     ) -> Result<(), ConnError> {
         let mut wcs = [WorkCompletion::default(); 32];
-        let mut empty_polls = 0u32;
-        // The clock is read every 32 rounds and after a sleep that timed
-        // out, not per I/O: with an HPET clocksource (the TCG lab) every read
-        // is a syscall, and the timers here are seconds long, so `now` may
-        // lag by a few rounds' sleeps (each at most MAX_SLEEP).
-        let mut now = Instant::now();
-        let mut rounds = 0u32;
+        let mut spin = SpinBudget::new(opts.spin);
+        // The timers here are whole seconds: the coarse clock serves them
+        // without a system call per round.
+        let clock = CoarseClock::new();
         loop {
-            rounds = rounds.wrapping_add(1);
-            if rounds.is_multiple_of(32) {
-                now = Instant::now();
-            }
+            let now = clock.now();
             // While output is blocked no receive is consumed: the peer's
             // messages wait in the receive queue (and then RNR-retry), so the
             // engine queues nothing more for a peer that takes nothing.
@@ -549,30 +544,25 @@ impl Driver<'_> {
             if self.peer_gone || control.terminated.load(Ordering::Acquire) {
                 return Ok(());
             }
-            if n > 0 {
-                empty_polls = 0;
-                continue;
-            }
-            empty_polls += 1;
-            if empty_polls <= opts.spin {
-                std::hint::spin_loop();
+            if spin.poll_again(n) {
                 continue;
             }
             // Sleep. Receives always wake us; send-side completions only when
             // something waits for them (an RDMA READ, a held action, a close).
-            // Arm first, then poll once more: a completion that raced the
-            // arming would otherwise wait for the next event.
             let recv_armed = self.held.is_none();
-            if recv_armed {
-                self.recv_cq.req_notify()?;
-            }
             let send_armed =
                 self.reads_in_flight > 0 || self.held.is_some() || self.closing.is_some();
-            if send_armed {
-                self.send_cq.req_notify()?;
-            }
+            let (recv_cq, send_cq) = (self.recv_cq, self.send_cq);
+            let armed_buf = [recv_cq, send_cq];
+            let armed: &[&CompletionQueue] = match (recv_armed, send_armed) {
+                (true, true) => &armed_buf,
+                (true, false) => &armed_buf[..1],
+                (false, true) => &armed_buf[1..],
+                (false, false) => &[],
+            };
+            wait::arm(armed)?;
             if self.reap(now, &mut wcs, recv_armed)? > 0 {
-                empty_polls = 0;
+                spin.reset();
                 continue;
             }
             let timeout = self
@@ -581,22 +571,11 @@ impl Driver<'_> {
                 .map(|t| t.saturating_duration_since(now))
                 .unwrap_or(MAX_SLEEP)
                 .min(MAX_SLEEP);
-            let fds: [RawFd; 2] = [comp.fd(), events.fd()];
-            let mut ready = [false; 2];
-            verbs::wait_readable(&fds, Some(timeout), &mut ready)?;
-            if ready[0] {
-                // At most one event per armed queue is pending.
-                if comp.consume_event(self.recv_cq)? && send_armed && recv_armed {
-                    comp.consume_event(self.recv_cq)?;
-                }
-            }
-            if ready[1] {
+            let woken = wait::sleep(comp, armed, Some(events), Some(timeout))?;
+            if woken.cm {
                 self.cm_events(events);
             }
-            empty_polls = 0;
-            if !ready[0] && !ready[1] {
-                now = Instant::now();
-            }
+            spin.reset();
         }
     }
 

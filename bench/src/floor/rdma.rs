@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use ramslog_common::verbs::wait::{self, SpinBudget};
 use ramslog_common::verbs::{
     self, Access, CmEvent, CmEventKind, CmId, CmWaitError, CompletionChannel, CompletionQueue,
     ConnParam, EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr,
@@ -274,22 +275,21 @@ impl Conn {
     /// The next completion: spin for the budget, then sleep on the
     /// completion channel (and the CM channel) until `deadline`.
     fn wait(&mut self, deadline: Instant, what: &str) -> Result<WorkCompletion> {
+        let mut spin = SpinBudget::new(self.spin);
         let mut spins = 0u32;
         loop {
             if let Some(wc) = self.poll_now()? {
                 return Ok(wc);
             }
-            if spins < self.spin {
-                spins += 1;
+            if spin.poll_again(0) {
+                spins = spins.wrapping_add(1);
                 if spins.is_multiple_of(1024) && Instant::now() >= deadline {
                     return Err(self.timeout(what));
                 }
-                std::hint::spin_loop();
                 continue;
             }
-            // Arm, poll once more (a completion may have raced the arming),
-            // then sleep.
-            self.cq.req_notify()?;
+            spin.reset();
+            wait::arm(&[&*self.cq])?;
             if let Some(wc) = self.poll_now()? {
                 return Ok(wc);
             }
@@ -297,16 +297,13 @@ impl Conn {
             if now >= deadline {
                 return Err(self.timeout(what));
             }
-            let mut ready = [false; 2];
-            verbs::wait_readable(
-                &[self.comp.fd(), self.events.fd()],
+            let woken = wait::sleep(
+                &self.comp,
+                &[&*self.cq],
+                Some(&self.events),
                 Some(deadline - now),
-                &mut ready,
             )?;
-            if ready[0] {
-                self.comp.consume_event(&self.cq)?;
-            }
-            if ready[1] {
+            if woken.cm {
                 self.cm_check()?;
             }
         }

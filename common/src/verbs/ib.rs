@@ -541,15 +541,12 @@ impl CompletionChannel {
     }
 
     /// After poll(2) says the fd is readable: `ibv_get_cq_event` and
-    /// `ibv_ack_cq_events(1)`. `Ok(false)` when there was no event
-    /// (non-blocking and EAGAIN, or EINTR). Blocks when the channel is
-    /// blocking.
-    ///
-    /// The event is acknowledged on the CQ it belongs to: that is `cq` when
-    /// the channel serves one CQ (the intended use); events of other CQs
-    /// sharing the channel are acknowledged as well. Re-arm with
-    /// [`CompletionQueue::req_notify`], then drain with `poll`.
-    pub fn consume_event(&self, cq: &CompletionQueue) -> Result<bool> {
+    /// `ibv_ack_cq_events(1)`. `Ok(None)` when there was no event
+    /// (non-blocking and EAGAIN, or EINTR); blocks when the channel is
+    /// blocking. Otherwise which CQ fired: its index in `cqs`, or
+    /// `cqs.len()` for a CQ on this channel that `cqs` does not list (its
+    /// event is acknowledged all the same).
+    pub fn consume_event(&self, cqs: &[&CompletionQueue]) -> Result<Option<usize>> {
         let mut got: *mut ffi::ibv_cq = ptr::null_mut();
         let mut ctx: *mut libc::c_void = ptr::null_mut();
         // SAFETY: the channel is alive; both out-pointers are valid.
@@ -557,16 +554,22 @@ impl CompletionChannel {
         if rc != 0 {
             let e = std::io::Error::last_os_error();
             return match e.kind() {
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => Ok(false),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => Ok(None),
                 _ => Err(Error::new("ibv_get_cq_event", e)),
             };
         }
-        let target = if got.is_null() { cq.as_ptr() } else { got };
-        // SAFETY: `target` is the CQ the event was reported for. A CQ with
-        // an unacknowledged event cannot finish ibv_destroy_cq (libibverbs
+        if got.is_null() {
+            return Err(Error::from_errno("ibv_get_cq_event", libc::EIO));
+        }
+        let fired = cqs
+            .iter()
+            .position(|cq| cq.as_ptr() == got)
+            .unwrap_or(cqs.len());
+        // SAFETY: `got` is the CQ the event was reported for. A CQ with an
+        // unacknowledged event cannot finish ibv_destroy_cq (libibverbs
         // waits for the ack), so it is alive here.
-        unsafe { ffi::ibv_ack_cq_events(target, 1) };
-        Ok(true)
+        unsafe { ffi::ibv_ack_cq_events(got, 1) };
+        Ok(Some(fired))
     }
 
     pub fn device(&self) -> Device {

@@ -30,14 +30,14 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
 use ramslog_common::iscsi::{scsi_cmd, Bhs, Opcode, BHS_LEN, RESERVED_TAG};
 use ramslog_common::iser::{peer, Header, RemoteBuffer, HEADER_LEN, LINUX_CM_PRIVATE_DATA};
 use ramslog_common::scsi_wire::{be32, be64, Sense};
+use ramslog_common::verbs::wait::{self, SpinBudget};
 use ramslog_common::verbs::{
-    self, Access, CmEventKind, RegisteredBuffer, WcOpcode, WcStatus, WorkCompletion,
+    Access, CmEventKind, RegisteredBuffer, WcOpcode, WcStatus, WorkCompletion,
 };
 
 use crate::cdb;
@@ -1075,9 +1075,10 @@ impl IserSession {
     }
 
     fn turn_inner(&mut self, deadline: Instant) -> Result<(), Error> {
-        let mut spins = 0u32;
+        let mut spin = SpinBudget::new(self.opts.spin);
         loop {
-            if self.poll_once()? > 0 {
+            let found = self.poll_once()?;
+            if found > 0 {
                 return Ok(());
             }
             if self.peer_disconnected {
@@ -1089,33 +1090,28 @@ impl IserSession {
             if now >= deadline {
                 return Ok(());
             }
-            if spins < self.opts.spin {
-                spins += 1;
+            if spin.poll_again(found) {
                 continue;
             }
-            spins = 0;
-            self.rdma.recv_cq.req_notify()?;
+            spin.reset();
+            // Receives always wake us; sends only when a send slot is awaited.
             let send_armed = self.rdma.free_send.is_empty();
-            if send_armed {
-                self.rdma.send_cq.req_notify()?;
-            }
+            let armed_count = if send_armed { 2 } else { 1 };
+            wait::arm(&[&*self.rdma.recv_cq, &*self.rdma.send_cq][..armed_count])?;
             if self.poll_once()? > 0 {
                 return Ok(());
             }
             let wake = next_ping.map_or(deadline, |p| p.min(deadline));
-            let fds: [RawFd; 2] = [self.rdma.comp.fd(), self.rdma.events.fd()];
-            let mut ready = [false; 2];
-            verbs::wait_readable(&fds, Some(wake.saturating_duration_since(now)), &mut ready)?;
-            if ready[0] {
-                // At most one event per armed queue is pending.
-                if self.rdma.comp.consume_event(&self.rdma.recv_cq)? && send_armed {
-                    self.rdma.comp.consume_event(&self.rdma.recv_cq)?;
-                }
-            }
-            if ready[1] {
+            let woken = wait::sleep(
+                &self.rdma.comp,
+                &[&*self.rdma.recv_cq, &*self.rdma.send_cq][..armed_count],
+                Some(&self.rdma.events),
+                Some(wake.saturating_duration_since(now)),
+            )?;
+            if woken.cm {
                 self.cm_events()?;
             }
-            if !ready[0] && !ready[1] && Instant::now() >= deadline {
+            if woken.timed_out() && Instant::now() >= deadline {
                 return Ok(());
             }
         }

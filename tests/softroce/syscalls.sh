@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Syscalls per I/O on ramslog-target's iSER connection thread (a measurement,
+# not a test: it prints numbers and asserts only that it could take them).
+#
+#   tests/softroce/run tests/softroce/syscalls.sh [IOS]
+#
+# For --iser-spin 0 (sleep on the completion channel) and a large spin budget:
+# rdma-bench writes IOS 4 KiB blocks at QD1 over iSER while strace follows every
+# thread of the target; the connection's thread is the one that made the most
+# calls. Printed per I/O, by syscall. rxe's own doorbells show as `write` on
+# /dev/infiniband/uverbs* (post_send and req_notify_cq); everything else is the
+# loop's. strace slows each call, never changes which calls are made.
+HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/lib/common.sh"
+IOS=${1:-2000}
+BENCH=$(pick_bin rdma-bench) || { echo "build rdma-bench first"; exit 1; }
+# shellcheck disable=SC2034 # read by target_start
+TARGET_BIN=$(pick_bin ramslog-target) || { echo "build ramslog-target first"; exit 1; }
+command -v strace >/dev/null || { echo "strace is missing (apt-get install strace)"; exit 1; }
+IQN=iqn.2026-11.org.ramslog:syscalls
+INI=iqn.2026-11.org.ramslog:rdma-bench
+PIDS=()
+cleanup() {
+  local p
+  for p in "${PIDS[@]}"; do stop_pid "$p"; done
+  rxe_down
+}
+mkdir -p "$RESULTS"
+
+step "rxe up (target $TARGET_BIN)"
+rxe_up
+trap cleanup EXIT
+
+for spin in 0 1000000; do
+  step "--iser-spin $spin: $IOS writes of 4 KiB at QD1 under strace"
+  log=$RESULTS/syscalls-target-spin$spin.log
+  target_start "$log" "iSER listening on $RXE_ADDR_A:3260" --size 64M --ephemeral \
+    --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --allow "$INI" --iser-spin "$spin" \
+    --control-socket "/run/ramslog-syscalls-$spin.sock"
+  target=$TARGET_STARTED
+  PIDS+=("$target")
+  trace=/tmp/syscalls-spin$spin.strace
+  strace -f -qq -o "$trace" -p "$target" &
+  tracer=$!
+  PIDS+=("$tracer")
+  sleep 2
+  "$BENCH" lat "iser://$RXE_ADDR_A:3260/$IQN/0" --bs 4K --qd 1 --pattern write --count "$IOS" \
+    --warmup 0 --spin 0 --initiator-name "$INI" --quiet
+  stop_pid "$tracer"
+  stop_pid "$target"
+  python3 - "$trace" "$IOS" "$spin" <<'PY'
+import collections, re, sys
+path, ios, spin = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+by_tid = collections.defaultdict(collections.Counter)
+for line in open(path, errors="replace"):
+    m = re.match(r"(\d+)\s+(?:<\.\.\. )?([a-z_0-9]+)[( ]", line)
+    if m and "resumed>" not in line.split(m.group(2), 1)[1][:12]:
+        by_tid[m.group(1)][m.group(2)] += 1
+    elif m:
+        continue
+if not by_tid:
+    sys.exit("strace recorded nothing")
+tid, calls = max(by_tid.items(), key=lambda kv: sum(kv[1].values()))
+total = sum(calls.values())
+print(f"spin {spin}: connection thread {tid}: {total} syscalls for {ios} I/Os = {total / ios:.2f} per I/O")
+for name, n in calls.most_common():
+    print(f"  {name:<16} {n:>8}  {n / ios:6.2f} per I/O")
+PY
+done
+echo "SYSCALLS MEASURED"
