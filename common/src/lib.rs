@@ -5,6 +5,7 @@
 //! is `verbs` (feature `rdma`): the safe RDMA verbs / rdma_cm wrapper that the
 //! target and the initiator share, and the only place with unsafe code here.
 
+pub mod cdb;
 pub mod iscsi;
 pub mod iser;
 pub mod lun;

@@ -8,7 +8,7 @@
 //! - [`iser::IserSession`]: the same over iSER (RDMA), blocking and
 //!   single-threaded, behaving like the Linux or the illumos initiator.
 
-pub mod cdb;
+pub use ramslog_common::cdb;
 pub mod chap;
 mod conn;
 pub mod datain;

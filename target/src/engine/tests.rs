@@ -243,15 +243,11 @@ fn logged_in() -> Harness {
 }
 
 fn write10(lba: u32, blocks: u16) -> [u8; 10] {
-    let l = lba.to_be_bytes();
-    let n = blocks.to_be_bytes();
-    [0x2a, 0, l[0], l[1], l[2], l[3], 0, n[0], n[1], 0]
+    ramslog_common::cdb::write10(lba.into(), blocks.into(), false).expect("fits WRITE (10)")
 }
 
 fn read10(lba: u32, blocks: u16) -> [u8; 10] {
-    let mut c = write10(lba, blocks);
-    c[0] = 0x28;
-    c
+    ramslog_common::cdb::read10(lba.into(), blocks.into()).expect("fits READ (10)")
 }
 
 fn sense_of(r: &Rsp) -> Sense {

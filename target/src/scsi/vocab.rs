@@ -18,48 +18,7 @@ pub(crate) const MAX_WRITE_SAME_BYTES: u64 = 16 << 20;
 /// COMPARE AND WRITE's NUMBER OF LOGICAL BLOCKS is one byte; we can do all of it.
 pub(crate) const MAX_CAW_BLOCKS: u8 = 255;
 
-pub(crate) mod opc {
-    pub const TEST_UNIT_READY: u8 = 0x00;
-    pub const REQUEST_SENSE: u8 = 0x03;
-    pub const READ6: u8 = 0x08;
-    pub const WRITE6: u8 = 0x0a;
-    pub const INQUIRY: u8 = 0x12;
-    pub const MODE_SELECT6: u8 = 0x15;
-    pub const RESERVE6: u8 = 0x16;
-    pub const RELEASE6: u8 = 0x17;
-    pub const MODE_SENSE6: u8 = 0x1a;
-    pub const START_STOP_UNIT: u8 = 0x1b;
-    pub const READ_CAPACITY10: u8 = 0x25;
-    pub const READ10: u8 = 0x28;
-    pub const WRITE10: u8 = 0x2a;
-    pub const WRITE_VERIFY10: u8 = 0x2e;
-    pub const VERIFY10: u8 = 0x2f;
-    pub const PRE_FETCH10: u8 = 0x34;
-    pub const SYNC_CACHE10: u8 = 0x35;
-    pub const WRITE_SAME10: u8 = 0x41;
-    pub const MODE_SELECT10: u8 = 0x55;
-    pub const MODE_SENSE10: u8 = 0x5a;
-    pub const PR_IN: u8 = 0x5e;
-    pub const PR_OUT: u8 = 0x5f;
-    pub const READ16: u8 = 0x88;
-    pub const COMPARE_AND_WRITE: u8 = 0x89;
-    pub const WRITE16: u8 = 0x8a;
-    pub const WRITE_VERIFY16: u8 = 0x8e;
-    pub const VERIFY16: u8 = 0x8f;
-    pub const PRE_FETCH16: u8 = 0x90;
-    pub const SYNC_CACHE16: u8 = 0x91;
-    pub const WRITE_SAME16: u8 = 0x93;
-    pub const SERVICE_ACTION_IN16: u8 = 0x9e;
-    pub const REPORT_LUNS: u8 = 0xa0;
-    pub const MAINTENANCE_IN: u8 = 0xa3;
-    pub const READ12: u8 = 0xa8;
-    pub const WRITE12: u8 = 0xaa;
-    pub const WRITE_VERIFY12: u8 = 0xae;
-    pub const VERIFY12: u8 = 0xaf;
-
-    pub const SA_READ_CAPACITY16: u8 = 0x10;
-    pub const SA_REPORT_SUPPORTED_OPCODES: u8 = 0x0c;
-}
+pub(crate) use ramslog_common::cdb::opcode as opc;
 
 /// One supported command: its CDB usage data (SPC-4 6.35.3: byte 0 is the
 /// opcode, every other byte has a bit set for each bit we look at). A bit

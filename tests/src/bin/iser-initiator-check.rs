@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ramslog_common::iser::peer;
+use ramslog_common::scsi_wire::sense_key;
 use ramslog_initiator::iser::{self, IserOptions, IserProfile, IserSession, Tag};
 use ramslog_initiator::{cdb, LoginParams};
 use rand::rngs::StdRng;
@@ -35,8 +36,6 @@ const USAGE: &str =
     "usage: iser-initiator-check --profile illumos|linux --target ADDR:PORT --iqn IQN \
 [--seconds N] [--initiator-name IQN] [--lun N] [--seed N] [--target-nop-interval S] \
 [--flood-pings N]";
-
-const UNIT_ATTENTION: u8 = 0x06;
 
 /// Counts allocations, to show the I/O path makes none after setup.
 struct Counting;
@@ -235,7 +234,7 @@ fn run(a: &Args) -> Result<(), String> {
         tries += 1;
         match st.sense {
             _ if st.is_good() => break,
-            Some(sense) if sense.key == UNIT_ATTENTION && tries < 5 => {
+            Some(sense) if sense.key == sense_key::UNIT_ATTENTION && tries < 5 => {
                 println!(
                     "TEST UNIT READY: UNIT ATTENTION {:#04x}/{:#04x} (retrying)",
                     sense.asc, sense.ascq

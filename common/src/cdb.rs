@@ -1,35 +1,69 @@
-//! CDB builders for the commands the helpers use.
+//! SCSI operation codes (SPC-4, SBC-3) and builders for the CDBs the
+//! initiator, the bench and the tests send. The target's command table
+//! names its opcodes from here too.
 
-pub const TEST_UNIT_READY: u8 = 0x00;
-pub const INQUIRY: u8 = 0x12;
-pub const READ_CAPACITY_10: u8 = 0x25;
-pub const READ_10: u8 = 0x28;
-pub const WRITE_10: u8 = 0x2a;
-pub const SYNCHRONIZE_CACHE_10: u8 = 0x35;
-pub const READ_16: u8 = 0x88;
-pub const WRITE_16: u8 = 0x8a;
-pub const SERVICE_ACTION_IN_16: u8 = 0x9e;
-pub const SA_READ_CAPACITY_16: u8 = 0x10;
-pub const REPORT_LUNS: u8 = 0xa0;
+/// Operation codes, and the service actions ramslog uses.
+pub mod opcode {
+    pub const TEST_UNIT_READY: u8 = 0x00;
+    pub const REQUEST_SENSE: u8 = 0x03;
+    pub const READ6: u8 = 0x08;
+    pub const WRITE6: u8 = 0x0a;
+    pub const INQUIRY: u8 = 0x12;
+    pub const MODE_SELECT6: u8 = 0x15;
+    pub const RESERVE6: u8 = 0x16;
+    pub const RELEASE6: u8 = 0x17;
+    pub const MODE_SENSE6: u8 = 0x1a;
+    pub const START_STOP_UNIT: u8 = 0x1b;
+    pub const READ_CAPACITY10: u8 = 0x25;
+    pub const READ10: u8 = 0x28;
+    pub const WRITE10: u8 = 0x2a;
+    pub const WRITE_VERIFY10: u8 = 0x2e;
+    pub const VERIFY10: u8 = 0x2f;
+    pub const PRE_FETCH10: u8 = 0x34;
+    pub const SYNC_CACHE10: u8 = 0x35;
+    pub const WRITE_SAME10: u8 = 0x41;
+    pub const MODE_SELECT10: u8 = 0x55;
+    pub const MODE_SENSE10: u8 = 0x5a;
+    pub const PR_IN: u8 = 0x5e;
+    pub const PR_OUT: u8 = 0x5f;
+    pub const READ16: u8 = 0x88;
+    pub const COMPARE_AND_WRITE: u8 = 0x89;
+    pub const WRITE16: u8 = 0x8a;
+    pub const WRITE_VERIFY16: u8 = 0x8e;
+    pub const VERIFY16: u8 = 0x8f;
+    pub const PRE_FETCH16: u8 = 0x90;
+    pub const SYNC_CACHE16: u8 = 0x91;
+    pub const WRITE_SAME16: u8 = 0x93;
+    pub const SERVICE_ACTION_IN16: u8 = 0x9e;
+    pub const REPORT_LUNS: u8 = 0xa0;
+    pub const MAINTENANCE_IN: u8 = 0xa3;
+    pub const READ12: u8 = 0xa8;
+    pub const WRITE12: u8 = 0xaa;
+    pub const WRITE_VERIFY12: u8 = 0xae;
+    pub const VERIFY12: u8 = 0xaf;
+
+    pub const SA_READ_CAPACITY16: u8 = 0x10;
+    pub const SA_REPORT_SUPPORTED_OPCODES: u8 = 0x0c;
+}
 
 pub fn test_unit_ready() -> [u8; 6] {
-    [TEST_UNIT_READY, 0, 0, 0, 0, 0]
+    [opcode::TEST_UNIT_READY, 0, 0, 0, 0, 0]
 }
 
 pub fn inquiry(evpd: bool, page: u8, alloc: u16) -> [u8; 6] {
     let a = alloc.to_be_bytes();
-    [INQUIRY, evpd as u8, page, a[0], a[1], 0]
+    [opcode::INQUIRY, evpd as u8, page, a[0], a[1], 0]
 }
 
 /// READ (10): what illumos sd sends below LBA 2^32 and 65536 blocks.
 /// `None` when the LBA or length does not fit.
 pub fn read10(lba: u64, blocks: u32) -> Option<[u8; 10]> {
-    rw10(READ_10, lba, blocks, false)
+    rw10(opcode::READ10, lba, blocks, false)
 }
 
 /// WRITE (10), optionally with FUA; `None` when the LBA or length does not fit.
 pub fn write10(lba: u64, blocks: u32, fua: bool) -> Option<[u8; 10]> {
-    rw10(WRITE_10, lba, blocks, fua)
+    rw10(opcode::WRITE10, lba, blocks, fua)
 }
 
 fn rw10(op: u8, lba: u64, blocks: u32, fua: bool) -> Option<[u8; 10]> {
@@ -52,15 +86,15 @@ fn rw10(op: u8, lba: u64, blocks: u32, fua: bool) -> Option<[u8; 10]> {
 }
 
 pub fn read_capacity10() -> [u8; 10] {
-    [READ_CAPACITY_10, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    [opcode::READ_CAPACITY10, 0, 0, 0, 0, 0, 0, 0, 0, 0]
 }
 
 pub fn read16(lba: u64, blocks: u32) -> [u8; 16] {
-    rw16(READ_16, lba, blocks, false)
+    rw16(opcode::READ16, lba, blocks, false)
 }
 
 pub fn write16(lba: u64, blocks: u32, fua: bool) -> [u8; 16] {
-    rw16(WRITE_16, lba, blocks, fua)
+    rw16(opcode::WRITE16, lba, blocks, fua)
 }
 
 fn rw16(op: u8, lba: u64, blocks: u32, fua: bool) -> [u8; 16] {
@@ -76,20 +110,20 @@ fn rw16(op: u8, lba: u64, blocks: u32, fua: bool) -> [u8; 16] {
 
 /// SYNCHRONIZE CACHE (10) of the whole LUN (LBA 0, 0 blocks).
 pub fn sync_cache10() -> [u8; 10] {
-    [SYNCHRONIZE_CACHE_10, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    [opcode::SYNC_CACHE10, 0, 0, 0, 0, 0, 0, 0, 0, 0]
 }
 
 pub fn read_capacity16(alloc: u32) -> [u8; 16] {
     let mut c = [0u8; 16];
-    c[0] = SERVICE_ACTION_IN_16;
-    c[1] = SA_READ_CAPACITY_16;
+    c[0] = opcode::SERVICE_ACTION_IN16;
+    c[1] = opcode::SA_READ_CAPACITY16;
     c[10..14].copy_from_slice(&alloc.to_be_bytes());
     c
 }
 
 pub fn report_luns(alloc: u32) -> [u8; 12] {
     let mut c = [0u8; 12];
-    c[0] = REPORT_LUNS;
+    c[0] = opcode::REPORT_LUNS;
     c[6..10].copy_from_slice(&alloc.to_be_bytes());
     c
 }
