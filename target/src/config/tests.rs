@@ -1,0 +1,102 @@
+use super::*;
+
+#[test]
+fn sizes() {
+    assert_eq!(parse_size("4G"), Ok(4 << 30));
+    assert_eq!(parse_size("256MiB"), Ok(256 << 20));
+    assert_eq!(parse_size("4096"), Ok(4096));
+    assert!(parse_size("4X").is_err());
+    assert!(parse_size("99999999999T").is_err());
+}
+
+#[test]
+fn non_loopback_needs_acl() {
+    let args = RunArgs {
+        size: Some(1 << 20),
+        listen: vec!["0.0.0.0:3260".parse().unwrap()],
+        ephemeral: true,
+        ..Default::default()
+    };
+    let e = Config::load(&args).unwrap_err().to_string();
+    assert!(e.contains("--allow"), "{e}");
+    let ok = Config::load(&RunArgs {
+        allow_any: true,
+        ..args.clone()
+    })
+    .unwrap();
+    assert!(ok.targets[0].open_access);
+    let acl = Config::load(&RunArgs {
+        allow: vec!["iqn.x".into(), "iqn.y@192.0.2.7/24".into()],
+        ..args.clone()
+    })
+    .unwrap();
+    assert!(!acl.targets[0].open_access);
+    assert_eq!(acl.targets[0].allow[1].to_string(), "iqn.y@192.0.2.0/24");
+    let e = Config::load(&RunArgs {
+        allow: vec!["iqn.y@192.0.2.300/24".into()],
+        ..args
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("IQN@192.0.2.0/24"), "{e}");
+}
+
+/// The access rule is judged after the flags: `--allow-any` or a loopback
+/// `--listen` opens a file's ACL-less target, as without a file.
+#[test]
+fn flags_count_for_the_access_rule_of_a_file_target() {
+    let dir = std::env::temp_dir().join(format!("ramslog-exposure-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("open.toml");
+    std::fs::write(
+        &file,
+        "listen = [\"0.0.0.0:3260\"]\n[[target]]\nname = \"iqn.2026-11.org.ramslog:a\"\n[[target.lun]]\nsize = \"16M\"\n",
+    )
+    .unwrap();
+    let args = RunArgs {
+        config: Some(file.clone()),
+        ephemeral: true,
+        ..Default::default()
+    };
+    let refused = Config::load(&args)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(refused.contains("--allow-any"), "{refused}");
+    let any = Config::load(&RunArgs {
+        allow_any: true,
+        ..args.clone()
+    });
+    assert!(any.is_ok(), "--allow-any: {:?}", any.err());
+    let lo = Config::load(&RunArgs {
+        listen: vec!["127.0.0.1:3260".parse().unwrap()],
+        ..args
+    });
+    assert!(lo.is_ok(), "--listen 127.0.0.1: {:?}", lo.err());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// RFC 7143 9.2.1: CHAP secrets are at least 96 bits; a shorter one is
+/// refused at start, naming the file.
+#[test]
+fn short_chap_secrets_are_refused() {
+    let dir = std::env::temp_dir().join(format!("ramslog-chap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let short = dir.join("short.secret");
+    std::fs::write(&short, "elevenbytes\n").unwrap();
+    let args = RunArgs {
+        size: Some(1 << 20),
+        ephemeral: true,
+        chap_user: Some("u".into()),
+        chap_secret_file: Some(short.clone()),
+        ..Default::default()
+    };
+    let e = match Config::load(&args) {
+        Ok(_) => "accepted".to_string(),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("96 bits"), "defect 11: an 11-byte secret: {e}");
+    std::fs::write(&short, "twelve-bytes\n").unwrap();
+    assert!(Config::load(&args).is_ok());
+    let _ = std::fs::remove_dir_all(&dir);
+}
