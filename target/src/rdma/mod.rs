@@ -1,0 +1,430 @@
+//! iSER: the RDMA transport driver around the sans-IO engine.
+//!
+//! One rdma_cm listener thread accepts connect requests on every portal
+//! address that belongs to an RDMA device. Each connection then runs on its
+//! own thread, which owns its QP, completion queue, receive and send buffers
+//! and its engine `Connection`: it polls the CQ (spinning for a configurable
+//! number of empty polls before sleeping on the completion channel), feeds
+//! received PDUs and finished RDMA READs to the engine, and turns the engine's
+//! actions into SENDs, RDMA WRITEs from LUN memory and RDMA READs into it.
+//! Every buffer is allocated and registered at connect time; the I/O path
+//! neither allocates nor locks nor copies payload (immediate data excepted:
+//! it arrives in a receive buffer).
+//!
+//! Work requests are posted in the order the engine queued its actions, so an
+//! RDMA WRITE of read data always precedes the SCSI Response that follows it.
+//! When a resource runs short (send slots, RDMA READ credits), the action is
+//! held and everything behind it waits: order is never traded for speed.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ramslog_common::iscsi::{Bhs, BHS_LEN};
+use ramslog_common::iser::{peer, CmPeer, CmRequest, Header, HEADER_LEN, VERSION};
+use ramslog_common::verbs::wait::{self, SpinBudget};
+use ramslog_common::verbs::{
+    self, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam,
+    Device, EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr,
+    WcOpcode, WorkCompletion, WrId,
+};
+
+use crate::clock::CoarseClock;
+use crate::engine::{
+    Action, ConnInfo, Connection, OutData, OutPdu, ReadDest, ISER_BUFFERED_READ_MAX,
+};
+use crate::metrics::{self, LimitHit};
+use crate::portal::{Link, Permit, Portal, SessionControl};
+use crate::store::RdmaRegion;
+
+/// Data segment room of each receive buffer: our TargetRecvDataSegmentLength
+/// (and MaxRecvDataSegmentLength for the illumos initiator).
+pub const RECV_DATA_LEN: u32 = 8192;
+/// iSER header + BHS + the largest AHS + the data segment, rounded up.
+const RECV_SLOT_LEN: usize = 10 * 1024;
+/// Receives posted per connection: the command window plus room for
+/// unsolicited Data-Out, NOP-Outs and task management.
+const RECV_SLOTS: usize = 320;
+/// The illumos initiator receives into fixed 16 KiB messages: nothing we
+/// SEND is ever larger.
+const SEND_SLOT_LEN: usize = peer::ILLUMOS_MSG_LEN;
+const SEND_SLOTS: usize = 256;
+/// Read data that is not LUN memory (INQUIRY, MODE SENSE, ...) is RDMA-written
+/// from these; they are small.
+const DATAIN_SLOT_LEN: usize = 256 * 1024;
+const DATAIN_SLOTS: usize = 4;
+/// Parameter lists and other write data the SCSI device must see before it
+/// reaches the LUN are RDMA-read into these.
+const BOUNCE_SLOT_LEN: usize = ISER_BUFFERED_READ_MAX as usize;
+const BOUNCE_SLOTS: usize = 2;
+/// RDMA READs in flight per connection, at most (and never more than the
+/// initiator offered: illumos offers 4).
+const MAX_READ_CREDITS: usize = 16;
+/// Longest sleep between checks of the session's termination flag.
+const MAX_SLEEP: Duration = Duration::from_millis(100);
+/// Consumed receive buffers are reposted in batches of this many (or before
+/// sleeping): one doorbell instead of one per command.
+const REPOST_BATCH: usize = 16;
+/// How long a closing connection waits for its last SENDs to complete.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+mod driver;
+
+pub use driver::encode_pdu;
+use driver::{recv_wr, Driver};
+
+/// Work request kinds (`WrId::kind`); the slot is the kind's buffer slot.
+mod wr {
+    pub const RECV: u32 = 1;
+    pub const SEND: u32 = 2;
+    pub const DATAIN: u32 = 3;
+    pub const WRITE_STORE: u32 = 4;
+    pub const READ: u32 = 5;
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct IserOptions {
+    /// Empty CQ polls before sleeping on the completion channel.
+    pub spin: u32,
+}
+
+/// Start the iSER listener on every address that has an RDMA device. Without
+/// RDMA in the kernel or without a device this logs once and returns: the
+/// target keeps serving iSCSI/TCP.
+pub fn start(portal: Arc<Portal>, listen: &[SocketAddr], opts: IserOptions) {
+    match verbs::device_count() {
+        Ok(0) => {
+            tracing::info!("iSER: no RDMA device; serving iSCSI/TCP only");
+            return;
+        }
+        Err(e) if e.is_no_rdma() => {
+            tracing::info!("iSER: this kernel has no RDMA support ({e}); serving iSCSI/TCP only");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!("iSER disabled: {e}; serving iSCSI/TCP only");
+            return;
+        }
+        Ok(_) => {}
+    }
+    let channel = match EventChannel::new() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("iSER disabled: {e}; serving iSCSI/TCP only");
+            return;
+        }
+    };
+    let mut listeners = Vec::new();
+    for addr in listen {
+        let id = match CmId::new(&channel) {
+            Ok(id) => id,
+            Err(e) => {
+                tracing::warn!("iSER disabled: {e}");
+                return;
+            }
+        };
+        if let Err(e) = id.bind(*addr).and_then(|()| id.listen(64)) {
+            tracing::warn!(
+                "iSER: not listening on {addr}: {e} (no RDMA device has this address; iSCSI/TCP still serves it)"
+            );
+            continue;
+        }
+        tracing::info!("iSER listening on {addr}");
+        listeners.push(id);
+    }
+    if listeners.is_empty() {
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("iser-cm".into())
+        .spawn(move || listen_loop(channel, listeners, portal, opts));
+    if let Err(e) = spawned {
+        tracing::warn!("iSER disabled: cannot start its thread: {e}");
+    }
+}
+
+/// What one RDMA device shares between its connections: the protection
+/// domain and every LUN registered once.
+struct DeviceResources {
+    device: usize,
+    pd: Arc<ProtectionDomain>,
+    regions: Vec<RdmaRegion>,
+}
+
+fn device_resources(
+    cache: &Mutex<Vec<Arc<DeviceResources>>>,
+    dev: Device,
+    portal: &Portal,
+) -> Result<Arc<DeviceResources>, verbs::Error> {
+    let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(r) = cache.iter().find(|r| r.device == dev.raw_handle()) {
+        return Ok(r.clone());
+    }
+    let pd = ProtectionDomain::new(dev)?;
+    let mut regions = Vec::new();
+    for t in &portal.targets {
+        for lu in t.scsi.luns() {
+            regions.push(lu.volume().store().register_rdma(&pd)?);
+        }
+    }
+    tracing::info!(
+        device = %dev.name(),
+        luns = regions.len(),
+        "iSER: LUN memory registered with the RDMA device"
+    );
+    let r = Arc::new(DeviceResources {
+        device: dev.raw_handle(),
+        pd,
+        regions,
+    });
+    cache.push(r.clone());
+    Ok(r)
+}
+
+fn listen_loop(
+    channel: EventChannel,
+    _listeners: Vec<CmId>,
+    portal: Arc<Portal>,
+    opts: IserOptions,
+) {
+    let devices = Mutex::new(Vec::new());
+    loop {
+        let event = match channel.get_event() {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!("iSER: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        if event.kind != CmEventKind::ConnectRequest {
+            tracing::debug!("iSER listener: {:?} (status {})", event.kind, event.status);
+            continue;
+        }
+        let CmEvent {
+            new_id,
+            private_data,
+            responder_resources,
+            initiator_depth,
+            ..
+        } = event;
+        let Some(id) = new_id else { continue };
+        let peer = id.peer_addr();
+        let source = peer.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |p| p.ip());
+        let permit = match portal.gate.admit(source, Link::Iser) {
+            Ok(p) => p,
+            Err(why) => {
+                tracing::warn!(?peer, "iSER: connection refused: {why}");
+                let _ = id.reject(&[]);
+                continue;
+            }
+        };
+        let request = CmRequest::parse(&private_data);
+        let offer = Offer {
+            request,
+            responder_resources,
+            initiator_depth,
+        };
+        match prepare(&id, &devices, &portal) {
+            Ok((res, events)) => {
+                let portal = portal.clone();
+                let spawned =
+                    std::thread::Builder::new()
+                        .name("iser-conn".into())
+                        .spawn(move || {
+                            if let Err(e) =
+                                run_connection(id, events, res, portal, opts, offer, permit)
+                            {
+                                tracing::info!("iSER connection ended: {e}");
+                            }
+                        });
+                if let Err(e) = spawned {
+                    tracing::warn!("iSER: cannot start a connection thread: {e}");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(?peer, "iSER: refusing connection: {e}");
+                let _ = id.reject(&[]);
+            }
+        }
+    }
+}
+
+/// What the initiator's connect request offered.
+struct Offer {
+    request: CmRequest,
+    /// RDMA READs the initiator accepts from us at once.
+    initiator_depth: u8,
+    responder_resources: u8,
+}
+
+/// Move the new id to its own event channel (before accepting, so its
+/// Established and Disconnected events go to its thread) and get the
+/// device's shared resources.
+fn prepare(
+    id: &CmId,
+    devices: &Mutex<Vec<Arc<DeviceResources>>>,
+    portal: &Portal,
+) -> Result<(Arc<DeviceResources>, EventChannel), verbs::Error> {
+    let dev = id.device().ok_or_else(|| verbs::Error {
+        op: "connect request without a device",
+        source: std::io::Error::from_raw_os_error(libc::ENODEV),
+    })?;
+    let res = device_resources(devices, dev, portal)?;
+    let events = EventChannel::new()?;
+    id.migrate(&events)?;
+    events.set_nonblocking(true)?;
+    Ok((res, events))
+}
+
+struct IserControl {
+    terminated: AtomicBool,
+}
+
+impl SessionControl for IserControl {
+    fn terminate(&self) {
+        self.terminated.store(true, Ordering::Release);
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ConnError {
+    #[error(transparent)]
+    Verbs(#[from] verbs::Error),
+    #[error("{0}")]
+    Protocol(String),
+}
+
+fn run_connection(
+    mut id: CmId,
+    events: EventChannel,
+    res: Arc<DeviceResources>,
+    portal: Arc<Portal>,
+    opts: IserOptions,
+    offer: Offer,
+    permit: Permit,
+) -> Result<(), ConnError> {
+    let peer = id.peer_addr();
+    let dev = id
+        .device()
+        .ok_or_else(|| ConnError::Protocol("connection lost its device".into()))?;
+    let attrs = dev.attrs()?;
+    let credit_cap = match offer.request.peer {
+        CmPeer::Illumos => usize::from(peer::ILLUMOS_RDMA_READ_CREDITS),
+        _ => MAX_READ_CREDITS,
+    };
+    let credits = (offer.initiator_depth as usize)
+        .min(attrs.max_qp_init_rd_atom as usize)
+        .min(credit_cap);
+    if credits == 0 {
+        let _ = id.reject(&[]);
+        return Err(ConnError::Protocol(format!(
+            "{peer:?} offers no RDMA READ resources; iSER writes need them"
+        )));
+    }
+    let sq_depth =
+        (SEND_SLOTS + DATAIN_SLOTS + MAX_READ_CREDITS + 256).min(attrs.max_qp_wr as usize);
+    let rq_depth = RECV_SLOTS.min(attrs.max_qp_wr as usize);
+    let comp = Arc::new(CompletionChannel::new(dev)?);
+    comp.set_nonblocking(true)?;
+    // Separate queues: the thread sleeps on receives (and on send-side
+    // completions only while it waits for one), so the completion of every
+    // response SEND does not cost a wake-up.
+    let send_cq = CompletionQueue::new(dev, sq_depth as u32, Some(&comp))?;
+    let recv_cq = CompletionQueue::new(dev, rq_depth as u32, Some(&comp))?;
+    id.create_qp_split(
+        &res.pd,
+        &send_cq,
+        &recv_cq,
+        QpCaps {
+            max_send_wr: sq_depth as u32,
+            max_recv_wr: rq_depth as u32,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        },
+    )?;
+    let recv = RegisteredBuffer::new(&res.pd, rq_depth * RECV_SLOT_LEN, Access::LOCAL_WRITE)?;
+    let send = RegisteredBuffer::new(&res.pd, SEND_SLOTS * SEND_SLOT_LEN, Access::LOCAL_WRITE)?;
+    // The Data-In and parameter-data buffers (9 MiB) are registered only
+    // once the login succeeds: a peer that never logs in pins only these.
+    let mut initial = Vec::with_capacity(rq_depth);
+    for slot in 0..rq_depth {
+        initial.push(recv_wr(&recv, slot)?);
+    }
+    id.post_recv(&initial)?;
+    id.accept(&ConnParam {
+        private_data: &[],
+        responder_resources: offer
+            .responder_resources
+            .min(attrs.max_qp_rd_atom.min(255) as u8),
+        initiator_depth: credits as u8,
+        retry_count: 7,
+        rnr_retry_count: 7,
+    })?;
+    let unknown = SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0));
+    let info = ConnInfo {
+        local: id.local_addr().unwrap_or(unknown),
+        peer: peer.unwrap_or(unknown),
+    };
+    tracing::info!(
+        peer = %info.peer,
+        initiator = ?offer.request.peer,
+        read_credits = credits,
+        "iSER connection accepted"
+    );
+    let control = Arc::new(IserControl {
+        terminated: AtomicBool::new(false),
+    });
+    permit.watch(control.clone());
+    let output_stall_timeout = portal.limits.output_stall_timeout;
+    let conn = Connection::new_iser(portal, info, control.clone(), Instant::now(), RECV_DATA_LEN);
+    let mut driver = Driver {
+        id: &id,
+        send_cq: &send_cq,
+        recv_cq: &recv_cq,
+        recv: &recv,
+        pd: &res.pd,
+        send,
+        large: None,
+        regions: &res.regions,
+        conn,
+        free_send: (0..SEND_SLOTS as u32).rev().collect(),
+        free_datain: (0..DATAIN_SLOTS as u32).rev().collect(),
+        free_bounce: (0..BOUNCE_SLOTS as u32).rev().collect(),
+        reads: [None; MAX_READ_CREDITS],
+        reads_in_flight: 0,
+        credits,
+        sq_in_flight: 0,
+        sq_depth,
+        held: None,
+        reposts: [RecvWr {
+            wr_id: WrId::default(),
+            sge: verbs::Sge::default(),
+        }; 32],
+        n_reposts: 0,
+        closing: None,
+        peer_gone: false,
+        hello_credits: credits as u16,
+        permit,
+        blocked_since: None,
+        output_stall: output_stall_timeout,
+    };
+    let result = driver.run(&events, &comp, &control, opts);
+    driver.conn.shutdown();
+    let peer_gone = driver.peer_gone;
+    // Kept past the QP's end, like `recv`.
+    let buffers = (driver.send, driver.large);
+    if !peer_gone {
+        let _ = id.disconnect();
+    }
+    tracing::info!(peer = %info.peer, "iSER connection closed");
+    // The QP goes first, then the buffers its requests named: the adapter
+    // may still be writing into a posted receive until the QP is gone.
+    id.destroy_qp();
+    drop(buffers);
+    drop(recv);
+    drop(id);
+    result
+}
