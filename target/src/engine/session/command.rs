@@ -1,0 +1,385 @@
+//! SCSI Command: checks, the plan, execution, Data-In and the status.
+
+use super::*;
+
+impl Session {
+    pub(super) fn scsi_command(&mut self, bhs: &Bhs, ahs: &[u8], data: &[u8], out: &mut Out) {
+        let itt = bhs.itt();
+        if self.tasks.iter().any(|t| t.itt == itt) {
+            self.reject(out, bhs, RejectReason::InvalidPduField);
+            return;
+        }
+        let Some(scsi) = self.scsi.clone() else {
+            return;
+        };
+        let mut cdb_buf = [0u8; 16 + 260];
+        let mut cdb_len = 16;
+        cdb_buf[..16].copy_from_slice(bhs.cdb());
+        for entry in parse_ahs(ahs) {
+            match entry {
+                Ok(a) if a.ahs_type == AHS_EXTENDED_CDB => {
+                    let Some(dst) = cdb_buf.get_mut(16..16 + a.data.len()) else {
+                        self.reject(out, bhs, RejectReason::InvalidPduField);
+                        return;
+                    };
+                    dst.copy_from_slice(a.data);
+                    cdb_len = 16 + a.data.len();
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    self.reject(out, bhs, RejectReason::InvalidPduField);
+                    return;
+                }
+            }
+        }
+        let cdb = &cdb_buf[..cdb_len];
+        let flags = bhs.flags();
+        let edtl = bhs.expected_data_len();
+        self.counting = Counting {
+            slot: NO_SLOT,
+            kind: command_kind(cdb[0]),
+            arrived: if self.timed {
+                metrics::clock().raw()
+            } else {
+                0
+            },
+            bytes: 0,
+        };
+        let Some(lun) = Lun::from_wire(bhs.lun()) else {
+            self.fail(out, itt, SenseReason::LuNotSupported, Residual::None);
+            return;
+        };
+        if (data.len() as u32) > edtl
+            || (!data.is_empty() && flags & scsi_cmd::WRITE == 0 && edtl == 0)
+        {
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return;
+        }
+        if !data.is_empty()
+            && (!self.params.immediate_data || data.len() as u32 > self.params.first_burst_len)
+        {
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return;
+        }
+        if self.params.iser && flags & scsi_cmd::READ != 0 && edtl > 0 && self.remote_read.is_none()
+        {
+            // iSER reads are RDMA-written to a buffer the command must name.
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return;
+        }
+        self.counting.slot = self.metrics.slot_of(lun.number()).unwrap_or(NO_SLOT);
+        let plan = match scsi.prepare(self.nexus, lun.number(), cdb) {
+            Ok(p) => p,
+            Err(reason) => {
+                self.fail(out, itt, reason, Residual::None);
+                return;
+            }
+        };
+        let edtl_out = if flags & scsi_cmd::WRITE != 0 {
+            edtl
+        } else {
+            0
+        };
+        if let Err(reason) = plan.check_expected_len(edtl_out) {
+            let residual = Residual::between(edtl_out, plan.data_out_len);
+            self.fail(out, itt, reason, residual);
+            return;
+        }
+        if plan.data_out_len == 0 {
+            let edtl_in = if flags & scsi_cmd::READ != 0 { edtl } else { 0 };
+            self.execute(
+                out,
+                &scsi,
+                itt,
+                lun,
+                &plan,
+                &[],
+                edtl_in,
+                Residual::between(edtl, 0),
+            );
+            return;
+        }
+        let need = plan.data_out_len;
+        let moved = need.min(edtl_out);
+        let residual = Residual::between(edtl_out, need);
+        if moved > 0
+            && matches!(plan.out_placement, OutPlacement::Store { .. })
+            && moved % scsi.block_size(lun.number()) != 0
+        {
+            // The data would end inside a block: refuse rather than write part of one.
+            self.fail(out, itt, SenseReason::InvalidFieldInCommandIu, residual);
+            return;
+        }
+        let unsol_end = if flags & 0x80 != 0 || self.params.initial_r2t {
+            data.len() as u32
+        } else {
+            self.params
+                .first_burst_len
+                .min(edtl_out)
+                .max(data.len() as u32)
+        };
+        if self.tasks.len() >= self.cmd_window as usize {
+            // More commands waiting for data than the window allows: the
+            // initiator is ignoring MaxCmdSN or flooding immediate commands.
+            self.portal.counters.limit_hit(LimitHit::CommandWindow);
+            self.respond(out, itt, status::TASK_SET_FULL, None, residual);
+            return;
+        }
+        // Immediate data is the unsolicited sequence's first piece; Data-Out
+        // PDUs continue it from DataSN 0.
+        let unsolicited = Sequence::new(data.len() as u32, unsol_end);
+        let mut task = Task {
+            itt,
+            lun,
+            plan,
+            moved,
+            edtl: edtl_out,
+            unsolicited: Some(unsolicited),
+            solicit_next: unsol_end,
+            r2tsn: 0,
+            r2ts: Vec::new(),
+            buf: Vec::new(),
+            staged: 0,
+            remote: self.remote_write,
+            remote_base: unsol_end,
+            rdma_read: None,
+            failure: None,
+            in_window: !bhs.immediate(),
+            counting: self.counting,
+        };
+        if unsol_end == data.len() as u32 {
+            task.unsolicited = None;
+        }
+        if self.params.iser && unsol_end < moved && task.remote.is_none() {
+            // The rest must be RDMA-read, but the command named no buffer.
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return;
+        }
+        if self.params.iser
+            && matches!(task.plan.out_placement, OutPlacement::Buffer)
+            && moved.saturating_sub(unsol_end) > ISER_BUFFERED_READ_MAX
+        {
+            // The driver reads such data into a buffer of its own, which
+            // has this size: refuse the command rather than the connection.
+            self.fail(
+                out,
+                itt,
+                SenseReason::TransferTooLargeForTransport,
+                residual,
+            );
+            return;
+        }
+        if matches!(task.plan.out_placement, OutPlacement::Buffer) {
+            if !self.portal.staging.reserve(u64::from(moved)) {
+                tracing::debug!(itt, moved, "staging budget exhausted: TASK SET FULL");
+                self.portal.counters.limit_hit(LimitHit::StagingBudget);
+                self.respond(out, itt, status::TASK_SET_FULL, None, residual);
+                return;
+            }
+            task.staged = u64::from(moved);
+            task.buf = self.spare_bufs.pop().unwrap_or_default();
+            task.buf.clear();
+            task.buf.resize(moved as usize, 0);
+        }
+        if task.in_window {
+            // Released by finish_task, before the command's status is stamped.
+            self.waiting_in_window += 1;
+        }
+        if !data.is_empty() && !self.place(&mut task, 0, data) {
+            task.fail(WriteFailure::Placement);
+        }
+        self.advance(out, &scsi, task);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn execute(
+        &mut self,
+        out: &mut Out,
+        scsi: &Arc<ScsiTarget>,
+        itt: u32,
+        lun: Lun,
+        plan: &Plan,
+        data_out: &[u8],
+        edtl_in: u32,
+        residual: Residual,
+    ) {
+        let mut data_in = std::mem::take(&mut self.data_in);
+        let result = scsi.execute(self.nexus, plan, data_out, &mut data_in);
+        match result {
+            Ok(DataIn::None) => self.respond(out, itt, status::GOOD, None, residual),
+            Ok(DataIn::Store { offset, len }) => {
+                self.send_data_in(out, itt, lun, DataSource::Store(offset), len, edtl_in)
+            }
+            Ok(DataIn::Buffer { len }) => {
+                let len = len.min(data_in.len() as u32);
+                self.send_data_in(out, itt, lun, DataSource::Buffer(&data_in), len, edtl_in);
+            }
+            Err(reason) => self.fail(out, itt, reason, residual),
+        }
+        self.data_in = data_in;
+    }
+
+    /// Data-In PDUs for a read, the last one carrying GOOD status.
+    pub(super) fn send_data_in(
+        &mut self,
+        out: &mut Out,
+        itt: u32,
+        lun: Lun,
+        src: DataSource,
+        produced: u32,
+        edtl: u32,
+    ) {
+        let xfer = produced.min(edtl);
+        let residual = Residual::between(edtl, produced);
+        self.counting.bytes = xfer;
+        if xfer == 0 {
+            self.respond(out, itt, status::GOOD, None, residual);
+            return;
+        }
+        if self.params.iser {
+            // Checked when the command arrived; the address cannot overflow
+            // once the initiator registered that many bytes there.
+            let Some(remote) = self.remote_read else {
+                self.fail(out, itt, SenseReason::DataPhaseError, residual);
+                return;
+            };
+            let data = match src {
+                DataSource::Store(offset) => OutData::Store {
+                    lun: lun.number(),
+                    offset,
+                    len: xfer,
+                },
+                DataSource::Buffer(v) => OutData::Owned(v[..xfer as usize].to_vec()),
+            };
+            out.push_action(Action::RdmaWrite {
+                stag: remote.stag,
+                remote_addr: remote.va,
+                data,
+            });
+            self.respond(out, itt, status::GOOD, None, residual);
+            return;
+        }
+        let seg = self.params.initiator_mrdsl.clamp(512, DATA_IN_SEGMENT_MAX);
+        let burst = self.params.max_burst_len.max(seg);
+        if let DataSource::Store(base) = src {
+            let statsn = out.take_statsn();
+            let mut stream = DataInStream {
+                itt,
+                lun: lun.number(),
+                lun_wire: lun.to_wire(),
+                base,
+                xfer,
+                off: 0,
+                datasn: 0,
+                seg,
+                burst,
+                statsn,
+                exp_cmdsn: self.exp_cmdsn,
+                max_cmdsn: self.max_cmdsn(),
+                residual_flags: residual.flags(),
+                residual_count: residual.count(),
+                header_digest: self.params.header_digest,
+                data_digest: self.params.data_digest,
+                served: None,
+            };
+            stream.served = self.count_status(status::GOOD, None);
+            self.note_max_cmdsn(stream.max_cmdsn);
+            out.push_data_in(stream);
+            return;
+        }
+        let mut off = 0u32;
+        let mut datasn = 0u32;
+        while off < xfer {
+            let burst_end = ((off / burst) + 1).saturating_mul(burst).min(xfer);
+            let len = (xfer - off).min(seg).min(burst_end - off);
+            let last = off + len == xfer;
+            let mut b = Bhs::new(Opcode::DataIn);
+            let mut flags = 0u8;
+            if last || off + len == burst_end {
+                flags |= 0x80;
+            }
+            b.set_lun(lun.to_wire()).set_itt(itt).set_ttt(RESERVED_TAG);
+            b.set_datasn(datasn).set_buffer_offset(off);
+            if last {
+                flags |= scsi_rsp::STATUS | residual.flags();
+                b.0[3] = status::GOOD;
+                b.set_statsn(out.take_statsn());
+                b.set_residual(residual.count());
+            }
+            b.set_flags(flags);
+            self.stamp(&mut b);
+            let data = match src {
+                DataSource::Store(base) => OutData::Store {
+                    lun: lun.number(),
+                    offset: base + off as u64,
+                    len,
+                },
+                DataSource::Buffer(v) => {
+                    OutData::Owned(v[off as usize..(off + len) as usize].to_vec())
+                }
+            };
+            let mut pdu = self.pdu(b, data);
+            if last {
+                pdu.served = self.count_status(status::GOOD, None);
+            }
+            out.push(pdu);
+            off += len;
+            datasn += 1;
+        }
+    }
+
+    /// A command that failed: its CHECK CONDITION (or other status), or,
+    /// for a write that met the shutdown fence, no status and the end of
+    /// the connection: the host then retries the write after the restart
+    /// instead of seeing it fail.
+    pub(super) fn fail(
+        &mut self,
+        out: &mut Out,
+        itt: u32,
+        reason: SenseReason,
+        residual: Residual,
+    ) {
+        if reason == SenseReason::Fenced {
+            tracing::info!(
+                itt,
+                "write met the shutdown fence: no status, closing the connection"
+            );
+            out.close();
+            return;
+        }
+        self.respond(out, itt, reason.status(), reason.sense(), residual);
+    }
+
+    pub(super) fn respond(
+        &mut self,
+        out: &mut Out,
+        itt: u32,
+        st: u8,
+        sense: Option<Sense>,
+        residual: Residual,
+    ) {
+        let mut b = Bhs::new(Opcode::ScsiResponse);
+        b.set_flags(0x80 | residual.flags());
+        b.0[3] = st;
+        b.set_itt(itt);
+        b.set_residual(residual.count());
+        let served = self.count_status(st, sense.as_ref());
+        let data = match sense {
+            Some(s) => {
+                let enc = s.encode_fixed();
+                let mut v = Vec::with_capacity(2 + enc.len());
+                v.extend_from_slice(&(enc.len() as u16).to_be_bytes());
+                v.extend_from_slice(&enc);
+                OutData::Owned(v)
+            }
+            None => OutData::None,
+        };
+        b.set_statsn(out.take_statsn());
+        self.stamp(&mut b);
+        let mut pdu = self.pdu(b, data);
+        pdu.served = served;
+        out.push(pdu);
+    }
+
+    // ---- task management -------------------------------------------------
+}

@@ -1,0 +1,575 @@
+//! Full feature phase: SCSI commands and their data, NOP, task management,
+//! text (SendTargets), logout.
+
+mod command;
+mod control;
+mod write;
+
+use std::cell::Cell;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ramslog_common::iscsi::{
+    parse_ahs, scsi_cmd, scsi_rsp, text, tmf, Bhs, Opcode, RejectReason, AHS_EXTENDED_CDB,
+    RESERVED_TAG,
+};
+use ramslog_common::iser::{peer, RemoteBuffer};
+use ramslog_common::lun::Lun;
+use ramslog_common::scsi_wire::{status, Sense};
+use ramslog_common::serial;
+
+use super::login::{Login, SessionKind};
+use super::params::Params;
+use super::{
+    is_reserved, rejected_header, Action, ConnInfo, DataInStream, Out, OutData, OutPdu, ReadDest,
+};
+use crate::metrics::{self, CommandKind, LimitHit, Served, SessionMetrics};
+use crate::portal::{OpenSessionError, Portal, SessionControl, SessionKey};
+use crate::scsi::{
+    command_kind, DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason,
+};
+
+/// Largest RDMA READ into the iSER driver's own buffer (parameter lists and
+/// compare data the SCSI device must see whole): the driver's bounce slots.
+pub const ISER_BUFFERED_READ_MAX: u32 = 4 << 20;
+
+/// Largest Data-In segment sent over TCP, whatever the initiator accepts:
+/// it bounds the bytes one PDU makes the driver hold.
+const DATA_IN_SEGMENT_MAX: u32 = 256 * 1024;
+
+/// Staging buffers up to this capacity are kept for reuse; larger ones are freed.
+const POOLED_BUFFER_MAX: usize = 1 << 20;
+
+pub(super) enum Flow {
+    Continue,
+    PingAnswered,
+    Close,
+}
+
+/// One data sequence the initiator is sending: the unsolicited one or the
+/// answer to one R2T. PDUs must come in order (DataPDUInOrder=Yes); a PDU
+/// out of order breaks the sequence, which still ends only with its F bit.
+#[derive(Debug, Clone, Copy)]
+struct Sequence {
+    /// Offset of the next byte expected.
+    next: u32,
+    /// The sequence may not go past this offset.
+    end: u32,
+    next_datasn: u32,
+    broken: bool,
+}
+
+impl Sequence {
+    fn new(start: u32, end: u32) -> Sequence {
+        Sequence {
+            next: start,
+            end,
+            next_datasn: 0,
+            broken: false,
+        }
+    }
+
+    /// Whether a PDU continues the sequence exactly; advances it if so.
+    fn take(&mut self, offset: u32, len: u32, datasn: u32) -> bool {
+        let fits = !self.broken
+            && datasn == self.next_datasn
+            && offset == self.next
+            && u64::from(offset) + u64::from(len) <= u64::from(self.end);
+        if fits {
+            self.next += len;
+            self.next_datasn = datasn.wrapping_add(1);
+        } else {
+            self.broken = true;
+        }
+        fits
+    }
+}
+
+/// One outstanding R2T: the burst [offset, seq.end).
+#[derive(Debug, Clone, Copy)]
+struct R2t {
+    ttt: u32,
+    seq: Sequence,
+}
+
+/// Why a write-direction command will fail once its data transfer is over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WriteFailure {
+    /// A data sequence broke the rules (ABORTED COMMAND, DATA PHASE ERROR).
+    DataPhase,
+    /// Data could not be placed (HARDWARE ERROR).
+    Placement,
+}
+
+/// A write-direction command waiting for its data.
+///
+/// Which byte ranges arrived is structural, never a count: the unsolicited
+/// sequence covers [0, its end), each R2T one disjoint burst after it, and
+/// each sequence only grows by exactly its next bytes. The write is whole
+/// when the unsolicited sequence ended, every solicited range was asked for,
+/// and every burst ended complete.
+struct Task {
+    itt: u32,
+    lun: Lun,
+    plan: Plan,
+    /// Bytes of data-out the command consumes: min(EDTL, CDB transfer length).
+    moved: u32,
+    /// Bytes the initiator may send: its ExpectedDataTransferLength.
+    edtl: u32,
+    /// Immediate data and unsolicited Data-Out; `None` once it ended.
+    unsolicited: Option<Sequence>,
+    /// Next offset not yet covered by unsolicited data or an R2T.
+    solicit_next: u32,
+    r2tsn: u32,
+    r2ts: Vec<R2t>,
+    /// Data the SCSI device must see whole before acting (parameter lists,
+    /// compare data): gathered here. LUN writes go straight to the LUN.
+    buf: Vec<u8>,
+    /// Bytes of the daemon's staging budget this task holds.
+    staged: u64,
+    /// iSER: the initiator's buffer holding the write data that was not sent
+    /// unsolicited: its address is that of byte `remote_base` as the command
+    /// arrived (RFC 7145 9.2; Linux sets it to buffer + unsolicited length).
+    remote: Option<RemoteBuffer>,
+    remote_base: u32,
+    /// iSER: the RDMA READ in flight, as (tag, offset, len).
+    rdma_read: Option<(u32, u32, u32)>,
+    /// Set once the command is bound to fail; its status waits until no
+    /// sequence of it is open and no RDMA READ of it is in flight, because
+    /// after the status the initiator may reuse the ITT.
+    failure: Option<WriteFailure>,
+    /// A non-immediate command: it holds a slot of the command window.
+    in_window: bool,
+    counting: Counting,
+}
+
+/// How the command whose status is being produced is counted. Every entry
+/// point that can end a command sets it first (a task keeps its own copy).
+/// Sixteen bytes: tasks carry a copy, and they are moved by value.
+#[derive(Debug, Clone, Copy)]
+struct Counting {
+    /// `metrics::clock()`'s raw reading when the command arrived.
+    arrived: u64,
+    /// Data bytes the command moves if it succeeds.
+    bytes: u32,
+    /// The LU's counters; `NO_SLOT` for a LUN the target lacks.
+    slot: u16,
+    kind: CommandKind,
+}
+
+const NO_SLOT: u16 = u16::MAX;
+
+impl Counting {
+    const NONE: Counting = Counting {
+        arrived: 0,
+        bytes: 0,
+        slot: NO_SLOT,
+        kind: CommandKind::Other,
+    };
+}
+
+impl Task {
+    /// Nothing of this task can still arrive.
+    fn transfer_quiet(&self) -> bool {
+        self.unsolicited.is_none() && self.r2ts.is_empty() && self.rdma_read.is_none()
+    }
+
+    fn fail(&mut self, why: WriteFailure) {
+        self.failure.get_or_insert(why);
+    }
+}
+
+pub(super) struct Session {
+    portal: Arc<Portal>,
+    pub tsih: u16,
+    pub params: Params,
+    kind: SessionKind,
+    nexus: NexusId,
+    scsi: Option<Arc<ScsiTarget>>,
+    target_name: Option<String>,
+    initiator_name: String,
+    cid: u16,
+    info: ConnInfo,
+    cmd_window: u32,
+    exp_cmdsn: u32,
+    /// Non-immediate commands accepted and not yet answered.
+    waiting_in_window: u32,
+    max_cmdsn_sent: Cell<u32>,
+    tasks: Vec<Task>,
+    spare_bufs: Vec<Vec<u8>>,
+    data_in: Vec<u8>,
+    next_ttt: u32,
+    ping_ttt: Option<u32>,
+    text_rx: Vec<u8>,
+    text_tx: Option<(u32, Vec<u8>)>,
+    ended: bool,
+    /// iSER: the tagged buffers of the PDU being handled.
+    remote_write: Option<RemoteBuffer>,
+    remote_read: Option<RemoteBuffer>,
+    next_rdma_tag: u32,
+    metrics: SessionMetrics,
+    counting: Counting,
+    /// Service times are measured (`Portal::service_times`).
+    timed: bool,
+}
+
+impl Session {
+    pub fn start(
+        portal: &Arc<Portal>,
+        login: Login,
+        info: ConnInfo,
+        control: Arc<dyn SessionControl>,
+        cmdsn: u32,
+    ) -> Result<Session, OpenSessionError> {
+        let initiator_name = login.initiator_name.clone().unwrap_or_default();
+        // A discovery session belongs to no target, whatever TargetName it
+        // named: it must never take a normal session's key.
+        let target = match login.kind {
+            SessionKind::Normal => login.target.and_then(|t| portal.targets.get(t)),
+            SessionKind::Discovery => None,
+        };
+        let target_name = target.map(|t| t.name.clone());
+        let key = SessionKey {
+            initiator: initiator_name.clone(),
+            isid: login.isid(),
+            target: target_name.clone().unwrap_or_default(),
+        };
+        let discovery = login.kind == SessionKind::Discovery;
+        let (tsih, nexus) = portal.open_session(key, discovery, info.peer, control)?;
+        let scsi = target.map(|t| t.scsi.clone());
+        let metrics = match &scsi {
+            Some(scsi) => SessionMetrics::join(scsi.luns().cloned()),
+            None => SessionMetrics::default(),
+        };
+        if let Some(scsi) = &scsi {
+            scsi.attach(&Nexus {
+                id: nexus,
+                initiator_name: initiator_name.clone(),
+                isid: login.isid(),
+            });
+        }
+        tracing::info!(
+            peer = %info.peer,
+            initiator = %initiator_name,
+            target = target_name.as_deref().unwrap_or("(discovery)"),
+            tsih,
+            "session started"
+        );
+        let window = portal.limits.cmd_window.max(1);
+        let mut params = login.params.clone();
+        if params.iser {
+            // Everything we send over iSER is one SEND into a 16 KiB message.
+            params.initiator_mrdsl = params.initiator_mrdsl.min(peer::ILLUMOS_MAX_RECV_DATA);
+        }
+        if params.rdma_extensions && login.kind == SessionKind::Normal {
+            // Linux ib_iser receives full-feature PDUs into buffers with 128
+            // bytes of data room, whatever it declared during login (a
+            // discovery session keeps its login buffer).
+            params.initiator_mrdsl = params
+                .initiator_mrdsl
+                .min(peer::LINUX_FULL_FEATURE_RECV_DATA);
+        }
+        Ok(Session {
+            portal: portal.clone(),
+            tsih,
+            params,
+            kind: login.kind,
+            nexus,
+            scsi,
+            target_name,
+            initiator_name,
+            cid: login.cid(),
+            info,
+            cmd_window: window,
+            exp_cmdsn: cmdsn,
+            waiting_in_window: 0,
+            // What the login response advertised.
+            max_cmdsn_sent: Cell::new(cmdsn.wrapping_add(window - 1)),
+            tasks: Vec::with_capacity(window as usize + 8),
+            spare_bufs: Vec::new(),
+            data_in: Vec::with_capacity(4096),
+            next_ttt: 1,
+            ping_ttt: None,
+            text_rx: Vec::new(),
+            text_tx: None,
+            ended: false,
+            remote_write: None,
+            remote_read: None,
+            next_rdma_tag: 1,
+            metrics,
+            counting: Counting::NONE,
+            timed: portal.service_times,
+        })
+    }
+
+    pub fn set_remote_buffers(&mut self, write: Option<RemoteBuffer>, read: Option<RemoteBuffer>) {
+        self.remote_write = write;
+        self.remote_read = read;
+    }
+
+    /// Release the session: the I_T nexus is lost.
+    pub fn end(mut self: Box<Self>) {
+        self.ended = true;
+        for task in std::mem::take(&mut self.tasks) {
+            self.portal.staging.release(task.staged);
+        }
+        if let Some(scsi) = &self.scsi {
+            scsi.detach(self.nexus);
+        }
+        self.portal.close_session(self.tsih, self.nexus);
+        tracing::info!(peer = %self.info.peer, initiator = %self.initiator_name, tsih = self.tsih, "session ended");
+    }
+
+    /// MaxCmdSN = ExpCmdSN + window − 1 − (non-immediate commands not yet
+    /// answered). ExpCmdSN advances as commands arrive, so without the
+    /// subtraction the window would never shut and a peer could queue
+    /// without bound.
+    fn max_cmdsn(&self) -> u32 {
+        let open = self.cmd_window.saturating_sub(self.waiting_in_window);
+        self.exp_cmdsn.wrapping_add(open).wrapping_sub(1)
+    }
+
+    /// Remember the highest MaxCmdSN ever advertised: an initiator ignores
+    /// a lower one, so commands up to it stay acceptable.
+    fn note_max_cmdsn(&self, sent: u32) {
+        if serial::gt(sent, self.max_cmdsn_sent.get()) {
+            self.max_cmdsn_sent.set(sent);
+        }
+    }
+
+    fn stamp(&self, bhs: &mut Bhs) {
+        let max = self.max_cmdsn();
+        bhs.set_exp_cmdsn(self.exp_cmdsn);
+        bhs.set_max_cmdsn(max);
+        self.note_max_cmdsn(max);
+    }
+
+    fn pdu(&self, bhs: Bhs, data: OutData) -> OutPdu {
+        let mut bhs = bhs;
+        bhs.set_data_segment_len(data.len() as u32);
+        OutPdu {
+            bhs,
+            data,
+            header_digest: self.params.header_digest,
+            data_digest: self.params.data_digest,
+            served: None,
+        }
+    }
+
+    /// Send a PDU that carries status: it takes the next StatSN and the
+    /// current command window.
+    fn push_status(&self, out: &mut Out, mut bhs: Bhs, data: OutData) {
+        bhs.set_statsn(out.take_statsn());
+        self.stamp(&mut bhs);
+        out.push(self.pdu(bhs, data));
+    }
+
+    /// Count the current command as ended with `st`; what the driver
+    /// reports back once the response is out.
+    #[inline]
+    fn count_status(&mut self, st: u8, sense: Option<&Sense>) -> Option<Served> {
+        let c = std::mem::replace(&mut self.counting, Counting::NONE);
+        let slot = c.slot;
+        self.metrics
+            .slot(slot)?
+            .completed(c.kind, st, sense, c.bytes);
+        if !self.timed {
+            return None;
+        }
+        Some(Served {
+            slot,
+            kind: c.kind,
+            arrived: c.arrived,
+        })
+    }
+
+    /// The response of a command left the daemon: its service time.
+    #[inline]
+    pub fn served(&self, s: Served, now_raw: u64) {
+        if let Some(c) = self.metrics.slot(s.slot) {
+            c.served(s.kind, metrics::clock().delta_as_nanos(s.arrived, now_raw));
+        }
+    }
+
+    pub fn scsi_target(&self) -> Option<Arc<ScsiTarget>> {
+        self.scsi.clone()
+    }
+
+    pub fn reject(&mut self, out: &mut Out, bhs: &Bhs, reason: RejectReason) {
+        let mut r = Bhs::new(Opcode::Reject);
+        r.set_final(true);
+        r.0[2] = reason as u8;
+        r.set_itt(RESERVED_TAG);
+        self.push_status(out, r, OutData::Owned(rejected_header(bhs)));
+    }
+
+    pub fn data_digest_error(&mut self, bhs: &Bhs, out: &mut Out) {
+        // ERL 0: the data is discarded and the initiator recovers the task.
+        self.reject(out, bhs, RejectReason::DataDigestError);
+    }
+
+    pub fn send_ping(&mut self, out: &mut Out) {
+        let ttt = self.new_ttt();
+        self.ping_ttt = Some(ttt);
+        let mut b = Bhs::new(Opcode::NopIn);
+        b.set_final(true)
+            .set_itt(RESERVED_TAG)
+            .set_ttt(ttt)
+            .set_statsn(out.peek_statsn());
+        self.stamp(&mut b);
+        let pdu = self.pdu(b, OutData::None);
+        out.push(pdu);
+    }
+
+    fn new_ttt(&mut self) -> u32 {
+        let t = self.next_ttt;
+        self.next_ttt = self.next_ttt.wrapping_add(1);
+        if is_reserved(self.next_ttt) {
+            self.next_ttt = 1;
+        }
+        t
+    }
+
+    pub fn handle_pdu(
+        &mut self,
+        _now: Instant,
+        bhs: &Bhs,
+        ahs: &[u8],
+        data: &[u8],
+        out: &mut Out,
+    ) -> Flow {
+        let Some(op) = bhs.opcode().filter(|o| o.is_initiator_opcode()) else {
+            self.reject(out, bhs, RejectReason::CommandNotSupported);
+            return Flow::Continue;
+        };
+        if op == Opcode::DataOut {
+            self.data_out(bhs, data, out);
+            return Flow::Continue;
+        }
+        if matches!(op, Opcode::LoginRequest | Opcode::SnackRequest) {
+            // No login in full feature phase; no SNACK at ErrorRecoveryLevel 0.
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return Flow::Continue;
+        }
+        if op == Opcode::NopOut && is_reserved(bhs.itt()) {
+            // An answer to our ping (or an unsolicited ping acknowledgement): no reply.
+            if self.ping_ttt.is_some() && self.ping_ttt == Some(bhs.ttt()) {
+                self.ping_ttt = None;
+                return Flow::PingAnswered;
+            }
+            return Flow::Continue;
+        }
+        if self.kind == SessionKind::Discovery
+            && matches!(op, Opcode::ScsiCommand | Opcode::TaskMgmtRequest)
+        {
+            self.reject(out, bhs, RejectReason::ProtocolError);
+            return Flow::Continue;
+        }
+        // CmdSN ordering (RFC 7143 4.2.2.1): immediate PDUs go at once; others
+        // must be ExpCmdSN exactly. One connection delivers in order, so a gap
+        // or an out-of-window CmdSN is an initiator error: drop it silently.
+        if !bhs.immediate() {
+            let sn = bhs.cmdsn();
+            if sn != self.exp_cmdsn || !serial::le(sn, self.max_cmdsn_sent.get()) {
+                tracing::debug!(
+                    sn,
+                    exp = self.exp_cmdsn,
+                    "dropping command outside the CmdSN window"
+                );
+                return Flow::Continue;
+            }
+            self.exp_cmdsn = self.exp_cmdsn.wrapping_add(1);
+        } else if !serial::in_window(bhs.cmdsn(), self.exp_cmdsn, self.max_cmdsn_sent.get())
+            && op == Opcode::ScsiCommand
+        {
+            tracing::debug!("immediate command with CmdSN outside the window; dropped");
+            return Flow::Continue;
+        }
+        match op {
+            Opcode::ScsiCommand => self.scsi_command(bhs, ahs, data, out),
+            Opcode::NopOut => self.nop_out(bhs, data, out),
+            Opcode::TaskMgmtRequest => self.task_mgmt(bhs, out),
+            Opcode::TextRequest => self.text_request(bhs, data, out),
+            Opcode::LogoutRequest => return self.logout(bhs, out),
+            _ => self.reject(out, bhs, RejectReason::CommandNotSupported),
+        }
+        Flow::Continue
+    }
+
+    fn nop_out(&mut self, bhs: &Bhs, data: &[u8], out: &mut Out) {
+        let mut b = Bhs::new(Opcode::NopIn);
+        b.set_final(true)
+            .set_lun(bhs.lun())
+            .set_itt(bhs.itt())
+            .set_ttt(RESERVED_TAG);
+        let echo = &data[..data.len().min(self.params.initiator_mrdsl as usize)];
+        self.push_status(out, b, OutData::bytes(echo.to_vec()));
+    }
+
+    // ---- SCSI commands -------------------------------------------------
+}
+
+enum DataSource<'a> {
+    Store(u64),
+    Buffer(&'a [u8]),
+}
+
+/// SCSI residual as reported in SCSI Response / final Data-In.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Residual {
+    None,
+    Under(u32),
+    Over(u32),
+}
+
+impl Residual {
+    /// Compare the initiator's expected length with what the command moves.
+    fn between(expected: u32, actual: u32) -> Residual {
+        match expected.cmp(&actual) {
+            std::cmp::Ordering::Equal => Residual::None,
+            std::cmp::Ordering::Greater => Residual::Under(expected - actual),
+            std::cmp::Ordering::Less => Residual::Over(actual - expected),
+        }
+    }
+    fn flags(self) -> u8 {
+        match self {
+            Residual::None => 0,
+            Residual::Under(_) => scsi_rsp::UNDERFLOW,
+            Residual::Over(_) => scsi_rsp::OVERFLOW,
+        }
+    }
+    fn count(self) -> u32 {
+        match self {
+            Residual::None => 0,
+            Residual::Under(n) | Residual::Over(n) => n,
+        }
+    }
+}
+
+/// Addresses to advertise: listen addresses, with a wildcard replaced by the
+/// address this connection arrived on.
+fn portal_addresses(listen: &[SocketAddr], local: SocketAddr) -> Vec<SocketAddr> {
+    let mut v: Vec<SocketAddr> = listen
+        .iter()
+        .map(|a| {
+            if a.ip().is_unspecified() {
+                SocketAddr::new(local.ip(), a.port())
+            } else {
+                *a
+            }
+        })
+        .collect();
+    if v.is_empty() {
+        v.push(local);
+    }
+    v.dedup();
+    v
+}
+
+fn fmt_addr(a: SocketAddr) -> String {
+    match a {
+        SocketAddr::V4(v4) => v4.to_string(),
+        SocketAddr::V6(v6) => format!("[{}]:{}", v6.ip(), v6.port()),
+    }
+}

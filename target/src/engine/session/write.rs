@@ -1,0 +1,306 @@
+//! Write data: R2Ts or RDMA READs to solicit it, Data-Out placement, and
+//! the write's completion once every byte is in place.
+
+use super::*;
+
+impl Session {
+    /// After any event of a write: complete it, fail it, or ask for more
+    /// data and keep waiting.
+    pub(super) fn advance(&mut self, out: &mut Out, scsi: &Arc<ScsiTarget>, mut task: Task) {
+        self.counting = task.counting;
+        if self.drop_if_aborted(scsi, &task) {
+            self.finish_task(task);
+            return;
+        }
+        let residual = Residual::between(task.edtl, task.plan.data_out_len);
+        if task.failure.is_none() && task.unsolicited.is_none() && !self.solicit(out, &mut task) {
+            task.fail(WriteFailure::DataPhase);
+        }
+        if !task.transfer_quiet() {
+            self.tasks.push(task);
+            return;
+        }
+        match task.failure {
+            Some(why) => {
+                let itt = task.itt;
+                self.finish_task(task);
+                let reason = match why {
+                    WriteFailure::DataPhase => SenseReason::DataPhaseError,
+                    WriteFailure::Placement => SenseReason::InternalTargetFailure,
+                };
+                self.fail(out, itt, reason, residual);
+            }
+            None if task.solicit_next >= task.moved => {
+                self.complete_write(out, scsi, task, residual)
+            }
+            // Quiet but not whole cannot happen: solicit() asked for the rest.
+            None => self.tasks.push(task),
+        }
+    }
+
+    /// Copy data-out bytes at `offset` into the LUN or the task buffer,
+    /// ignoring what lies past the bytes the command consumes. Each byte of
+    /// the transfer belongs to exactly one sequence, so nothing is placed twice.
+    pub(super) fn place(&self, task: &mut Task, offset: u32, data: &[u8]) -> bool {
+        let end = (u64::from(offset) + data.len() as u64).min(u64::from(task.moved));
+        if u64::from(offset) >= end {
+            return true;
+        }
+        let useful = &data[..(end - u64::from(offset)) as usize];
+        match task.plan.out_placement {
+            // The policy for both transports: LUN writes land in the LUN as
+            // they arrive (iSER's RDMA READ does the same). A write that is
+            // never answered GOOD may leave its blocks partly written, as on
+            // any disk; GOOD comes only when every byte is in place.
+            OutPlacement::Store { offset: base } => self
+                .scsi
+                .as_ref()
+                .and_then(|s| s.lu(task.lun.number()))
+                .is_some_and(|lu| {
+                    lu.volume()
+                        .store()
+                        .write(base + u64::from(offset), useful)
+                        .is_ok()
+                }),
+            OutPlacement::Buffer => match task.buf.get_mut(offset as usize..end as usize) {
+                Some(dst) => {
+                    dst.copy_from_slice(useful);
+                    true
+                }
+                None => false,
+            },
+            OutPlacement::None => true,
+        }
+    }
+
+    /// Send R2Ts for the next ranges, up to MaxOutstandingR2T; over iSER,
+    /// one RDMA READ of everything not sent unsolicited. Called only once
+    /// the unsolicited sequence ended, so a short one is simply continued.
+    pub(super) fn solicit(&mut self, out: &mut Out, task: &mut Task) -> bool {
+        if self.params.iser {
+            return self.solicit_rdma(out, task);
+        }
+        while task.solicit_next < task.moved
+            && (task.r2ts.len() as u32) < self.params.max_outstanding_r2t
+        {
+            let offset = task.solicit_next;
+            let len = (task.moved - offset).min(self.params.max_burst_len);
+            let ttt = self.new_ttt();
+            let mut b = Bhs::new(Opcode::ReadyToTransfer);
+            b.set_final(true)
+                .set_lun(task.lun.to_wire())
+                .set_itt(task.itt)
+                .set_ttt(ttt)
+                .set_statsn(out.peek_statsn())
+                .set_datasn(task.r2tsn)
+                .set_buffer_offset(offset)
+                .set_residual(len);
+            self.stamp(&mut b);
+            task.r2tsn = task.r2tsn.wrapping_add(1);
+            task.solicit_next += len;
+            task.r2ts.push(R2t {
+                ttt,
+                seq: Sequence::new(offset, offset + len),
+            });
+            let pdu = self.pdu(b, OutData::None);
+            out.push(pdu);
+        }
+        true
+    }
+
+    /// False when the data cannot be fetched: the command must fail.
+    pub(super) fn solicit_rdma(&mut self, out: &mut Out, task: &mut Task) -> bool {
+        if task.rdma_read.is_some() || task.solicit_next >= task.moved {
+            return true;
+        }
+        let (offset, len) = (task.solicit_next, task.moved - task.solicit_next);
+        let Some(remote) = task.remote else {
+            return false;
+        };
+        // Data the initiator meant to send unsolicited but did not is not in
+        // the tagged buffer: refuse instead of reading the wrong bytes.
+        let Some(remote_addr) = offset
+            .checked_sub(task.remote_base)
+            .and_then(|rel| remote.at(rel.into()))
+        else {
+            tracing::warn!(
+                itt = task.itt,
+                offset,
+                "iSER write data missing below the tagged buffer"
+            );
+            return false;
+        };
+        let dest = match task.plan.out_placement {
+            OutPlacement::Store { offset: base } => ReadDest::Store {
+                lun: task.lun.number(),
+                offset: base + u64::from(offset),
+            },
+            _ => ReadDest::Buffer,
+        };
+        let tag = self.next_rdma_tag;
+        self.next_rdma_tag = self.next_rdma_tag.wrapping_add(1).max(1);
+        task.rdma_read = Some((tag, offset, len));
+        task.solicit_next = task.moved;
+        out.push_action(Action::RdmaRead {
+            tag,
+            stag: remote.stag,
+            remote_addr,
+            len,
+            dest,
+        });
+        true
+    }
+
+    /// iSER: an RDMA READ finished. A task aborted meanwhile is gone, and its
+    /// late data is dropped.
+    pub fn rdma_read_done(&mut self, tag: u32, data: &[u8], out: &mut Out) {
+        let Some(idx) = self
+            .tasks
+            .iter()
+            .position(|t| t.rdma_read.is_some_and(|(t, _, _)| t == tag))
+        else {
+            return;
+        };
+        let Some(scsi) = self.scsi.clone() else {
+            return;
+        };
+        let mut task = self.tasks.swap_remove(idx);
+        let Some((_, offset, len)) = task.rdma_read.take() else {
+            return;
+        };
+        // For the store the HCA already placed the bytes in LUN memory.
+        if matches!(task.plan.out_placement, OutPlacement::Buffer)
+            && task.failure.is_none()
+            && !self.place(&mut task, offset, &data[..data.len().min(len as usize)])
+        {
+            task.fail(WriteFailure::Placement);
+        }
+        self.advance(out, &scsi, task);
+    }
+
+    pub(super) fn data_out(&mut self, bhs: &Bhs, data: &[u8], out: &mut Out) {
+        let Some(idx) = self.tasks.iter().position(|t| t.itt == bhs.itt()) else {
+            // Data for a command that already ended (aborted, or failed before
+            // any data was asked for) may still be in flight: drop it.
+            return;
+        };
+        let Some(scsi) = self.scsi.clone() else {
+            return;
+        };
+        let mut task = self.tasks.swap_remove(idx);
+        if self.drop_if_aborted(&scsi, &task) {
+            // Aborted from another session: its data must not land.
+            self.finish_task(task);
+            return;
+        }
+        let offset = bhs.buffer_offset();
+        let len = data.len() as u32;
+        let datasn = bhs.datasn();
+        let ttt = bhs.ttt();
+        let last = bhs.final_bit();
+        let failing_already = task.failure.is_some();
+        let placed_ok = if is_reserved(ttt) {
+            match task.unsolicited.as_mut() {
+                Some(seq) => {
+                    let fits = seq.take(offset, len, datasn);
+                    if last {
+                        if !seq.broken && seq.next < seq.end {
+                            // Unsolicited data may end early: what is missing
+                            // is solicited with ordinary R2Ts.
+                            task.solicit_next = seq.next;
+                        }
+                        if seq.broken {
+                            task.fail(WriteFailure::DataPhase);
+                        }
+                        task.unsolicited = None;
+                    }
+                    fits
+                }
+                None => false,
+            }
+        } else {
+            match task.r2ts.iter().position(|r| r.ttt == ttt) {
+                Some(ri) => {
+                    let seq = &mut task.r2ts[ri].seq;
+                    let fits = seq.take(offset, len, datasn);
+                    if last {
+                        if seq.broken || seq.next < seq.end {
+                            // A solicited burst must deliver what its R2T
+                            // asked for: ending early is a data-sequence error.
+                            task.fail(WriteFailure::DataPhase);
+                        }
+                        task.r2ts.swap_remove(ri);
+                    }
+                    fits
+                }
+                None => false,
+            }
+        };
+        if !placed_ok {
+            if !failing_already {
+                // Once per task: a peer must not be able to fill the log.
+                tracing::warn!(
+                    itt = task.itt,
+                    datasn,
+                    offset,
+                    "Data-Out out of sequence; the command will fail once its transfer is over"
+                );
+            }
+            task.fail(WriteFailure::DataPhase);
+        } else if task.failure.is_none() && !self.place(&mut task, offset, data) {
+            task.fail(WriteFailure::Placement);
+        }
+        self.advance(out, &scsi, task);
+    }
+
+    /// Whether another nexus aborted this task (PREEMPT AND ABORT, a reset)
+    /// since it arrived. With TAS=0 in the Control mode page an aborted task
+    /// ends without status; the initiator learns of it from the unit
+    /// attention and its own task management.
+    pub(super) fn drop_if_aborted(&self, scsi: &ScsiTarget, task: &Task) -> bool {
+        let aborted = scsi.is_aborted(self.nexus, &task.plan);
+        if aborted {
+            tracing::info!(
+                initiator = %self.initiator_name.escape_debug(),
+                itt = task.itt,
+                "write aborted by another initiator; its data is dropped"
+            );
+        }
+        aborted
+    }
+
+    pub(super) fn complete_write(
+        &mut self,
+        out: &mut Out,
+        scsi: &Arc<ScsiTarget>,
+        task: Task,
+        residual: Residual,
+    ) {
+        let moved = task.moved as usize;
+        let data: &[u8] = match task.plan.out_placement {
+            OutPlacement::Buffer => task.buf.get(..moved).unwrap_or(&[]),
+            _ => &[],
+        };
+        let result = scsi.execute(self.nexus, &task.plan, data, &mut self.data_in);
+        self.counting.bytes = task.moved;
+        let itt = task.itt;
+        self.finish_task(task);
+        match result {
+            Ok(_) => self.respond(out, itt, status::GOOD, None, residual),
+            Err(reason) => self.fail(out, itt, reason, residual),
+        }
+    }
+
+    pub(super) fn finish_task(&mut self, mut task: Task) {
+        if task.in_window {
+            self.waiting_in_window = self.waiting_in_window.saturating_sub(1);
+        }
+        self.portal.staging.release(task.staged);
+        task.staged = 0;
+        task.buf.clear();
+        let cap = task.buf.capacity();
+        if cap > 0 && cap <= POOLED_BUFFER_MAX && self.spare_bufs.len() < 8 {
+            self.spare_bufs.push(std::mem::take(&mut task.buf));
+        }
+    }
+}
