@@ -3,6 +3,10 @@
 # not a test: it prints numbers and asserts only that it could take them).
 #
 #   tests/softroce/run tests/softroce/syscalls.sh [IOS]
+#   tests/softroce/run env SYSCALLS_BINS="before=/path/a after=/path/b" tests/softroce/syscalls.sh
+#
+# SYSCALLS_BINS compares builds of ramslog-target in one boot (label=path,
+# paths inside the repository so the guest sees them).
 #
 # For --iser-spin 0 (sleep on the completion channel) and a large spin budget:
 # rdma-bench writes IOS 4 KiB blocks at QD1 over iSER while strace follows every
@@ -14,8 +18,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/lib/common.sh"
 IOS=${1:-2000}
 BENCH=$(pick_bin rdma-bench) || { echo "build rdma-bench first"; exit 1; }
-# shellcheck disable=SC2034 # read by target_start
-TARGET_BIN=$(pick_bin ramslog-target) || { echo "build ramslog-target first"; exit 1; }
+CURRENT=$(pick_bin ramslog-target) || { echo "build ramslog-target first"; exit 1; }
+read -r -a BINS <<<"${SYSCALLS_BINS:-current=$CURRENT}"
 command -v strace >/dev/null || { echo "strace is missing (apt-get install strace)"; exit 1; }
 IQN=iqn.2026-11.org.ramslog:syscalls
 INI=iqn.2026-11.org.ramslog:rdma-bench
@@ -27,44 +31,49 @@ cleanup() {
 }
 mkdir -p "$RESULTS"
 
-step "rxe up (target $TARGET_BIN)"
+step "rxe up (targets: ${BINS[*]})"
 rxe_up
 trap cleanup EXIT
 
-for spin in 0 1000000; do
-  step "--iser-spin $spin: $IOS writes of 4 KiB at QD1 under strace"
-  log=$RESULTS/syscalls-target-spin$spin.log
-  target_start "$log" "iSER listening on $RXE_ADDR_A:3260" --size 64M --ephemeral \
-    --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --allow "$INI" --iser-spin "$spin" \
-    --control-socket "/run/ramslog-syscalls-$spin.sock"
-  target=$TARGET_STARTED
-  PIDS+=("$target")
-  trace=/tmp/syscalls-spin$spin.strace
-  strace -f -qq -o "$trace" -p "$target" &
-  tracer=$!
-  PIDS+=("$tracer")
-  sleep 2
-  "$BENCH" lat "iser://$RXE_ADDR_A:3260/$IQN/0" --bs 4K --qd 1 --pattern write --count "$IOS" \
-    --warmup 0 --spin 0 --initiator-name "$INI" --quiet
-  stop_pid "$tracer"
-  stop_pid "$target"
-  python3 - "$trace" "$IOS" "$spin" <<'PY'
+for bin in "${BINS[@]}"; do
+  label=${bin%%=*}
+  # shellcheck disable=SC2034 # read by target_start
+  TARGET_BIN=${bin#*=}
+  # A spinning loop holds one of the guest's two CPUs: fewer I/Os there.
+  for spin in 0 100000; do
+    ios=$IOS
+    [ "$spin" = 0 ] || ios=$((IOS / 4))
+    step "$label: --iser-spin $spin: $ios writes of 4 KiB at QD1 under strace"
+    target_start "$RESULTS/syscalls-$label-spin$spin.log" "iSER listening on $RXE_ADDR_A:3260" \
+      --size 64M --ephemeral --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --allow "$INI" \
+      --iser-spin "$spin" --control-socket "/run/ramslog-syscalls.sock"
+    target=$TARGET_STARTED
+    PIDS+=("$target")
+    trace=/tmp/syscalls-$label-spin$spin.strace
+    strace -f -qq -o "$trace" -p "$target" &
+    tracer=$!
+    PIDS+=("$tracer")
+    sleep 2
+    "$BENCH" lat "iser://$RXE_ADDR_A:3260/$IQN/0" --bs 4K --qd 1 --pattern write --count "$ios" \
+      --warmup 0 --spin 0 --initiator-name "$INI" --quiet
+    stop_pid "$tracer"
+    stop_pid "$target"
+    python3 - "$trace" "$ios" "$label, spin $spin" <<'PY'
 import collections, re, sys
-path, ios, spin = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+path, ios, what = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 by_tid = collections.defaultdict(collections.Counter)
 for line in open(path, errors="replace"):
-    m = re.match(r"(\d+)\s+(?:<\.\.\. )?([a-z_0-9]+)[( ]", line)
-    if m and "resumed>" not in line.split(m.group(2), 1)[1][:12]:
-        by_tid[m.group(1)][m.group(2)] += 1
-    elif m:
-        continue
+    m = re.match(r"(\d+)\s+(<\.\.\. )?([a-z_0-9]+)[( ]", line)
+    if m and not m.group(2):
+        by_tid[m.group(1)][m.group(3)] += 1
 if not by_tid:
     sys.exit("strace recorded nothing")
 tid, calls = max(by_tid.items(), key=lambda kv: sum(kv[1].values()))
 total = sum(calls.values())
-print(f"spin {spin}: connection thread {tid}: {total} syscalls for {ios} I/Os = {total / ios:.2f} per I/O")
+print(f"{what}: connection thread {tid}: {total} syscalls for {ios} I/Os = {total / ios:.2f} per I/O")
 for name, n in calls.most_common():
     print(f"  {name:<16} {n:>8}  {n / ios:6.2f} per I/O")
 PY
+  done
 done
 echo "SYSCALLS MEASURED"
