@@ -198,7 +198,7 @@ fn engine(c: &mut Criterion) {
 
         let mut conn = logged_in(true, metrics);
         let mut wire = Wire::new(true, write);
-        let mut slot = vec![0u8; 16 * 1024];
+        let mut slot = vec![0u8; ramslog_common::iser::peer::ILLUMOS_MSG_LEN];
         wire.next();
         iser_command(&mut conn, &wire, &mut slot);
         wire.next();

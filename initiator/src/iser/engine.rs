@@ -282,7 +282,7 @@ impl IserSession {
                     "data segment of {data_len} bytes exceeds the {} we receive{} (opcode {:#04x})",
                     self.max_rx_data,
                     if self.full_feature && self.opts.profile == IserProfile::Linux {
-                        " (ib_iser's full-feature receive buffers hold 128 bytes of data)"
+                        " (ib_iser's full-feature receive room)"
                     } else {
                         ""
                     },

@@ -384,7 +384,7 @@ impl ScsiTarget {
                     size: block_size,
                 });
             }
-            if lun >= 0x4000 {
+            if ramslog_common::lun::Lun::new(lun).is_none() {
                 return Err(ConfigError::LunTooLarge(lun));
             }
             if out.iter().any(|l| l.lun == lun) {
