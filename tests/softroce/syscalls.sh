@@ -20,7 +20,14 @@ IOS=${1:-2000}
 BENCH=$(pick_bin rdma-bench) || { echo "build rdma-bench first"; exit 1; }
 CURRENT=$(pick_bin ramslog-target) || { echo "build ramslog-target first"; exit 1; }
 read -r -a BINS <<<"${SYSCALLS_BINS:-current=$CURRENT}"
-command -v strace >/dev/null || { echo "strace is missing (apt-get install strace)"; exit 1; }
+# perf counts syscalls in the kernel (tracepoints) and barely slows the loop;
+# strace stops the thread at every call, so the loop never finds time to sleep.
+TRACER=strace
+if command -v perf >/dev/null && perf version >/dev/null 2>&1; then
+  mountpoint -q /sys/kernel/tracing || mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || true
+  TRACER=perf
+fi
+command -v "$TRACER" >/dev/null || { echo "neither perf nor strace is installed (apt-get install linux-perf strace)"; exit 1; }
 IQN=iqn.2026-11.org.ramslog:syscalls
 INI=iqn.2026-11.org.ramslog:rdma-bench
 PIDS=()
@@ -43,31 +50,50 @@ for bin in "${BINS[@]}"; do
   for spin in 0 100000; do
     ios=$IOS
     [ "$spin" = 0 ] || ios=$((IOS / 4))
-    step "$label: --iser-spin $spin: $ios writes of 4 KiB at QD1 under strace"
+    step "$label: --iser-spin $spin: $ios writes of 4 KiB at QD1 under $TRACER"
     target_start "$RESULTS/syscalls-$label-spin$spin.log" "iSER listening on $RXE_ADDR_A:3260" \
       --size 64M --ephemeral --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --allow "$INI" \
       --iser-spin "$spin" --control-socket "/run/ramslog-syscalls.sock"
     target=$TARGET_STARTED
     PIDS+=("$target")
-    trace=/tmp/syscalls-$label-spin$spin.strace
-    strace -f -qq -o "$trace" -p "$target" &
-    tracer=$!
-    PIDS+=("$tracer")
-    sleep 2
-    "$BENCH" lat "iser://$RXE_ADDR_A:3260/$IQN/0" --bs 4K --qd 1 --pattern write --count "$ios" \
-      --warmup 0 --spin 0 --initiator-name "$INI" --quiet
-    stop_pid "$tracer"
+    trace=/tmp/syscalls-$label-spin$spin.trace
+    bench=("$BENCH" lat "iser://$RXE_ADDR_A:3260/$IQN/0" --bs 4K --qd 1 --pattern write
+      --count "$ios" --warmup 0 --spin 0 --initiator-name "$INI" --quiet)
+    if [ "$TRACER" = perf ]; then
+      # System-wide for the bench's run: -p would miss the connection
+      # thread, born at login.
+      perf trace -a -s -o "$trace" -- "${bench[@]}"
+    else
+      strace -f -qq -o "$trace" -p "$target" &
+      tracer=$!
+      PIDS+=("$tracer")
+      sleep 2
+      "${bench[@]}"
+      stop_pid "$tracer"
+    fi
     stop_pid "$target"
-    python3 - "$trace" "$ios" "$label, spin $spin" <<'PY'
+    python3 - "$trace" "$ios" "$label, spin $spin ($TRACER)" "$TRACER" <<'PY'
 import collections, re, sys
-path, ios, what = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+path, ios, what, tracer = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 by_tid = collections.defaultdict(collections.Counter)
+tid = None
 for line in open(path, errors="replace"):
-    m = re.match(r"(\d+)\s+(<\.\.\. )?([a-z_0-9]+)[( ]", line)
-    if m and not m.group(2):
-        by_tid[m.group(1)][m.group(3)] += 1
+    if tracer == "perf":
+        # " ramslog-iser (254), 4099 events, ..." then "   syscall  calls ..." rows
+        m = re.match(r"\s*(\S.*) \((\d+)\), \d+ events", line)
+        if m:
+            tid = m.group(2) if m.group(1) == "iser-conn" else None
+            continue
+        m = re.match(r"\s+([a-z_0-9]+)\s+(\d+)\s+\d+\s+[\d.]+", line)
+        if m and tid:
+            by_tid[tid][m.group(1)] += int(m.group(2))
+    else:
+        m = re.match(r"(\d+)\s+(<\.\.\. )?([a-z_0-9]+)[( ]", line)
+        if m and not m.group(2):
+            by_tid[m.group(1)][m.group(3)] += 1
 if not by_tid:
-    sys.exit("strace recorded nothing")
+    sys.stdout.write(open(path, errors="replace").read()[:3000])
+    sys.exit(f"{tracer} recorded no calls of the connection thread")
 tid, calls = max(by_tid.items(), key=lambda kv: sum(kv[1].values()))
 total = sum(calls.values())
 print(f"{what}: connection thread {tid}: {total} syscalls for {ios} I/Os = {total / ios:.2f} per I/O")
