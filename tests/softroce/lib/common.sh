@@ -11,7 +11,8 @@
 #   target_start LOG READY ARG...
 #                          ramslog-target ARG... ($TARGET_BIN, else the newest
 #                          build) logging to LOG, until it logs READY (its listen
-#                          line, e.g. "iSER listening on ADDR"); PID in TARGET_STARTED
+#                          line, e.g. "iSER listening on ADDR"); PID in TARGET_STARTED;
+#                          a daemon that does not get there is stopped
 #   stop_pid PID           kill and reap
 set -euo pipefail
 LAB_LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -48,7 +49,11 @@ target_start() {
   "$bin" "$@" >"$log" 2>&1 &
   TARGET_STARTED=$!
   # A restore of a large LUN under emulation takes seconds before the listen line.
-  wait_for_log "$log" "$ready" "$TARGET_STARTED" 60
+  if ! wait_for_log "$log" "$ready" "$TARGET_STARTED" 60; then
+    # Never leave a half-started daemon behind for the caller's cleanup to miss.
+    stop_pid "$TARGET_STARTED"
+    return 1
+  fi
 }
 
 # Kill a background process by PID and reap it (a bare `wait` would also wait
