@@ -59,6 +59,9 @@ pub fn arm(cqs: &[&CompletionQueue]) -> Result<()> {
 pub struct Woken {
     /// Bit `i` set: `armed[i]` raised its event (which is acknowledged).
     pub fired: u32,
+    /// An event of a queue on the channel that `armed` does not list (left
+    /// over from an earlier arming); acknowledged, no completion implied.
+    pub stray: bool,
     /// The rdma_cm channel has events to read.
     pub cm: bool,
 }
@@ -68,8 +71,9 @@ impl Woken {
         self.fired != 0
     }
 
+    /// Nothing at all woke the sleep.
     pub fn timed_out(&self) -> bool {
-        self.fired == 0 && !self.cm
+        self.fired == 0 && !self.stray && !self.cm
     }
 }
 
@@ -89,13 +93,14 @@ pub fn sleep(
     wait_readable(&fds, timeout, &mut ready)?;
     let mut woken = Woken {
         fired: 0,
+        stray: false,
         cm: ready[1],
     };
     if ready[0] {
         for _ in 0..armed.len().max(1) {
             match comp.consume_event(armed)? {
-                Some(i) if i < 32 => woken.fired |= 1 << i,
-                Some(_) => {}
+                Some(i) if i < armed.len() && i < 32 => woken.fired |= 1 << i,
+                Some(_) => woken.stray = true,
                 None => break,
             }
         }

@@ -288,7 +288,8 @@ impl Conn {
                 }
                 continue;
             }
-            spin.reset();
+            // The budget is spent once per wait: after a wake that brought
+            // no completion, sleep again at once.
             wait::arm(&[&*self.cq])?;
             if let Some(wc) = self.poll_now()? {
                 return Ok(wc);
