@@ -22,8 +22,8 @@ impl CoarseClock {
         }
     }
 
-    /// Never earlier than a previous reading; behind `Instant::now()` by at
-    /// most a tick.
+    /// Never earlier than a previous reading; within a tick of
+    /// `Instant::now()`, on either side.
     pub fn now(&self) -> Instant {
         self.start + coarse().saturating_sub(self.start_coarse)
     }
