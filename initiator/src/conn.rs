@@ -228,9 +228,16 @@ impl Connection {
                 match p.bhs.opcode() {
                     Some(Opcode::NopIn) => self.answer_nop_in(&p).await?,
                     Some(Opcode::AsyncMessage) => {
-                        tracing::info!(event = p.bhs.0[36], "async message during text request")
+                        tracing::info!(
+                            event = p.bhs.async_event().0,
+                            "async message during text request"
+                        )
                     }
-                    Some(Opcode::Reject) => return Err(Error::Rejected { reason: p.bhs.0[2] }),
+                    Some(Opcode::Reject) => {
+                        return Err(Error::Rejected {
+                            reason: p.bhs.reject_reason(),
+                        })
+                    }
                     Some(Opcode::TextResponse) if p.bhs.itt() == x.itt() => break p,
                     _ => {
                         return Err(Error::proto(format!(
@@ -264,9 +271,13 @@ impl Connection {
         loop {
             let p = self.recv_pdu().await?;
             match p.bhs.opcode() {
-                Some(Opcode::LogoutResponse) if p.bhs.itt() == itt => return Ok(p.bhs.0[2]),
+                Some(Opcode::LogoutResponse) if p.bhs.itt() == itt => return Ok(p.bhs.response()),
                 Some(Opcode::NopIn) => self.answer_nop_in(&p).await?,
-                Some(Opcode::Reject) => return Err(Error::Rejected { reason: p.bhs.0[2] }),
+                Some(Opcode::Reject) => {
+                    return Err(Error::Rejected {
+                        reason: p.bhs.reject_reason(),
+                    })
+                }
                 _ => tracing::debug!(bhs = ?p.bhs, "PDU ignored while logging out"),
             }
         }
@@ -308,7 +319,7 @@ pub(crate) fn logout_request(itt: u32, cid: u16, cmdsn: u32, exp_statsn: u32) ->
     b.set_immediate(true);
     b.set_flags(0x80);
     b.set_itt(itt);
-    b.set_u16_at(20, cid);
+    b.set_cid(cid);
     b.set_cmdsn(cmdsn).set_exp_statsn(exp_statsn);
     b
 }

@@ -1,20 +1,11 @@
 //! Completing a SCSI command from the target's PDUs: Data-In reassembly by
 //! buffer offset, status from a SCSI Response or a phase-collapsed Data-In.
 
+pub use ramslog_common::iscsi::Residual;
 use ramslog_common::iscsi::{scsi_rsp, Bhs, Opcode};
 use ramslog_common::scsi_wire::{be16, Sense};
 
 use crate::Error;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Residual {
-    #[default]
-    None,
-    /// The target moved this many bytes fewer than the expected length.
-    Under(u32),
-    /// The command wanted this many bytes more than the expected length.
-    Over(u32),
-}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScsiResult {
@@ -104,8 +95,10 @@ impl DataInAssembler {
         if flags & 0x80 == 0 {
             return Err(Error::proto("Data-In with S bit but without F bit"));
         }
-        let residual = residual_of(flags, bhs.residual())?;
-        let status = bhs.0[3];
+        let residual = bhs
+            .residual_status()
+            .map_err(|e| Error::proto(e.to_string()))?;
+        let status = bhs.scsi_status();
         self.check_complete(residual)?;
         Ok(Some(ScsiResult {
             status,
@@ -168,12 +161,14 @@ pub(crate) struct ResponseStatus {
 /// Decode a SCSI Response: iSCSI response code (non-zero is
 /// [`Error::TargetFailure`]), status, sense data, residual.
 pub(crate) fn response_status(bhs: &Bhs, data: &[u8]) -> Result<ResponseStatus, Error> {
-    let response = bhs.0[2];
+    let response = bhs.response();
     if response != 0 {
         return Err(Error::TargetFailure(response));
     }
-    let status = bhs.0[3];
-    let residual = residual_of(bhs.flags(), bhs.residual())?;
+    let status = bhs.scsi_status();
+    let residual = bhs
+        .residual_status()
+        .map_err(|e| Error::proto(e.to_string()))?;
     let mut sense = None;
     let mut sense_len = 0;
     if !data.is_empty() {
@@ -199,18 +194,6 @@ pub(crate) fn response_status(bhs: &Bhs, data: &[u8]) -> Result<ResponseStatus, 
         sense_len,
         residual,
     })
-}
-
-fn residual_of(flags: u8, count: u32) -> Result<Residual, Error> {
-    match (
-        flags & scsi_rsp::UNDERFLOW != 0,
-        flags & scsi_rsp::OVERFLOW != 0,
-    ) {
-        (false, false) => Ok(Residual::None),
-        (true, false) => Ok(Residual::Under(count)),
-        (false, true) => Ok(Residual::Over(count)),
-        (true, true) => Err(Error::proto("both underflow and overflow flagged")),
-    }
 }
 
 #[cfg(test)]
@@ -260,9 +243,7 @@ mod tests {
         let sense = Sense::new(sense_key::ILLEGAL_REQUEST, 0x24, 0);
         let mut data = vec![0, 18];
         data.extend_from_slice(&sense.encode_fixed());
-        let mut rsp = Bhs::new(Opcode::ScsiResponse);
-        rsp.set_flags(0x80);
-        rsp.0[3] = status::CHECK_CONDITION;
+        let rsp = Bhs::scsi_response(0, status::CHECK_CONDITION, Residual::None);
         let r = DataInAssembler::new(0).finish(&rsp, &data).unwrap();
         assert_eq!(r.status, status::CHECK_CONDITION);
         assert_eq!(r.sense, Some(sense));
@@ -271,7 +252,10 @@ mod tests {
         assert!(DataInAssembler::new(0)
             .finish(&rsp, &[0, 30, 0x70])
             .is_err());
-        rsp.0[2] = 1;
+        // Response 1, "target failure": the command did not complete.
+        let mut raw = *rsp.as_bytes();
+        raw[2] = 1;
+        let rsp = Bhs::from_raw(raw);
         assert!(matches!(
             DataInAssembler::new(0).finish(&rsp, &[]),
             Err(Error::TargetFailure(1))

@@ -165,12 +165,10 @@ impl LoginMachine {
             flags |= login::CONTINUE;
         }
         b.set_flags(flags);
-        b.0[2] = 0; // Version-max
-        b.0[3] = 0; // Version-min
-        b.0[8..14].copy_from_slice(&self.isid);
+        b.set_versions(0, 0).set_isid(self.isid);
         b.set_tsih(self.tsih);
         b.set_itt(self.itt);
-        b.set_u16_at(20, self.cid);
+        b.set_cid(self.cid);
         b.set_cmdsn(seq.next_cmdsn);
         b.set_exp_statsn(if self.first { 0 } else { seq.exp_statsn });
         let data = chunk.to_vec();
@@ -253,8 +251,7 @@ impl LoginMachine {
                 rsp.raw_opcode()
             )));
         }
-        let class = rsp.0[36];
-        let detail = rsp.0[37];
+        let [class, detail] = rsp.login_status().to_be_bytes();
         if class != 0 {
             return Err(Error::LoginFailed { class, detail });
         }
@@ -265,10 +262,10 @@ impl LoginMachine {
                 self.itt
             )));
         }
-        if rsp.0[3] != 0 {
+        if rsp.version_active() != 0 {
             return Err(Error::proto(format!(
                 "login response Version-active {}",
-                rsp.0[3]
+                rsp.version_active()
             )));
         }
         if rsp.isid() != self.isid {

@@ -48,14 +48,12 @@ pub fn encode_pdu(
         )));
     }
     let ahs_padded = padded(ahs.len());
-    if ahs_padded / 4 > 255 {
-        return Err(Error::InvalidArgument("AHS longer than 1020 bytes".into()));
-    }
     let mut b = *bhs;
-    b.0[4] = (ahs_padded / 4) as u8;
-    b.set_data_segment_len(data.len() as u32);
+    b.set_total_ahs_len(ahs_padded)
+        .map_err(|_| Error::InvalidArgument("AHS longer than 1020 bytes".into()))?
+        .set_data_segment_len(data.len() as u32);
     let start = out.len();
-    out.extend_from_slice(&b.0);
+    out.extend_from_slice(b.as_bytes());
     out.extend_from_slice(ahs);
     out.resize(start + BHS_LEN + ahs_padded, 0);
     if digests.header {
@@ -287,7 +285,7 @@ mod tests {
 
         let mut big = Bhs::new(Opcode::DataIn);
         big.set_data_segment_len(9000);
-        let mut r = PduReader::new(&big.0[..]);
+        let mut r = PduReader::new(&big.as_bytes()[..]);
         assert!(matches!(r.read_pdu().await, Err(Error::Protocol(_))));
 
         let mut r = PduReader::new(&bytes[..20]);

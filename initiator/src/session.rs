@@ -148,13 +148,13 @@ impl Inner {
                 }
                 Some(Opcode::AsyncMessage) => {
                     tracing::info!(
-                        event = pdu.bhs.0[36],
-                        vcode = pdu.bhs.0[37],
+                        event = pdu.bhs.async_event().0,
+                        vcode = pdu.bhs.async_event().1,
                         "async message from the target"
                     );
                 }
                 Some(Opcode::Reject) => {
-                    let reason = pdu.bhs.0[2];
+                    let reason = pdu.bhs.reject_reason();
                     let rejected = if pdu.data.len() >= 48 {
                         be32(&pdu.data, 16)
                     } else {
@@ -306,8 +306,7 @@ impl Session {
         bhs.set_lun(lun_field).set_itt(itt);
         bhs.set_expected_data_len(if out.is_empty() { data_in_len } else { out_len });
         let mut ahs = Vec::new();
-        let cdb16 = &cdb[..cdb.len().min(16)];
-        bhs.0[32..32 + cdb16.len()].copy_from_slice(cdb16);
+        bhs.set_cdb(cdb);
         if cdb.len() > 16 {
             let ext = &cdb[16..];
             ahs.extend_from_slice(&((ext.len() + 1) as u16).to_be_bytes());
@@ -600,7 +599,7 @@ impl Session {
         }
         match rx.recv().await {
             Some(Event::Pdu(p)) if p.bhs.opcode() == Some(Opcode::LogoutResponse) => {
-                match p.bhs.0[2] {
+                match p.bhs.response() {
                     0 => Ok(()),
                     r => Err(Error::proto(format!("logout response {r}"))),
                 }

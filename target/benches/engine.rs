@@ -82,11 +82,11 @@ impl Wire {
             BLOCKS as u8,
             0,
         ];
-        b.0[32..42].copy_from_slice(&cdb);
+        b.set_cdb(&cdb);
         b.set_flags(if write { 0xa1 } else { 0xc1 })
             .set_expected_data_len(BLOCKS * 512)
             .set_data_segment_len(if write { BLOCKS * 512 } else { 0 });
-        bytes.extend_from_slice(&b.0);
+        bytes.extend_from_slice(b.as_bytes());
         if write {
             bytes.resize(bytes.len() + (BLOCKS * 512) as usize, 0x5a);
         }
@@ -112,7 +112,7 @@ impl Wire {
 fn status(p: &OutPdu) -> Option<u8> {
     let op = p.bhs.opcode();
     (op == Some(Opcode::ScsiResponse) || (op == Some(Opcode::DataIn) && p.bhs.flags() & 1 != 0))
-        .then_some(p.bhs.0[3])
+        .then_some(p.bhs.scsi_status())
 }
 
 /// One command the way the TCP driver handles it; returns its SCSI status.
@@ -149,7 +149,7 @@ fn iser_command(conn: &mut Connection, wire: &Wire, slot: &mut [u8]) -> Option<u
     };
     let mut raw = [0u8; BHS_LEN];
     raw.copy_from_slice(&wire.bytes[HEADER_LEN..HEADER_LEN + BHS_LEN]);
-    let bhs = Bhs(raw);
+    let bhs = Bhs::from_raw(raw);
     let data = &wire.bytes[HEADER_LEN + BHS_LEN..];
     conn.handle_iser_pdu(now, write, read, &bhs, &[], data);
     let mut st = None;

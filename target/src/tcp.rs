@@ -286,7 +286,7 @@ impl Output {
 /// cannot be read.
 pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) -> bool {
     let start = wbuf.len();
-    wbuf.extend_from_slice(&pdu.bhs.0);
+    wbuf.extend_from_slice(pdu.bhs.as_bytes());
     if pdu.header_digest {
         let d = digest::header(&wbuf[start..], &[]);
         wbuf.extend_from_slice(&digest::to_wire(d));
@@ -383,7 +383,7 @@ fn process_pdus(conn: &mut Connection, rx: &mut RxBuffer) -> Result<(), RxError>
         let mut raw = [0u8; BHS_LEN];
         raw.copy_from_slice(&avail[..BHS_LEN]);
         // Unknown opcodes still get a Reject from the engine, so no decode() here.
-        let bhs = Bhs(raw);
+        let bhs = Bhs::from_raw(raw);
         let (hd, dd) = conn.rx_digests();
         let layout = PduLayout::of(&bhs, hd, dd);
         if bhs.data_segment_len() > conn.max_rx_data_segment() {

@@ -97,7 +97,7 @@ pub fn logged_in(
     while let Some(a) = conn.poll_action() {
         if let crate::engine::Action::Send(p) = a {
             if p.bhs.opcode() == Some(Opcode::LoginResponse) {
-                status = Some(p.bhs.u16_at(36));
+                status = Some(p.bhs.login_status());
             }
         }
     }

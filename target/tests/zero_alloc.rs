@@ -53,7 +53,7 @@ fn drain(conn: &mut Connection, now: Instant) -> (usize, Option<u8>) {
                     conn.served(served, metrics::clock().raw());
                 }
                 if matches!(p.bhs.opcode(), Some(Opcode::ScsiResponse)) || p.bhs.flags() & 1 != 0 {
-                    st = Some(p.bhs.0[3]);
+                    st = Some(p.bhs.scsi_status());
                 }
                 if let OutData::Store { len, .. } = p.data {
                     assert_eq!(len, 4096);
@@ -123,7 +123,7 @@ fn io_loop(iser: bool) {
             blocks,
             0,
         ];
-        b.0[32..42].copy_from_slice(&cdb);
+        b.set_cdb(&cdb);
         b.set_flags(if write { 0xa1 } else { 0xc1 })
             .set_itt(cmdsn)
             .set_cmdsn(cmdsn)

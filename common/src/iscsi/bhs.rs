@@ -1,10 +1,15 @@
 //! The 48-byte basic header segment and its opcode-specific fields.
 //!
 //! [`Bhs`] is a plain byte array with named accessors: the target reads the
-//! fields a handler needs and writes replies field by field, so nothing is
-//! allocated and no intermediate struct is copied per PDU.
+//! fields a handler needs, and replies are built by the typed emitters in
+//! [`emit`], so nothing is allocated and no intermediate struct is copied per
+//! PDU. The array is private: outside this crate every byte is reached through
+//! a named field, so each field's offset is written once.
 
 use thiserror::Error;
+
+mod emit;
+pub use emit::{DataIn, DataInStatus, LoginResponse, R2t, Residual};
 
 pub const BHS_LEN: usize = 48;
 /// Largest data segment length the 24-bit field can express.
@@ -83,11 +88,13 @@ pub enum WireError {
     DataSegmentTooLong { len: u32, limit: u32 },
     #[error("{0} trailing bytes after the PDU")]
     TrailingBytes(usize),
+    #[error("both the underflow and the overflow bit are set")]
+    BothResiduals,
 }
 
 /// Basic header segment.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub struct Bhs(pub [u8; BHS_LEN]);
+pub struct Bhs([u8; BHS_LEN]);
 
 impl std::fmt::Debug for Bhs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -130,6 +137,17 @@ impl Bhs {
         Ok(bhs)
     }
 
+    /// A header taken as it arrived, opcode unchecked: the engine answers an
+    /// unknown opcode with a Reject instead of the transport dropping it.
+    pub fn from_raw(bytes: [u8; BHS_LEN]) -> Bhs {
+        Bhs(bytes)
+    }
+
+    /// The 48 wire bytes.
+    pub fn as_bytes(&self) -> &[u8; BHS_LEN] {
+        &self.0
+    }
+
     pub fn new(op: Opcode) -> Bhs {
         let mut b = Bhs::default();
         b.0[0] = op as u8;
@@ -144,7 +162,7 @@ impl Bhs {
         Ok(BHS_LEN)
     }
 
-    pub fn u32_at(&self, off: usize) -> u32 {
+    fn u32_at(&self, off: usize) -> u32 {
         u32::from_be_bytes([
             self.0[off],
             self.0[off + 1],
@@ -152,13 +170,13 @@ impl Bhs {
             self.0[off + 3],
         ])
     }
-    pub fn set_u32_at(&mut self, off: usize, v: u32) {
+    fn set_u32_at(&mut self, off: usize, v: u32) {
         self.0[off..off + 4].copy_from_slice(&v.to_be_bytes());
     }
-    pub fn u16_at(&self, off: usize) -> u16 {
+    fn u16_at(&self, off: usize) -> u16 {
         u16::from_be_bytes([self.0[off], self.0[off + 1]])
     }
-    pub fn set_u16_at(&mut self, off: usize, v: u16) {
+    fn set_u16_at(&mut self, off: usize, v: u16) {
         self.0[off..off + 2].copy_from_slice(&v.to_be_bytes());
     }
 
@@ -200,6 +218,18 @@ impl Bhs {
     /// Total AHS length in bytes (the wire field counts 4-byte words).
     pub fn total_ahs_len(&self) -> usize {
         self.0[4] as usize * 4
+    }
+    /// Set `TotalAHSLength` from a length in bytes, which must be a multiple
+    /// of 4 and at most 1020.
+    pub fn set_total_ahs_len(&mut self, bytes: usize) -> Result<&mut Self, WireError> {
+        if !bytes.is_multiple_of(4) || bytes / 4 > u8::MAX as usize {
+            return Err(WireError::AhsLength {
+                declared: bytes,
+                available: u8::MAX as usize * 4,
+            });
+        }
+        self.0[4] = (bytes / 4) as u8;
+        Ok(self)
     }
     pub fn data_segment_len(&self) -> u32 {
         u32::from_be_bytes([0, self.0[5], self.0[6], self.0[7]])
@@ -244,12 +274,70 @@ impl Bhs {
     pub fn cdb(&self) -> &[u8; 16] {
         self.0[32..48].try_into().unwrap_or(&[0; 16])
     }
+    /// SCSI Command: the CDB, zero-padded to 16 bytes; a longer CDB's first
+    /// 16 bytes (the rest travels in an extended-CDB AHS).
+    pub fn set_cdb(&mut self, cdb: &[u8]) -> &mut Self {
+        let n = cdb.len().min(16);
+        self.0[32..48].fill(0);
+        self.0[32..32 + n].copy_from_slice(&cdb[..n]);
+        self
+    }
+
+    /// Byte 2 of SCSI, Logout and Task Management Responses: the response code.
+    pub fn response(&self) -> u8 {
+        self.0[2]
+    }
+    /// Byte 2 of a Reject: the reason (RFC 7143 11.17.1).
+    pub fn reject_reason(&self) -> u8 {
+        self.0[2]
+    }
+    /// Byte 3 of a SCSI Response or a status-carrying Data-In: the SCSI status.
+    pub fn scsi_status(&self) -> u8 {
+        self.0[3]
+    }
+    /// Login Request and Response byte 2: Version-max. Every version so far
+    /// is 0 (RFC 7143 11.12.4).
+    pub fn version_max(&self) -> u8 {
+        self.0[2]
+    }
+    /// Login Request byte 3: Version-min; in a Login Response the same byte
+    /// is Version-active.
+    pub fn version_min(&self) -> u8 {
+        self.0[3]
+    }
+    pub fn version_active(&self) -> u8 {
+        self.0[3]
+    }
+    /// Login Request: Version-max and Version-min.
+    pub fn set_versions(&mut self, max: u8, min: u8) -> &mut Self {
+        self.0[2] = max;
+        self.0[3] = min;
+        self
+    }
+    /// Login Response: status class and detail (offset 36) as one number, as
+    /// in [`login_status`].
+    pub fn login_status(&self) -> u16 {
+        self.u16_at(36)
+    }
+    /// Login Response: the status class alone (0 success, 1 redirect, 2
+    /// initiator error, 3 target error).
+    pub fn login_status_class(&self) -> u8 {
+        self.0[36]
+    }
+    /// Asynchronous Message: AsyncEvent and AsyncVCode (offsets 36, 37).
+    pub fn async_event(&self) -> (u8, u8) {
+        (self.0[36], self.0[37])
+    }
 
     // Login: ISID (6 bytes at offset 8).
     pub fn isid(&self) -> [u8; 6] {
         let mut v = [0; 6];
         v.copy_from_slice(&self.0[8..14]);
         v
+    }
+    pub fn set_isid(&mut self, isid: [u8; 6]) -> &mut Self {
+        self.0[8..14].copy_from_slice(&isid);
+        self
     }
     // Login: TSIH (offset 14).
     pub fn tsih(&self) -> u16 {
@@ -262,6 +350,10 @@ impl Bhs {
     // Login/Logout: CID (offset 20, 2 bytes).
     pub fn cid(&self) -> u16 {
         self.u16_at(20)
+    }
+    pub fn set_cid(&mut self, cid: u16) -> &mut Self {
+        self.set_u16_at(20, cid);
+        self
     }
 }
 

@@ -1,11 +1,14 @@
 use super::*;
-use ramslog_common::iscsi::text;
+use ramslog_common::iscsi::{login_status, text, LoginResponse};
 
 fn response(req: &Bhs, flags: u8, tsih: u16, keys: &[(&str, &str)]) -> (Bhs, Vec<u8>) {
-    let mut b = Bhs::new(Opcode::LoginResponse);
-    b.set_flags(flags);
-    b.0[8..14].copy_from_slice(&req.isid());
-    b.set_itt(req.itt()).set_tsih(tsih);
+    let mut b = Bhs::login_response(LoginResponse {
+        flags,
+        isid: req.isid(),
+        tsih,
+        itt: req.itt(),
+        status: login_status::SUCCESS,
+    });
     b.set_statsn(7)
         .set_exp_cmdsn(req.cmdsn())
         .set_max_cmdsn(req.cmdsn() + 31);
@@ -69,8 +72,7 @@ fn login_answers_target_offers_and_rejects_bad_responses() {
         Err(Error::Protocol(_))
     ));
     let (mut r, d) = response(&req, 0, 0, &[]);
-    r.0[36] = 2;
-    r.0[37] = 1;
+    r.fail_login(login_status::AUTH_FAILED);
     assert!(matches!(
         m.handle(&r, &d, &mut seq),
         Err(Error::LoginFailed {

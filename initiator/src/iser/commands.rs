@@ -118,7 +118,7 @@ impl IserSession {
         } else {
             data_in_len
         });
-        b.0[32..32 + cdb.len()].copy_from_slice(cdb);
+        b.set_cdb(cdb);
         let cmdsn = self.seq.take_cmdsn();
         b.set_cmdsn(cmdsn).set_exp_statsn(self.seq.exp_statsn);
         task.state = TaskState::Busy { data_in_len };

@@ -23,7 +23,9 @@ impl IserSession {
             Some(Opcode::NopIn) => {
                 Err(self.fail(Error::proto("the NOP-In does not echo the ping data")))
             }
-            Some(Opcode::Reject) => Err(Error::Rejected { reason: rsp.0[2] }),
+            Some(Opcode::Reject) => Err(Error::Rejected {
+                reason: rsp.reject_reason(),
+            }),
             _ => Err(self.fail(Error::proto(format!(
                 "unexpected {rsp:?} answering a NOP-Out"
             )))),
@@ -113,7 +115,11 @@ impl IserSession {
                         return Ok(keys);
                     }
                 }
-                Some(Opcode::Reject) => return Err(Error::Rejected { reason: rsp.0[2] }),
+                Some(Opcode::Reject) => {
+                    return Err(Error::Rejected {
+                        reason: rsp.reject_reason(),
+                    })
+                }
                 _ => {
                     return Err(self.fail(Error::proto(format!(
                         "unexpected {rsp:?} answering a Text Request"
@@ -143,11 +149,13 @@ impl IserSession {
         self.send(&Header::PLAIN, &b, &[], deadline)?;
         let (rsp, _) = self.wait_control(itt, "a Logout Response", deadline)?;
         let r = match rsp.opcode() {
-            Some(Opcode::LogoutResponse) => match rsp.0[2] {
+            Some(Opcode::LogoutResponse) => match rsp.response() {
                 0 => Ok(()),
                 code => Err(Error::proto(format!("Logout Response code {code}"))),
             },
-            Some(Opcode::Reject) => Err(Error::Rejected { reason: rsp.0[2] }),
+            Some(Opcode::Reject) => Err(Error::Rejected {
+                reason: rsp.reject_reason(),
+            }),
             _ => Err(Error::proto(format!("unexpected {rsp:?} answering Logout"))),
         };
         if !self.peer_disconnected {

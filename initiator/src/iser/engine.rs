@@ -435,15 +435,15 @@ pub(super) fn classify(bhs: &Bhs, data: &[u8]) -> Result<Rx, Error> {
             };
             Rx::Reject {
                 itt: rejected,
-                reason: bhs.0[2],
+                reason: bhs.reject_reason(),
                 bhs: *bhs,
                 data: data.to_vec(),
             }
         }
         Some(Opcode::AsyncMessage) => {
             tracing::info!(
-                event = bhs.0[36],
-                vcode = bhs.0[37],
+                event = bhs.async_event().0,
+                vcode = bhs.async_event().1,
                 "async message from the target"
             );
             Rx::Ignore

@@ -1,5 +1,6 @@
 use super::engine::classify;
 use super::*;
+use ramslog_common::iscsi::RejectReason;
 
 #[test]
 fn profiles_set_their_keys() {
@@ -59,11 +60,10 @@ fn classify_rejects_data_pdus_and_sorts_the_rest() {
     assert!(matches!(classify(&ping, b"x"), Ok(Rx::TargetPing { .. })));
     ping.set_ttt(RESERVED_TAG);
     assert!(matches!(classify(&ping, &[]), Ok(Rx::Ignore)));
-    let mut rej = Bhs::new(Opcode::Reject);
-    rej.0[2] = 4;
+    let rej = Bhs::reject(RejectReason::ProtocolError);
     let mut rejected = Bhs::new(Opcode::ScsiCommand);
     rejected.set_itt(0x10002);
-    match classify(&rej, &rejected.0) {
+    match classify(&rej, rejected.as_bytes()) {
         Ok(Rx::Reject { itt, reason, .. }) => assert_eq!((itt, reason), (0x10002, 4)),
         _ => panic!("expected a Reject"),
     }

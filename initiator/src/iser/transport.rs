@@ -176,9 +176,10 @@ impl Rdma {
             .encode_into(msg)
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let mut b = *bhs;
-        b.0[4] = 0; // no AHS
-        b.set_data_segment_len(data.len() as u32);
-        msg[HEADER_LEN..HEADERS_LEN].copy_from_slice(&b.0);
+        b.set_total_ahs_len(0)
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?
+            .set_data_segment_len(data.len() as u32);
+        msg[HEADER_LEN..HEADERS_LEN].copy_from_slice(b.as_bytes());
         msg[HEADERS_LEN..].copy_from_slice(data);
         let sge = self
             .send

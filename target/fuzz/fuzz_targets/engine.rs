@@ -87,14 +87,14 @@ impl Run {
                         "  <- {:?} itt={} st={} ttt={:#x} off={} len={}",
                         p.bhs.opcode(),
                         p.bhs.itt(),
-                        p.bhs.0[3],
+                        p.bhs.scsi_status(),
                         p.bhs.ttt(),
                         p.bhs.buffer_offset(),
                         p.bhs.residual()
                     );
                     if p.bhs.opcode() == Some(Opcode::ScsiResponse) {
                         let len = self.outstanding.remove(&p.bhs.itt());
-                        if let (Some(len), 0) = (len, p.bhs.0[3]) {
+                        if let (Some(len), 0) = (len, p.bhs.scsi_status()) {
                             self.goods.push((p.bhs.itt(), len));
                         }
                     }
@@ -175,8 +175,9 @@ fuzz_target!(|data: &[u8]| {
             if raw.len() < BHS_LEN {
                 break;
             }
-            let mut b = Bhs([0; BHS_LEN]);
-            b.0.copy_from_slice(raw);
+            let mut bytes = [0; BHS_LEN];
+            bytes.copy_from_slice(raw);
+            let mut b = Bhs::from_raw(bytes);
             let len = input.u16().unwrap_or(0) as usize;
             let d = input.take(len).unwrap_or(&[]).to_vec();
             b.set_data_segment_len(d.len() as u32);
@@ -202,8 +203,7 @@ fuzz_target!(|data: &[u8]| {
                     let mut b = Bhs::new(Opcode::ScsiCommand);
                     let l = lba.to_be_bytes();
                     let n = (blocks as u16).to_be_bytes();
-                    b.0[32..42]
-                        .copy_from_slice(&[0x2a, 0, l[0], l[1], l[2], l[3], 0, n[0], n[1], 0]);
+                    b.set_cdb(&[0x2a, 0, l[0], l[1], l[2], l[3], 0, n[0], n[1], 0]);
                     b.set_flags(if f { 0x80 } else { 0 } | 0x21)
                         .set_itt(itt)
                         .set_expected_data_len(blocks * 512)

@@ -150,8 +150,8 @@ impl Login {
         let nsg = login::nsg(flags);
         let stage_bits = flags & 0x0f;
 
-        // Byte 2 is VersionMax, byte 3 VersionMin: only version 0 exists.
-        if req.0[3] != 0 {
+        // Only version 0 exists: a Version-min above it cannot be met.
+        if req.version_min() != 0 {
             return Reply::fail(login_status::UNSUPPORTED_VERSION, stage_bits);
         }
         let this = First {

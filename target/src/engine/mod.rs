@@ -22,7 +22,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ramslog_common::iscsi::{login_status, Bhs, Opcode, RejectReason, BHS_LEN, RESERVED_TAG};
+use ramslog_common::iscsi::{
+    self, login_status, Bhs, LoginResponse, Opcode, RejectReason, Residual, RESERVED_TAG,
+};
 use ramslog_common::iser::RemoteBuffer;
 
 pub use login::SessionKind;
@@ -480,15 +482,17 @@ impl Connection {
             self.statsn = bhs.exp_statsn();
         }
         let reply = login.handle(&self.portal, bhs, data);
-        let mut rsp = Bhs::new(Opcode::LoginResponse);
-        rsp.set_flags(reply.flags);
-        rsp.0[8..14].copy_from_slice(&bhs.isid());
-        rsp.set_itt(bhs.itt());
+        let mut rsp = Bhs::login_response(LoginResponse {
+            flags: reply.flags,
+            isid: bhs.isid(),
+            tsih: 0,
+            itt: bhs.itt(),
+            status: reply.status,
+        });
         rsp.set_statsn(self.statsn);
         self.statsn = self.statsn.wrapping_add(1);
         rsp.set_exp_cmdsn(cmdsn);
         rsp.set_max_cmdsn(cmdsn.wrapping_add(self.portal.limits.cmd_window.saturating_sub(1)));
-        rsp.set_u16_at(36, reply.status);
         rsp.set_data_segment_len(reply.text.len() as u32);
 
         match reply.next {
@@ -523,9 +527,7 @@ impl Connection {
                         self.portal
                             .counters
                             .login_refused(LoginRefusal::OutOfResources);
-                        rsp.set_flags(reply.flags & 0x0c);
-                        rsp.set_u16_at(36, login_status::OUT_OF_RESOURCES);
-                        rsp.set_data_segment_len(0);
+                        rsp.fail_login(login_status::OUT_OF_RESOURCES);
                         self.push_login_response(rsp, Vec::new());
                         self.fail_close();
                         return;
@@ -586,8 +588,7 @@ pub(crate) struct DataInStream {
     statsn: u32,
     exp_cmdsn: u32,
     max_cmdsn: u32,
-    residual_flags: u8,
-    residual_count: u32,
+    residual: Residual,
     header_digest: bool,
     data_digest: bool,
     served: Option<Served>,
@@ -602,26 +603,21 @@ impl DataInStream {
             .min(self.xfer);
         let len = (self.xfer - off).min(self.seg).min(burst_end - off);
         let last = off + len == self.xfer;
-        let mut b = Bhs::new(Opcode::DataIn);
-        let mut flags = 0u8;
-        if last || off + len == burst_end {
-            flags |= 0x80;
-        }
-        b.set_lun(self.lun_wire)
-            .set_itt(self.itt)
-            .set_ttt(RESERVED_TAG)
-            .set_datasn(self.datasn)
-            .set_buffer_offset(off);
-        if last {
-            flags |= ramslog_common::iscsi::scsi_rsp::STATUS | self.residual_flags;
-            b.0[3] = ramslog_common::scsi_wire::status::GOOD;
-            b.set_statsn(self.statsn);
-            b.set_residual(self.residual_count);
-        }
-        b.set_flags(flags);
+        let mut b = Bhs::data_in(iscsi::DataIn {
+            lun: self.lun_wire,
+            itt: self.itt,
+            datasn: self.datasn,
+            buffer_offset: off,
+            len,
+            final_in_sequence: off + len == burst_end,
+            status: last.then_some(iscsi::DataInStatus {
+                scsi_status: ramslog_common::scsi_wire::status::GOOD,
+                statsn: self.statsn,
+                residual: self.residual,
+            }),
+        });
         b.set_exp_cmdsn(self.exp_cmdsn);
         b.set_max_cmdsn(self.max_cmdsn);
-        b.set_data_segment_len(len);
         self.off += len;
         self.datasn += 1;
         let pdu = OutPdu {
@@ -680,5 +676,5 @@ pub(crate) const fn is_reserved(tag: u32) -> bool {
 
 /// The rejected header is returned as the Reject's data segment.
 fn rejected_header(bhs: &Bhs) -> Vec<u8> {
-    bhs.0[..BHS_LEN].to_vec()
+    bhs.as_bytes().to_vec()
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ramslog_common::iscsi::chap;
-use ramslog_common::iscsi::{login, login_status, text, tmf, Bhs, Opcode, RESERVED_TAG};
+use ramslog_common::iscsi::{login, login_status, text, tmf, Bhs, Opcode, BHS_LEN, RESERVED_TAG};
 use ramslog_common::scsi_wire::{sense_key, status, Sense};
 
 use super::*;
@@ -134,7 +134,7 @@ impl Harness {
             .set_flags(flags)
             .set_itt(0x1000)
             .set_cmdsn(self.cmdsn);
-        b.0[8..14].copy_from_slice(&[0x40, 0, 0, 1, 0, 0]);
+        b.set_isid([0x40, 0, 0, 1, 0, 0]);
         let mut t = Vec::new();
         for (k, v) in keys {
             text::encode_pair(&mut t, k, v);
@@ -153,7 +153,7 @@ impl Harness {
         let mut r = self.login_pdu(flags, &keys);
         assert_eq!(r.len(), 1);
         let r = r.remove(0);
-        if r.bhs.u16_at(36) == 0 {
+        if r.bhs.login_status() == 0 {
             self.clear_unit_attention();
         }
         r
@@ -170,7 +170,7 @@ impl Harness {
             "power-on UA first"
         );
         let (_, r) = self.command(&[0; 6], 0x81, 0, &[]);
-        assert_eq!(r[0].bhs.0[3], status::GOOD);
+        assert_eq!(r[0].bhs.scsi_status(), status::GOOD);
     }
 
     fn next_itt(&mut self) -> u32 {
@@ -188,7 +188,7 @@ impl Harness {
             .set_itt(itt)
             .set_expected_data_len(4096)
             .set_cmdsn(self.cmdsn);
-        b.0[32..42].copy_from_slice(&write10(lba, 8));
+        b.set_cdb(&write10(lba, 8));
         self.send(&b, &[])
     }
 
@@ -200,7 +200,7 @@ impl Harness {
             .set_expected_data_len(edtl)
             .set_cmdsn(self.cmdsn);
         self.cmdsn += 1;
-        b.0[32..32 + cdb.len()].copy_from_slice(cdb);
+        b.set_cdb(cdb);
         (itt, self.send(&b, data))
     }
 }
@@ -238,7 +238,7 @@ fn logged_in() -> Harness {
         ("ImmediateData", "Yes"),
         ("MaxRecvDataSegmentLength", "8192"),
     ]);
-    assert_eq!(r.bhs.u16_at(36), login_status::SUCCESS);
+    assert_eq!(r.bhs.login_status(), login_status::SUCCESS);
     h
 }
 
@@ -269,7 +269,7 @@ fn login_in_one_round_trip_answers_every_key() {
         ("MaxConnections", "1"),
         ("X-com.example.Foo", "1"),
     ]);
-    assert_eq!(r.bhs.u16_at(36), 0);
+    assert_eq!(r.bhs.login_status(), 0);
     assert!(r.bhs.final_bit(), "T bit set");
     assert_eq!(r.bhs.flags() & 3, login::STAGE_FULL_FEATURE);
     assert_ne!(r.bhs.tsih(), 0);
@@ -301,7 +301,7 @@ fn login_errors_have_the_right_status() {
         let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
         let r = h.login_pdu(flags, keys);
         assert!(h.closed);
-        r[0].bhs.u16_at(36)
+        r[0].bhs.login_status()
     };
     assert_eq!(
         fails(&[("InitiatorName", "iqn.other"), ("TargetName", "iqn.nope")]),
@@ -341,7 +341,7 @@ fn login_errors_have_the_right_status() {
     let mut b = Bhs::new(Opcode::LoginRequest);
     b.set_immediate(true).set_flags(0x87);
     let r = h.send(&b, b"InitiatorName\0");
-    assert_eq!(r[0].bhs.u16_at(36), login_status::INITIATOR_ERROR);
+    assert_eq!(r[0].bhs.login_status(), login_status::INITIATOR_ERROR);
     assert!(h.closed);
 }
 
@@ -391,7 +391,7 @@ fn chap_login(secret: &str, mutual: bool) -> (Harness, u16) {
     }
     let keys: Vec<(&str, &str)> = keys.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let r = h.login_pdu(sec_to_op, &keys);
-    let status = r[0].bhs.u16_at(36);
+    let status = r[0].bhs.login_status();
     if status == 0 && mutual {
         let k = keys_of(&r[0].data);
         assert_eq!(key(&k, "CHAP_N"), Some("target"));
@@ -410,7 +410,7 @@ fn chap_one_way_mutual_and_wrong_secret() {
     let (mut h, st) = chap_login("0123456789abcdef", false);
     assert_eq!(st, 0);
     let r = h.login_pdu(login::TRANSIT | (1 << 2) | 3, &[]);
-    assert_eq!(r[0].bhs.u16_at(36), 0);
+    assert_eq!(r[0].bhs.login_status(), 0);
     assert_ne!(r[0].bhs.tsih(), 0);
     let (_, st) = chap_login("0123456789abcdef", true);
     assert_eq!(st, 0);
@@ -427,7 +427,7 @@ fn chap_cannot_be_skipped() {
     };
     let mut h = Harness::new(portal_with(Limits::default(), Some(chap), None, Acl::Any));
     let r = h.login(&[]);
-    assert_eq!(r.bhs.u16_at(36), login_status::AUTH_FAILED);
+    assert_eq!(r.bhs.login_status(), login_status::AUTH_FAILED);
     assert!(h.closed);
 }
 
@@ -445,7 +445,7 @@ fn write_then_read_back_with_immediate_unsolicited_and_r2t() {
         .set_expected_data_len(16384)
         .set_cmdsn(h.cmdsn);
     h.cmdsn += 1;
-    b.0[32..42].copy_from_slice(&write10(8, 32));
+    b.set_cdb(&write10(8, 32));
     let r = h.send(&b, &data[..8192]);
     assert!(r.is_empty(), "waiting for unsolicited data");
     let mut d = Bhs::new(Opcode::DataOut);
@@ -457,7 +457,7 @@ fn write_then_read_back_with_immediate_unsolicited_and_r2t() {
     let r = h.send(&d, &data[8192..]);
     assert_eq!(r.len(), 1);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
-    assert_eq!(r[0].bhs.0[3], status::GOOD);
+    assert_eq!(r[0].bhs.scsi_status(), status::GOOD);
 
     let (_, r) = h.command(&read10(8, 32), scsi_cmd_flags(false, true), 16384, &[]);
     let mut got = Vec::new();
@@ -521,7 +521,7 @@ fn r2t_path_solicits_every_byte() {
         }
     }
     assert_eq!(responses.len(), 1);
-    assert_eq!(responses[0].bhs.0[3], status::GOOD);
+    assert_eq!(responses[0].bhs.scsi_status(), status::GOOD);
 }
 
 #[test]
@@ -553,7 +553,7 @@ fn staging_is_bounded_across_sessions() {
     b.login(&[("InitialR2T", "Yes"), ("ImmediateData", "Yes")]);
     let (_, r) = b.command(&verify, 0xa1, 32768, &[]);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
-    assert_eq!(r[0].bhs.0[3], status::TASK_SET_FULL);
+    assert_eq!(r[0].bhs.scsi_status(), status::TASK_SET_FULL);
     // A LUN write of any size needs no staging.
     let (_, r) = b.command(&write10(0, 8192), 0xa1, 4 << 20, &[]);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
@@ -611,7 +611,7 @@ fn bad_datasn_fails_the_command() {
     d.set_final(true).set_datasn(28).set_buffer_offset(512);
     let r = h.send(&d, &[0u8; 512]);
     assert_eq!(r.len(), 1);
-    assert_eq!(r[0].bhs.0[3], status::CHECK_CONDITION);
+    assert_eq!(r[0].bhs.scsi_status(), status::CHECK_CONDITION);
     let s = sense_of(&r[0]);
     assert_eq!(
         (s.key, s.asc, s.ascq),
@@ -626,19 +626,31 @@ fn write_residuals_follow_libiscsi_rules() {
     // EDTL 0 for a one-block write: GOOD, overflow 512, nothing solicited.
     let (_, r) = h.command(&write10(0, 1), 0xa1, 0, &[]);
     assert_eq!(
-        (r[0].bhs.0[3], r[0].bhs.flags() & 0x06, r[0].bhs.residual()),
+        (
+            r[0].bhs.scsi_status(),
+            r[0].bhs.flags() & 0x06,
+            r[0].bhs.residual()
+        ),
         (0, 0x04, 512)
     );
     // EDTL larger than the CDB: underflow, only the CDB's block written.
     let (_, r) = h.command(&write10(0, 1), 0xa1, 1024, &[b'b'; 1024]);
     assert_eq!(
-        (r[0].bhs.0[3], r[0].bhs.flags() & 0x06, r[0].bhs.residual()),
+        (
+            r[0].bhs.scsi_status(),
+            r[0].bhs.flags() & 0x06,
+            r[0].bhs.residual()
+        ),
         (0, 0x02, 512)
     );
     // EDTL inside a block: refused, overflow reported.
     let (_, r) = h.command(&write10(0, 1), 0xa1, 200, &[b'c'; 200]);
     assert_eq!(
-        (r[0].bhs.0[3], r[0].bhs.flags() & 0x06, r[0].bhs.residual()),
+        (
+            r[0].bhs.scsi_status(),
+            r[0].bhs.flags() & 0x06,
+            r[0].bhs.residual()
+        ),
         (2, 0x04, 312)
     );
     let s = sense_of(&r[0]);
@@ -679,7 +691,7 @@ fn read_residuals() {
 fn lba_past_the_end_is_check_condition() {
     let mut h = logged_in();
     let (_, r) = h.command(&read10(2048, 1), 0xc1, 512, &[]);
-    assert_eq!(r[0].bhs.0[3], status::CHECK_CONDITION);
+    assert_eq!(r[0].bhs.scsi_status(), status::CHECK_CONDITION);
     let s = sense_of(&r[0]);
     assert_eq!((s.key, s.asc), (sense_key::ILLEGAL_REQUEST, 0x21));
 }
@@ -732,16 +744,16 @@ fn abort_task_on_a_waiting_write() {
         .set_ttt(itt)
         .set_cmdsn(h.cmdsn);
     let r = h.send(&t, &[]);
-    assert_eq!((r.len(), r[0].bhs.0[2]), (1, tmf::RSP_COMPLETE));
+    assert_eq!((r.len(), r[0].bhs.response()), (1, tmf::RSP_COMPLETE));
     // Its data now goes nowhere, and no response ever comes for it.
     let mut d = Bhs::new(Opcode::DataOut);
     d.set_final(true).set_itt(itt).set_ttt(RESERVED_TAG);
     assert!(h.send(&d, &[0u8; 4096]).is_empty());
     // A finished task: "does not exist".
     t.set_itt(501).set_ttt(12345);
-    assert_eq!(h.send(&t, &[])[0].bhs.0[2], tmf::RSP_NO_TASK);
+    assert_eq!(h.send(&t, &[])[0].bhs.response(), tmf::RSP_NO_TASK);
     t.set_itt(502).set_flags(0x80 | tmf::TARGET_COLD_RESET);
-    assert_eq!(h.send(&t, &[])[0].bhs.0[2], tmf::RSP_NOT_SUPPORTED);
+    assert_eq!(h.send(&t, &[])[0].bhs.response(), tmf::RSP_NOT_SUPPORTED);
 }
 
 #[test]
@@ -756,7 +768,7 @@ fn discovery_lists_targets_and_refuses_scsi() {
             ("MaxBurstLength", "512"),
         ],
     );
-    assert_eq!(r[0].bhs.u16_at(36), 0);
+    assert_eq!(r[0].bhs.login_status(), 0);
     assert_eq!(
         key(&keys_of(&r[0].data), "MaxBurstLength"),
         Some("Irrelevant")
@@ -780,13 +792,17 @@ fn discovery_lists_targets_and_refuses_scsi() {
 #[test]
 fn unknown_opcode_is_rejected_and_logout_closes() {
     let mut h = logged_in();
-    let mut b = Bhs::default();
-    b.0[0] = 0x1c;
+    let mut raw = [0; BHS_LEN];
+    raw[0] = 0x1c;
+    let mut b = Bhs::from_raw(raw);
     b.set_itt(3);
     let r = h.send(&b, &[]);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::Reject));
-    assert_eq!(r[0].bhs.0[2], RejectReason::CommandNotSupported as u8);
-    assert_eq!(&r[0].data[..48], &b.0[..]);
+    assert_eq!(
+        r[0].bhs.reject_reason(),
+        RejectReason::CommandNotSupported as u8
+    );
+    assert_eq!(&r[0].data[..48], &b.as_bytes()[..]);
     let mut l = Bhs::new(Opcode::LogoutRequest);
     l.set_immediate(true)
         .set_flags(0x80)
@@ -794,7 +810,7 @@ fn unknown_opcode_is_rejected_and_logout_closes() {
         .set_cmdsn(h.cmdsn);
     let r = h.send(&l, &[]);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::LogoutResponse));
-    assert_eq!(r[0].bhs.0[2], 0);
+    assert_eq!(r[0].bhs.response(), 0);
     assert!(h.closed);
 }
 
@@ -816,10 +832,11 @@ mod hostile {
         )) {
             let mut h = logged_in();
             for (raw, data, ahs_words) in pdus {
-                let mut b = Bhs(raw.try_into().unwrap());
+                let mut raw: [u8; BHS_LEN] = raw.try_into().unwrap();
                 // Mostly real opcodes, so the handlers themselves get exercised.
-                b.0[0] &= 0x47;
-                b.0[4] = ahs_words;
+                raw[0] &= 0x47;
+                let mut b = Bhs::from_raw(raw);
+                b.set_total_ahs_len(ahs_words as usize * 4).unwrap();
                 let ahs = vec![0u8; ahs_words as usize * 4];
                 b.set_data_segment_len(data.len() as u32);
                 h.conn.handle_pdu(h.now, &b, &ahs, &data);
@@ -837,14 +854,14 @@ fn data_in_queued_before_a_fatal_error_carries_the_real_bytes() {
     let mut h = logged_in();
     let pattern = vec![0xc3u8; 4096];
     let (_, r) = h.command(&write10(16, 8), 0xa1, 4096, &pattern);
-    assert_eq!(r[0].bhs.0[3], status::GOOD);
+    assert_eq!(r[0].bhs.scsi_status(), status::GOOD);
     // A READ and then, in the same receive batch, a fatal protocol error.
     let mut b = Bhs::new(Opcode::ScsiCommand);
     b.set_flags(0xc1)
         .set_itt(900)
         .set_expected_data_len(4096)
         .set_cmdsn(h.cmdsn);
-    b.0[32..42].copy_from_slice(&read10(16, 8));
+    b.set_cdb(&read10(16, 8));
     h.conn.handle_pdu(h.now, &b, &[], &[]);
     let mut huge = Bhs::new(Opcode::ScsiCommand);
     huge.set_data_segment_len((1 << 24) - 1);
@@ -878,7 +895,7 @@ fn waiting_commands_are_bounded_by_the_window() {
     let mut statuses = Vec::new();
     for i in 0..6u32 {
         let r = h.immediate_write(i * 8);
-        statuses.push((r[0].bhs.opcode(), r[0].bhs.0[3]));
+        statuses.push((r[0].bhs.opcode(), r[0].bhs.scsi_status()));
     }
     let full = statuses
         .iter()
@@ -911,7 +928,7 @@ impl Harness {
             .set_cmdsn(self.cmdsn)
             .set_data_segment_len(data.len() as u32);
         self.cmdsn += 1;
-        b.0[32..32 + cdb.len()].copy_from_slice(cdb);
+        b.set_cdb(cdb);
         self.conn
             .handle_iser_pdu(self.now, write, read, &b, &[], data);
         (itt, self.drain())
@@ -931,7 +948,7 @@ fn iser_login(extra: &[(&str, &str)]) -> (Harness, Vec<(String, String)>) {
     let mut r = h.login_pdu(flags, &keys);
     assert_eq!(r.len(), 1);
     let r = r.remove(0);
-    assert_eq!(r.bhs.u16_at(36), login_status::SUCCESS);
+    assert_eq!(r.bhs.login_status(), login_status::SUCCESS);
     let k = keys_of(&r.data);
     h.clear_unit_attention();
     (h, k)
@@ -1010,7 +1027,7 @@ fn iser_read_is_one_rdma_write_before_the_response() {
     );
     assert_eq!(r.len(), 1);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
-    assert_eq!(r[0].bhs.0[3], status::GOOD);
+    assert_eq!(r[0].bhs.scsi_status(), status::GOOD);
     assert_eq!(h.rdma.len(), 1);
     let (at, ref a) = h.rdma[0];
     assert_eq!(at, 0, "the RDMA WRITE is queued before the response");
@@ -1090,7 +1107,10 @@ fn iser_write_takes_immediate_data_and_rdma_reads_the_rest() {
     h.conn.handle_rdma_read_done(h.now, tag, &[]);
     let r = h.drain();
     assert_eq!(r.len(), 1);
-    assert_eq!((r[0].bhs.itt(), r[0].bhs.0[3]), (itt, status::GOOD));
+    assert_eq!(
+        (r[0].bhs.itt(), r[0].bhs.scsi_status()),
+        (itt, status::GOOD)
+    );
     let mut back = vec![0u8; 16384];
     lu_store.read(4 * 512, &mut back).unwrap();
     assert_eq!(back, data);

@@ -312,7 +312,7 @@ impl Driver<'_> {
         };
         let mut raw = [0u8; BHS_LEN];
         raw.copy_from_slice(bhs_bytes);
-        let bhs = Bhs(raw);
+        let bhs = Bhs::from_raw(raw);
         let ahs_len = bhs.total_ahs_len();
         let data_len = bhs.data_segment_len() as usize;
         if bhs.data_segment_len() > self.conn.max_rx_data_segment() {
@@ -585,7 +585,7 @@ pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, out: &mut [u8]) -> Result<usi
         ));
     };
     Header::PLAIN.encode_into(msg).map_err(|e| e.to_string())?;
-    msg[HEADER_LEN..HEADER_LEN + BHS_LEN].copy_from_slice(&pdu.bhs.0);
+    msg[HEADER_LEN..HEADER_LEN + BHS_LEN].copy_from_slice(pdu.bhs.as_bytes());
     let data = &mut msg[HEADER_LEN + BHS_LEN..];
     match &pdu.data {
         OutData::None => {}

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use ramslog_common::iscsi::{login, text, Bhs, Opcode, RESERVED_TAG};
+use ramslog_common::iscsi::{login, login_status, text, Bhs, Opcode, RESERVED_TAG};
 use ramslog_common::scsi_wire::{sense_key, status, Sense};
 use ramslog_initiator::{Connection, LoginParams, Pdu, Session};
 use ramslog_tests::{TargetOptions, TargetProcess};
@@ -93,7 +93,7 @@ async fn a_write_with_a_hole_is_never_good() {
     }
     let p = answer.expect("a response once every burst ended");
     assert_eq!(
-        p.bhs.0[3],
+        p.bhs.scsi_status(),
         status::CHECK_CONDITION,
         "never GOOD with a hole"
     );
@@ -151,15 +151,20 @@ async fn chap_is_not_skipped_by_key_order() {
         l.set_immediate(true)
             .set_flags(login::TRANSIT | login::STAGE_FULL_FEATURE)
             .set_itt(1);
-        l.0[8..14].copy_from_slice(&[0x80, 9, 9, 9, 0, 2]);
+        l.set_isid([0x80, 9, 9, 9, 0, 2]);
         c.send_pdu(&l, &[], &body).await.expect("send login");
         let p = next(&mut c).await;
         assert_eq!(p.opcode(), Some(Opcode::LoginResponse));
         assert_eq!(
-            p.bhs.0[36], 2,
+            p.bhs.login_status_class(),
+            2,
             "{keys:?}: the login must fail (initiator error class)"
         );
-        assert_eq!(p.bhs.0[37], 1, "{keys:?}: authentication failure");
+        assert_eq!(
+            p.bhs.login_status(),
+            login_status::AUTH_FAILED,
+            "{keys:?}: authentication failure"
+        );
     }
     let _ = std::fs::remove_file(&secret);
 }
@@ -228,7 +233,7 @@ async fn a_command_beyond_max_cmdsn_is_dropped() {
         .await
         .expect("data");
     let p = next(&mut c).await;
-    assert_eq!(p.bhs.0[3], status::GOOD);
+    assert_eq!(p.bhs.scsi_status(), status::GOOD);
     assert_eq!(p.bhs.max_cmdsn(), p.bhs.exp_cmdsn(), "one slot open again");
 }
 
@@ -298,7 +303,7 @@ async fn preempt_and_abort_fences_the_other_host() {
     let (cdb, params) = pr_out(0, 0, 0xbb);
     let reg = scsi_cmd(&mut b, &cdb, 0xa1, 24);
     b.send_pdu(&reg, &[], &params).await.expect("register");
-    assert_eq!(next(&mut b).await.bhs.0[3], status::GOOD);
+    assert_eq!(next(&mut b).await.bhs.scsi_status(), status::GOOD);
     let (cdb, params) = pr_out(0, 0, 0xaa);
     let r = a
         .command(0, &cdb, Some(&params), 0)
@@ -324,7 +329,9 @@ async fn preempt_and_abort_fences_the_other_host() {
     .expect("late data");
     let answer = b.recv_pdu_timeout(QUIET).await.expect("recv");
     assert!(
-        !answer.is_some_and(|p| p.opcode() == Some(Opcode::ScsiResponse) && p.bhs.0[3] == status::GOOD),
+        !answer.is_some_and(
+            |p| p.opcode() == Some(Opcode::ScsiResponse) && p.bhs.scsi_status() == status::GOOD
+        ),
         "a preempted write got GOOD"
     );
     assert_eq!(read_lun(&a, 3000, 8).await, marker, "preempted data landed");

@@ -27,7 +27,7 @@ async fn pipelined_reads_without_reading_stay_bounded() {
     let mut burst = Vec::new();
     for i in 0..120u32 {
         let b = scsi_cmd(&mut c, &read10((i % 16) * 32768, 32768), 0xc1, 16 << 20);
-        burst.extend_from_slice(&b.0);
+        burst.extend_from_slice(b.as_bytes());
     }
     c.send_raw(&burst).await.expect("send the READs");
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -143,8 +143,14 @@ async fn a_login_that_never_reads_is_dropped_by_the_login_timeout() {
         .set_immediate(true)
         .set_flags(0x40 | (1 << 2))
         .set_itt(1);
-    login.0[8..14].copy_from_slice(&[0x40, 0, 0, 9, 0, 0]);
-    let batch: Vec<u8> = login.0.iter().copied().cycle().take(48 * 20_000).collect();
+    login.set_isid([0x40, 0, 0, 9, 0, 0]);
+    let batch: Vec<u8> = login
+        .as_bytes()
+        .iter()
+        .copied()
+        .cycle()
+        .take(48 * 20_000)
+        .collect();
     let started = std::time::Instant::now();
     // Send until the target stops reading: its answers fill both socket
     // buffers, and a target blocked on them would never see its timer.

@@ -64,7 +64,7 @@ pub fn scsi_cmd(c: &mut Connection, cdb: &[u8], flags: u8, edtl: u32) -> Bhs {
     b.set_flags(flags)
         .set_itt(c.next_itt())
         .set_expected_data_len(edtl);
-    b.0[32..32 + cdb.len()].copy_from_slice(cdb);
+    b.set_cdb(cdb);
     c.fill_sn(&mut b, false);
     b
 }

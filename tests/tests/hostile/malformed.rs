@@ -4,7 +4,7 @@
 //! shows the right Reject, sense or closed connection, and that the target
 //! keeps serving another session with no block changed.
 
-use ramslog_common::iscsi::{text, Bhs, Opcode, RejectReason, RESERVED_TAG};
+use ramslog_common::iscsi::{text, Bhs, Opcode, RejectReason, BHS_LEN, RESERVED_TAG};
 use ramslog_common::scsi_wire::{sense_key, status};
 use ramslog_initiator::{Connection, Error, Pdu, Residual};
 use ramslog_tests::TargetProcess;
@@ -20,7 +20,7 @@ async fn expect_reject(c: &mut Connection, reason: RejectReason) -> Pdu {
         .expect("recv")
         .expect("a Reject");
     assert_eq!(p.opcode(), Some(Opcode::Reject), "got {:?}", p.bhs);
-    assert_eq!(p.bhs.0[2], reason as u8);
+    assert_eq!(p.bhs.reject_reason(), reason as u8);
     assert!(p.data.len() >= 48, "Reject carries the rejected header");
     p
 }
@@ -45,7 +45,7 @@ async fn tur_works(c: &mut Connection) {
             .expect("recv")
             .expect("TUR response");
         assert_eq!(p.opcode(), Some(Opcode::ScsiResponse));
-        if p.bhs.0[3] == status::GOOD {
+        if p.bhs.scsi_status() == status::GOOD {
             return;
         }
     }
@@ -57,12 +57,13 @@ async fn unknown_opcode_is_rejected() {
     let t = TargetProcess::start();
     let by = Bystander::new(&t, CANARY_LBA).await;
     let mut c = raw_login(&t, |_| {}).await;
-    let mut b = Bhs::default();
-    b.0[0] = 0x1d; // not an iSCSI opcode
+    let mut raw = [0; BHS_LEN];
+    raw[0] = 0x1d; // not an iSCSI opcode
+    let mut b = Bhs::from_raw(raw);
     b.set_itt(7);
     c.send_pdu(&b, &[], &[]).await.expect("send");
     let r = expect_reject(&mut c, RejectReason::CommandNotSupported).await;
-    assert_eq!(&r.data[..48], &b.0[..]);
+    assert_eq!(&r.data[..48], &b.as_bytes()[..]);
     // A target-only opcode from the initiator is just as unsupported.
     let mut b = Bhs::new(Opcode::ScsiResponse);
     b.set_itt(8);
@@ -118,7 +119,7 @@ async fn data_segment_longer_than_the_bytes_sent() {
     let mut c = raw_login(&t, |_| {}).await;
     let mut b = scsi_cmd(&mut c, &[0x2a, 0, 0, 0, 0x03, 0xe8, 0, 0, 8, 0], 0xa1, 4096);
     b.set_data_segment_len(4096);
-    let mut bytes = b.0.to_vec();
+    let mut bytes = b.as_bytes().to_vec();
     bytes.extend_from_slice(&[0xee; 100]);
     c.send_raw(&bytes).await.expect("send");
     c.shutdown_write().await.expect("half-close");
@@ -133,8 +134,9 @@ async fn ahs_length_lies() {
     let mut c = raw_login(&t, |_| {}).await;
     let mut b = scsi_cmd(&mut c, &[0; 6], 0x81, 0);
     // TotalAHSLength says 8 bytes; the AHS inside claims 100.
-    b.0[4] = 2;
-    let mut bytes = b.0.to_vec();
+    b.set_total_ahs_len(8)
+        .expect("8 bytes is a valid AHS length");
+    let mut bytes = b.as_bytes().to_vec();
     bytes.extend_from_slice(&[0, 100, 1, 0, 0, 0, 0, 0]);
     c.send_raw(&bytes).await.expect("send");
     expect_reject(&mut c, RejectReason::InvalidPduField).await;
@@ -167,7 +169,7 @@ async fn login_status(t: &TargetProcess, text: &[u8]) -> (u8, u8, Vec<u8>) {
     let mut c = Connection::connect(t.addr()).await.expect("connect");
     let mut l = Bhs::new(Opcode::LoginRequest);
     l.set_immediate(true).set_flags(0x87).set_itt(1);
-    l.0[8..14].copy_from_slice(&[0x80, 9, 9, 9, 0, 1]);
+    l.set_isid([0x80, 9, 9, 9, 0, 1]);
     c.send_pdu(&l, &[], text).await.expect("send login");
     let p = c
         .recv_pdu_timeout(Duration::from_secs(5))
@@ -175,7 +177,11 @@ async fn login_status(t: &TargetProcess, text: &[u8]) -> (u8, u8, Vec<u8>) {
         .expect("recv")
         .expect("login response");
     assert_eq!(p.opcode(), Some(Opcode::LoginResponse));
-    (p.bhs.0[36], p.bhs.0[37], p.data)
+    (
+        p.bhs.login_status_class(),
+        p.bhs.login_status().to_be_bytes()[1],
+        p.data,
+    )
 }
 
 fn login_text(extra: &[(&str, &str)], name: &str) -> Vec<u8> {

@@ -276,8 +276,7 @@ impl Session {
                 statsn,
                 exp_cmdsn: self.exp_cmdsn,
                 max_cmdsn: self.max_cmdsn(),
-                residual_flags: residual.flags(),
-                residual_count: residual.count(),
+                residual,
                 header_digest: self.params.header_digest,
                 data_digest: self.params.data_digest,
                 served: None,
@@ -293,20 +292,19 @@ impl Session {
             let burst_end = ((off / burst) + 1).saturating_mul(burst).min(xfer);
             let len = (xfer - off).min(seg).min(burst_end - off);
             let last = off + len == xfer;
-            let mut b = Bhs::new(Opcode::DataIn);
-            let mut flags = 0u8;
-            if last || off + len == burst_end {
-                flags |= 0x80;
-            }
-            b.set_lun(lun.to_wire()).set_itt(itt).set_ttt(RESERVED_TAG);
-            b.set_datasn(datasn).set_buffer_offset(off);
-            if last {
-                flags |= scsi_rsp::STATUS | residual.flags();
-                b.0[3] = status::GOOD;
-                b.set_statsn(out.take_statsn());
-                b.set_residual(residual.count());
-            }
-            b.set_flags(flags);
+            let mut b = Bhs::data_in(iscsi::DataIn {
+                lun: lun.to_wire(),
+                itt,
+                datasn,
+                buffer_offset: off,
+                len,
+                final_in_sequence: off + len == burst_end,
+                status: last.then(|| iscsi::DataInStatus {
+                    scsi_status: status::GOOD,
+                    statsn: out.take_statsn(),
+                    residual,
+                }),
+            });
             self.stamp(&mut b);
             let data = match src {
                 DataSource::Store(base) => OutData::Store {
@@ -358,11 +356,7 @@ impl Session {
         sense: Option<Sense>,
         residual: Residual,
     ) {
-        let mut b = Bhs::new(Opcode::ScsiResponse);
-        b.set_flags(0x80 | residual.flags());
-        b.0[3] = st;
-        b.set_itt(itt);
-        b.set_residual(residual.count());
+        let mut b = Bhs::scsi_response(itt, st, residual);
         let served = self.count_status(st, sense.as_ref());
         let data = match sense {
             Some(s) => {

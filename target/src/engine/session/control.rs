@@ -48,9 +48,7 @@ impl Session {
             tmf::TASK_REASSIGN => tmf::RSP_NO_REASSIGN,
             _ => tmf::RSP_NOT_SUPPORTED,
         };
-        let mut b = Bhs::new(Opcode::TaskMgmtResponse);
-        b.set_final(true).set_itt(bhs.itt());
-        b.0[2] = response;
+        let b = Bhs::tmf_response(bhs.itt(), response);
         self.push_status(out, b, OutData::None);
     }
 
@@ -162,9 +160,7 @@ impl Session {
         last: bool,
         ttt: u32,
     ) {
-        let mut b = Bhs::new(Opcode::TextResponse);
-        b.set_flags(if last { 0x80 } else { 0x40 });
-        b.set_itt(itt).set_ttt(ttt);
+        let b = Bhs::text_response(itt, ttt, last);
         self.push_status(out, b, OutData::bytes(data));
     }
 
@@ -177,9 +173,7 @@ impl Session {
             // Connection recovery needs ErrorRecoveryLevel 2.
             _ => 2,
         };
-        let mut b = Bhs::new(Opcode::LogoutResponse);
-        b.set_final(true).set_itt(bhs.itt());
-        b.0[2] = response;
+        let b = Bhs::logout_response(bhs.itt(), response);
         self.push_status(out, b, OutData::None);
         if response == 0 {
             self.abort_tasks(|_| true);

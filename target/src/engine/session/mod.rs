@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ramslog_common::iscsi::{
-    parse_ahs, scsi_cmd, scsi_rsp, text, tmf, Bhs, Opcode, RejectReason, AHS_EXTENDED_CDB,
+    self, parse_ahs, scsi_cmd, text, tmf, Bhs, Opcode, RejectReason, Residual, AHS_EXTENDED_CDB,
     RESERVED_TAG,
 };
 use ramslog_common::iser::{peer, RemoteBuffer};
@@ -397,10 +397,7 @@ impl Session {
     }
 
     pub fn reject(&mut self, out: &mut Out, bhs: &Bhs, reason: RejectReason) {
-        let mut r = Bhs::new(Opcode::Reject);
-        r.set_final(true);
-        r.0[2] = reason as u8;
-        r.set_itt(RESERVED_TAG);
+        let r = Bhs::reject(reason);
         self.push_status(out, r, OutData::Owned(rejected_header(bhs)));
     }
 
@@ -412,11 +409,8 @@ impl Session {
     pub fn send_ping(&mut self, out: &mut Out) {
         let ttt = self.new_ttt();
         self.ping_ttt = Some(ttt);
-        let mut b = Bhs::new(Opcode::NopIn);
-        b.set_final(true)
-            .set_itt(RESERVED_TAG)
-            .set_ttt(ttt)
-            .set_statsn(out.peek_statsn());
+        let mut b = Bhs::nop_in(0, RESERVED_TAG, ttt);
+        b.set_statsn(out.peek_statsn());
         self.stamp(&mut b);
         let pdu = self.pdu(b, OutData::None);
         out.push(pdu);
@@ -498,11 +492,7 @@ impl Session {
     }
 
     fn nop_out(&mut self, bhs: &Bhs, data: &[u8], out: &mut Out) {
-        let mut b = Bhs::new(Opcode::NopIn);
-        b.set_final(true)
-            .set_lun(bhs.lun())
-            .set_itt(bhs.itt())
-            .set_ttt(RESERVED_TAG);
+        let b = Bhs::nop_in(bhs.lun(), bhs.itt(), RESERVED_TAG);
         let echo = &data[..data.len().min(self.params.initiator_mrdsl as usize)];
         self.push_status(out, b, OutData::bytes(echo.to_vec()));
     }
@@ -513,38 +503,6 @@ impl Session {
 enum DataSource<'a> {
     Store(u64),
     Buffer(&'a [u8]),
-}
-
-/// SCSI residual as reported in SCSI Response / final Data-In.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Residual {
-    None,
-    Under(u32),
-    Over(u32),
-}
-
-impl Residual {
-    /// Compare the initiator's expected length with what the command moves.
-    fn between(expected: u32, actual: u32) -> Residual {
-        match expected.cmp(&actual) {
-            std::cmp::Ordering::Equal => Residual::None,
-            std::cmp::Ordering::Greater => Residual::Under(expected - actual),
-            std::cmp::Ordering::Less => Residual::Over(actual - expected),
-        }
-    }
-    fn flags(self) -> u8 {
-        match self {
-            Residual::None => 0,
-            Residual::Under(_) => scsi_rsp::UNDERFLOW,
-            Residual::Over(_) => scsi_rsp::OVERFLOW,
-        }
-    }
-    fn count(self) -> u32 {
-        match self {
-            Residual::None => 0,
-            Residual::Under(n) | Residual::Over(n) => n,
-        }
-    }
 }
 
 /// Addresses to advertise: listen addresses, with a wildcard replaced by the

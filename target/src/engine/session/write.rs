@@ -86,15 +86,15 @@ impl Session {
             let offset = task.solicit_next;
             let len = (task.moved - offset).min(self.params.max_burst_len);
             let ttt = self.new_ttt();
-            let mut b = Bhs::new(Opcode::ReadyToTransfer);
-            b.set_final(true)
-                .set_lun(task.lun.to_wire())
-                .set_itt(task.itt)
-                .set_ttt(ttt)
-                .set_statsn(out.peek_statsn())
-                .set_datasn(task.r2tsn)
-                .set_buffer_offset(offset)
-                .set_residual(len);
+            let mut b = Bhs::r2t(iscsi::R2t {
+                lun: task.lun.to_wire(),
+                itt: task.itt,
+                ttt,
+                r2tsn: task.r2tsn,
+                buffer_offset: offset,
+                desired_len: len,
+            });
+            b.set_statsn(out.peek_statsn());
             self.stamp(&mut b);
             task.r2tsn = task.r2tsn.wrapping_add(1);
             task.solicit_next += len;

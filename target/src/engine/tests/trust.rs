@@ -90,7 +90,7 @@ fn solicited_burst_ending_early_is_never_good() {
     }
     let rsp = status_seen.expect("defect 1: no response after every burst ended");
     assert_ne!(
-        rsp.bhs.0[3],
+        rsp.bhs.scsi_status(),
         status::GOOD,
         "defect 1: GOOD for a write with a 32 KiB hole"
     );
@@ -123,7 +123,7 @@ fn unsolicited_data_ending_early_is_solicited_exactly() {
         .set_expected_data_len(262144)
         .set_cmdsn(h.cmdsn);
     h.cmdsn += 1;
-    b.0[32..42].copy_from_slice(&write10(0, 512));
+    b.set_cdb(&write10(0, 512));
     let mut pending: Vec<(u32, u32, u32)> = Vec::new();
     let mut responses = Vec::new();
     let mut route = |h: &mut Harness, out: Vec<Rsp>, pending: &mut Vec<(u32, u32, u32)>| {
@@ -153,7 +153,7 @@ fn unsolicited_data_ending_early_is_solicited_exactly() {
         route(&mut h, out, &mut pending);
     }
     assert_eq!(responses.len(), 1, "defect 1: one response");
-    assert_eq!(responses[0].bhs.0[3], status::GOOD);
+    assert_eq!(responses[0].bhs.scsi_status(), status::GOOD);
     assert_eq!(&lun_bytes(&h)[..262144], &data[..], "defect 1: bytes");
 }
 
@@ -249,7 +249,7 @@ fn run_write_case(c: &WriteCase) {
         .set_expected_data_len(total)
         .set_cmdsn(h.cmdsn);
     h.cmdsn += 1;
-    b.0[32..42].copy_from_slice(&write10(c.lba, c.blocks as u16));
+    b.set_cdb(&write10(c.lba, c.blocks as u16));
 
     let mut bursts: Vec<Burst> = Vec::new();
     let mut response: Option<Rsp> = None;
@@ -330,7 +330,7 @@ fn run_write_case(c: &WriteCase) {
         after[..start] == before[..start] && after[end..] == before[end..],
         "defect 1: a byte outside the command's LBA range changed"
     );
-    if rsp.bhs.0[3] == status::GOOD {
+    if rsp.bhs.scsi_status() == status::GOOD {
         assert!(!misbehaved, "defect 1: GOOD although a burst ended early");
         assert!(
             after[start..end] == data[..],
@@ -412,7 +412,7 @@ fn login_without_chap(portal: Arc<Portal>, keys: &[(&str, &str)], stepwise: bool
         login::TRANSIT | login::STAGE_FULL_FEATURE
     };
     let r = h.login_pdu(sec, keys);
-    if h.closed || r.is_empty() || r[0].bhs.u16_at(36) != 0 {
+    if h.closed || r.is_empty() || r[0].bhs.login_status() != 0 {
         return false;
     }
     if r[0].bhs.flags() & 3 == login::STAGE_FULL_FEATURE && r[0].bhs.final_bit() {
@@ -423,7 +423,7 @@ fn login_without_chap(portal: Arc<Portal>, keys: &[(&str, &str)], stepwise: bool
     }
     let op_to_ff = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
     let r = h.login_pdu(op_to_ff, &[]);
-    !h.closed && r[0].bhs.u16_at(36) == 0 && r[0].bhs.final_bit()
+    !h.closed && r[0].bhs.login_status() == 0 && r[0].bhs.final_bit()
 }
 
 #[test]
@@ -476,7 +476,7 @@ fn discovery_login_never_ends_a_normal_session() {
         victim.now,
     );
     let r = victim.login(&[]);
-    assert_eq!(r.bhs.u16_at(36), 0);
+    assert_eq!(r.bhs.login_status(), 0);
 
     // The same InitiatorName, ISID and TargetName, but SessionType=Discovery.
     let mut attacker = Harness::new(portal.clone());
@@ -503,7 +503,7 @@ fn discovery_login_never_ends_a_normal_session() {
         "defect 3: the victim's session is still registered"
     );
     let (_, r) = victim.command(&[0; 6], 0x81, 0, &[]);
-    assert_eq!(r[0].bhs.0[3], status::GOOD);
+    assert_eq!(r[0].bhs.scsi_status(), status::GOOD);
 
     // A normal login of the same I_T nexus does reinstate (RFC 7143 6.3.5).
     let mut again = Harness::new(portal);
@@ -557,7 +557,7 @@ fn acl_entries_bound_to_a_network_refuse_other_sources() {
                 ("SessionType", "Normal"),
             ],
         );
-        r[0].bhs.u16_at(36)
+        r[0].bhs.login_status()
     };
     assert_eq!(
         status_for(&format!("{INI}@127.0.0.0/8")),
@@ -614,10 +614,10 @@ fn max_cmdsn_closes_while_commands_wait_for_data() {
     // Answering one write reopens the window by one.
     let (itt, ttt) = itts[0];
     let r = h.send(&data_out(itt, ttt, 0, 0, true), &[0u8; 4096]);
-    assert_eq!(r[0].bhs.0[3], status::GOOD);
+    assert_eq!(r[0].bhs.scsi_status(), status::GOOD);
     assert_eq!(r[0].bhs.max_cmdsn(), r[0].bhs.exp_cmdsn());
     let (_, r) = h.command(&[0; 6], 0x81, 0, &[]);
-    assert_eq!(r[0].bhs.0[3], status::GOOD);
+    assert_eq!(r[0].bhs.scsi_status(), status::GOOD);
 }
 
 /// Data-In is produced as the driver takes it: a 16 MiB READ to an
@@ -639,7 +639,7 @@ fn data_in_is_produced_as_the_driver_takes_it() {
         .set_expected_data_len(16 << 20)
         .set_cmdsn(h.cmdsn);
     h.cmdsn += 1;
-    b.0[32..42].copy_from_slice(&read10(0, 32768));
+    b.set_cdb(&read10(0, 32768));
     h.conn.handle_pdu(h.now, &b, &[], &[]);
     assert!(
         h.conn.queued_actions() <= 4,
@@ -663,7 +663,7 @@ fn login_named(h: &mut Harness, name: &str, extra: &[(&str, &str)]) {
     keys.extend_from_slice(extra);
     let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
     let r = h.login_pdu(flags, &keys);
-    assert_eq!(r[0].bhs.u16_at(36), login_status::SUCCESS);
+    assert_eq!(r[0].bhs.login_status(), login_status::SUCCESS);
     h.clear_unit_attention();
 }
 
@@ -678,7 +678,7 @@ fn pr_out(h: &mut Harness, service_action: u8, key: u64, sa_key: u64) -> u8 {
     params[0..8].copy_from_slice(&key.to_be_bytes());
     params[8..16].copy_from_slice(&sa_key.to_be_bytes());
     let (_, r) = h.command(&cdb, 0x81 | 0x20, 24, &params);
-    r[0].bhs.0[3]
+    r[0].bhs.scsi_status()
 }
 
 const PR_REGISTER: u8 = 0;
@@ -714,7 +714,8 @@ fn preempt_and_abort_fences_the_preempted_writes_over_tcp() {
     let r = b.send(&data_out(itt, ttt, 0, 0, true), &[0x99u8; 4096]);
     assert!(
         !r.iter()
-            .any(|p| p.bhs.opcode() == Some(Opcode::ScsiResponse) && p.bhs.0[3] == status::GOOD),
+            .any(|p| p.bhs.opcode() == Some(Opcode::ScsiResponse)
+                && p.bhs.scsi_status() == status::GOOD),
         "defect 8: a preempted write got GOOD"
     );
     assert!(
@@ -748,7 +749,7 @@ fn preempt_and_abort_fences_the_preempted_writes_over_iser() {
     params[8..16].copy_from_slice(&0xbbu64.to_be_bytes());
     // Parameter data over iSER arrives as immediate data here.
     let (_, r) = b.iser_command(&cdb, 0xa1, 24, &params, None, None);
-    assert_eq!(r[0].bhs.0[3], status::GOOD);
+    assert_eq!(r[0].bhs.scsi_status(), status::GOOD);
     b.rdma.clear();
     let (_, r) = b.iser_command(&write10(64, 8), 0xa1, 4096, &[], iser_buf(0x1000), None);
     assert!(r.is_empty(), "waiting for the RDMA READ");
@@ -764,7 +765,8 @@ fn preempt_and_abort_fences_the_preempted_writes_over_iser() {
     let r = b.drain();
     assert!(
         !r.iter()
-            .any(|p| p.bhs.opcode() == Some(Opcode::ScsiResponse) && p.bhs.0[3] == status::GOOD),
+            .any(|p| p.bhs.opcode() == Some(Opcode::ScsiResponse)
+                && p.bhs.scsi_status() == status::GOOD),
         "defect 8: a preempted iSER write got GOOD"
     );
 }
@@ -791,7 +793,7 @@ fn initiator_names_with_control_characters_are_refused() {
             ],
         );
         assert_eq!(
-            r[0].bhs.u16_at(36),
+            r[0].bhs.login_status(),
             login_status::INITIATOR_ERROR,
             "defect 11: initiator name {name:?} accepted"
         );
@@ -820,7 +822,7 @@ fn iser_parameter_data_beyond_the_bounce_buffer_is_refused() {
             .any(|(_, a)| matches!(a, Action::RdmaRead { len, .. } if *len > 4 << 20)),
         "defect 11: an RDMA READ of parameter data beyond 4 MiB"
     );
-    assert_eq!(r[0].bhs.0[3], status::CHECK_CONDITION);
+    assert_eq!(r[0].bhs.scsi_status(), status::CHECK_CONDITION);
     assert!(!h.closed);
 }
 
@@ -836,7 +838,7 @@ fn a_unit_attention_is_not_lost_to_task_set_full() {
     });
     h.login(&[("InitialR2T", "Yes")]);
     let tur = [0u8; 6];
-    while h.command(&tur, 0x80, 0, &[]).1[0].bhs.0[3] != status::GOOD {}
+    while h.command(&tur, 0x80, 0, &[]).1[0].bhs.scsi_status() != status::GOOD {}
     for i in 0..4 {
         let r = h.immediate_write(i * 8);
         assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
@@ -849,7 +851,7 @@ fn a_unit_attention_is_not_lost_to_task_set_full() {
     for _ in 0..4 {
         let r = h.immediate_write(64);
         assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
-        match r[0].bhs.0[3] {
+        match r[0].bhs.scsi_status() {
             status::CHECK_CONDITION => {
                 let s = sense_of(&r[0]);
                 seen.push((s.key, s.asc, s.ascq));
@@ -863,7 +865,7 @@ fn a_unit_attention_is_not_lost_to_task_set_full() {
     // comes with it.
     for _ in 0..4 {
         let r = h.command(&tur, 0x80, 0, &[]).1;
-        if r[0].bhs.0[3] == status::CHECK_CONDITION {
+        if r[0].bhs.scsi_status() == status::CHECK_CONDITION {
             let s = sense_of(&r[0]);
             seen.push((s.key, s.asc, s.ascq));
         }
@@ -888,9 +890,9 @@ fn a_write_that_meets_the_fence_gets_no_status() {
     let mut h = harness_with_limits(Limits::default());
     h.login(&[("InitialR2T", "No"), ("ImmediateData", "Yes")]);
     let tur = [0u8; 6];
-    while h.command(&tur, 0x80, 0, &[]).1[0].bhs.0[3] != status::GOOD {}
+    while h.command(&tur, 0x80, 0, &[]).1[0].bhs.scsi_status() != status::GOOD {}
     let (_, r) = h.command(&write10(0, 8), 0xa1, 4096, &[7u8; 4096]);
-    assert_eq!(r[0].bhs.0[3], status::GOOD, "before the fence");
+    assert_eq!(r[0].bhs.scsi_status(), status::GOOD, "before the fence");
     let scsi = h.conn.scsi_target().expect("logged in").clone();
     scsi.lu(0).expect("LUN 0").volume().fence();
     let (_, r) = h.command(&write10(8, 8), 0xa1, 4096, &[9u8; 4096]);
@@ -899,7 +901,7 @@ fn a_write_that_meets_the_fence_gets_no_status() {
             .all(|p| p.bhs.opcode() != Some(Opcode::ScsiResponse)),
         "a status went out after the fence: {:?}",
         r.iter()
-            .map(|p| (p.bhs.opcode(), p.bhs.0[3]))
+            .map(|p| (p.bhs.opcode(), p.bhs.scsi_status()))
             .collect::<Vec<_>>()
     );
     assert!(h.closed, "the connection closes instead");
