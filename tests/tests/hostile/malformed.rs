@@ -4,9 +4,9 @@
 //! shows the right Reject, sense or closed connection, and that the target
 //! keeps serving another session with no block changed.
 
-use ramslog_common::iscsi::{text, Bhs, Opcode, RejectReason, BHS_LEN, RESERVED_TAG};
+use ramslog_common::iscsi::{digest, text, Bhs, Opcode, RejectReason, BHS_LEN, RESERVED_TAG};
 use ramslog_common::scsi_wire::{sense_key, status};
-use ramslog_initiator::{Connection, Error, Pdu, Residual};
+use ramslog_initiator::{Connection, Digest, Error, Pdu, Residual};
 use ramslog_tests::TargetProcess;
 
 use super::*;
@@ -336,4 +336,38 @@ async fn connection_dropped_mid_r2t_changes_nothing_outside_the_write() {
     drop(c);
     tokio::time::sleep(SHORT).await;
     by.still_fine().await;
+}
+
+/// RFC 7143 11.1: the data digest covers the data segment with its padding
+/// as sent. A peer that pads with non-zero bytes and digests them sent a
+/// sound PDU; taking it for a corrupted one would Reject every such command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "non-zero padding under a matching digest")]
+async fn data_digest_covers_the_padding_as_sent() {
+    let t = TargetProcess::start();
+    let mut c = raw_login(&t, |p| p.data_digest = Digest::Crc32c).await;
+    assert!(c.digests().data, "DataDigest=CRC32C was negotiated");
+    let mut b = Bhs::new(Opcode::NopOut);
+    b.set_final(true)
+        .set_itt(c.next_itt())
+        .set_ttt(RESERVED_TAG);
+    c.fill_sn(&mut b, true);
+    b.set_data_segment_len(5);
+    let mut wire = b.as_bytes().to_vec();
+    wire.extend_from_slice(b"hello\x77\x77\x77");
+    let d = digest::data(&wire[BHS_LEN..]);
+    wire.extend_from_slice(&digest::to_wire(d));
+    c.send_raw(&wire).await.expect("send");
+    let p = c
+        .recv_pdu_timeout(Duration::from_secs(5))
+        .await
+        .expect("recv")
+        .expect("an answer");
+    assert_eq!(
+        p.opcode(),
+        Some(Opcode::NopIn),
+        "non-zero padding under a matching digest: got {:?}",
+        p.bhs
+    );
+    assert_eq!(p.data, b"hello");
 }
