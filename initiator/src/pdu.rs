@@ -1,10 +1,9 @@
-//! PDU framing on a byte stream: encoding with padding and digests, and a
-//! cancel-safe reader that verifies digests and limits.
+//! PDUs on a byte stream: a cancel-safe reader and a writer around the
+//! framing in `ramslog_common::iscsi::frame`.
 
 use bytes::BytesMut;
-use ramslog_common::iscsi::{
-    digest, padded, Bhs, Opcode, PduLayout, WireError, BHS_LEN, MAX_DATA_SEGMENT_LEN,
-};
+use ramslog_common::iscsi::frame::{self, DeframeError, Deframed, RxRules};
+use ramslog_common::iscsi::{Bhs, Opcode, WireError, BHS_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::Error;
@@ -24,50 +23,17 @@ impl Pdu {
     }
 }
 
-/// Which digests are in force (both off during login).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Digests {
-    pub header: bool,
-    pub data: bool,
-}
+pub use ramslog_common::iscsi::frame::Digests;
 
-/// Append one PDU to `out`. TotalAHSLength and DataSegmentLength in the BHS are
-/// set from `ahs` (zero-padded to 4 bytes) and `data`; the data segment is
-/// padded and the digests computed as `digests` says.
-pub fn encode_pdu(
+/// Append one PDU to `out`, as [`frame::encode`] does.
+fn encode_pdu(
     bhs: &Bhs,
     ahs: &[u8],
     data: &[u8],
     digests: Digests,
     out: &mut Vec<u8>,
 ) -> Result<(), Error> {
-    if data.len() > MAX_DATA_SEGMENT_LEN as usize {
-        return Err(Error::InvalidArgument(format!(
-            "data segment of {} bytes does not fit 24 bits",
-            data.len()
-        )));
-    }
-    let ahs_padded = padded(ahs.len());
-    let mut b = *bhs;
-    b.set_total_ahs_len(ahs_padded)
-        .map_err(|_| Error::InvalidArgument("AHS longer than 1020 bytes".into()))?
-        .set_data_segment_len(data.len() as u32);
-    let start = out.len();
-    out.extend_from_slice(b.as_bytes());
-    out.extend_from_slice(ahs);
-    out.resize(start + BHS_LEN + ahs_padded, 0);
-    if digests.header {
-        let d = digest::header(&out[start..start + BHS_LEN], &out[start + BHS_LEN..]);
-        out.extend_from_slice(&digest::to_wire(d));
-    }
-    if !data.is_empty() {
-        out.extend_from_slice(data);
-        out.resize(out.len() + padded(data.len()) - data.len(), 0);
-        if digests.data {
-            out.extend_from_slice(&digest::to_wire(digest::data(data)));
-        }
-    }
-    Ok(())
+    frame::encode(bhs, ahs, data, digests, out).map_err(|e| Error::InvalidArgument(e.to_string()))
 }
 
 /// Reads PDUs from a byte stream. `read_pdu` is cancel-safe: bytes of a
@@ -116,61 +82,45 @@ impl<R: AsyncRead + Unpin> PduReader<R> {
     }
 
     fn try_parse(&mut self) -> Result<Option<Pdu>, Error> {
-        if self.buf.len() < BHS_LEN {
-            return Ok(None);
+        // An unknown opcode is a protocol error as soon as its header is in.
+        if let Some(header) = self.buf.get(..BHS_LEN) {
+            Bhs::decode(header).map_err(wire)?;
         }
-        let bhs = Bhs::decode(&self.buf[..BHS_LEN]).map_err(wire)?;
-        let layout = PduLayout::of(&bhs, self.digests.header, self.digests.data);
-        if layout.data_len > self.max_data_len as usize {
-            return Err(Error::proto(format!(
-                "data segment of {} bytes exceeds our MaxRecvDataSegmentLength {} (opcode {:#04x})",
-                layout.data_len,
-                self.max_data_len,
-                bhs.raw_opcode()
-            )));
-        }
-        let total = BHS_LEN + layout.header_rest() + layout.data_wire_len();
-        if self.buf.len() < total {
-            self.buf.reserve(total - self.buf.len());
-            return Ok(None);
-        }
-        let frame = self.buf.split_to(total);
-        let ahs_end = BHS_LEN + layout.ahs_len;
-        let mut off = ahs_end;
-        if layout.header_digest {
-            let got = digest::from_wire(read4(&frame, off));
-            if got != digest::header(&frame[..BHS_LEN], &frame[BHS_LEN..ahs_end]) {
-                return Err(Error::Digest { header: true });
+        let rules = RxRules {
+            digests: self.digests,
+            max_data_len: self.max_data_len,
+        };
+        let (pdu, data_digest_ok, wire_len) = match frame::deframe(&self.buf, rules) {
+            Ok(Deframed::Pdu(f)) => (
+                Pdu {
+                    bhs: f.bhs,
+                    ahs: f.ahs.to_vec(),
+                    data: f.data.to_vec(),
+                },
+                f.data_digest_ok,
+                f.wire_len,
+            ),
+            Ok(Deframed::Incomplete { need }) => {
+                self.buf.reserve(need.saturating_sub(self.buf.len()));
+                return Ok(None);
             }
-            off += 4;
-        }
-        let data_start = off;
-        let mut data = Vec::new();
-        if layout.data_len > 0 {
-            let pad_end = data_start + padded(layout.data_len);
-            if layout.data_digest {
-                let got = digest::from_wire(read4(&frame, pad_end));
-                // The digest covers the padding as sent (digest::data of an
-                // already padded slice adds nothing).
-                if got != digest::data(&frame[data_start..pad_end]) {
-                    return Err(Error::Digest { header: false });
-                }
+            Err(DeframeError::HeaderDigest) => return Err(Error::Digest { header: true }),
+            Err(DeframeError::Oversized { bhs, len, limit }) => {
+                return Err(Error::proto(format!(
+                    "data segment of {len} bytes exceeds our MaxRecvDataSegmentLength {limit} (opcode {:#04x})",
+                    bhs.raw_opcode()
+                )))
             }
-            data = frame[data_start..data_start + layout.data_len].to_vec();
-        }
-        let ahs = frame[BHS_LEN..ahs_end].to_vec();
-        drop(frame);
+        };
+        let _ = self.buf.split_to(wire_len);
         if self.buf.is_empty() && self.buf.capacity() > 4 * 1024 * 1024 {
             self.buf = BytesMut::with_capacity(64 * 1024);
         }
-        Ok(Some(Pdu { bhs, ahs, data }))
+        if !data_digest_ok {
+            return Err(Error::Digest { header: false });
+        }
+        Ok(Some(pdu))
     }
-}
-
-fn read4(b: &[u8], off: usize) -> [u8; 4] {
-    let mut a = [0u8; 4];
-    a.copy_from_slice(&b[off..off + 4]);
-    a
 }
 
 fn wire(e: WireError) -> Error {

@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ramslog_common::iscsi::{digest, padded, Bhs, PduLayout, BHS_LEN};
+use ramslog_common::iscsi::frame::{self, DeframeError, Deframed, Digests, RxRules};
+use ramslog_common::iscsi::BHS_LEN;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
@@ -285,31 +286,29 @@ impl Output {
 /// Append one PDU to `wbuf`; false (and `wbuf` unchanged) when its LUN data
 /// cannot be read.
 pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) -> bool {
-    let start = wbuf.len();
-    wbuf.extend_from_slice(pdu.bhs.as_bytes());
-    if pdu.header_digest {
-        let d = digest::header(&wbuf[start..], &[]);
-        wbuf.extend_from_slice(&digest::to_wire(d));
-    }
-    let data_start = wbuf.len();
-    match &pdu.data {
-        OutData::None => return true,
-        OutData::Owned(v) => wbuf.extend_from_slice(v),
-        OutData::Store { lun, offset, len } => {
-            wbuf.resize(data_start + *len as usize, 0);
-            if !conn.read_store(*lun, *offset, &mut wbuf[data_start..]) {
-                wbuf.truncate(start);
-                return false;
-            }
-        }
-    }
-    let data_len = wbuf.len() - data_start;
-    wbuf.resize(data_start + padded(data_len), 0);
-    if pdu.data_digest {
-        let d = digest::data(&wbuf[data_start..data_start + data_len]);
-        wbuf.extend_from_slice(&digest::to_wire(d));
-    }
-    true
+    let digests = Digests {
+        header: pdu.header_digest,
+        data: pdu.data_digest,
+    };
+    let encoded =
+        frame::encode_filled(
+            &pdu.bhs,
+            &[],
+            pdu.data.len(),
+            digests,
+            wbuf,
+            |dst| match &pdu.data {
+                OutData::None => true,
+                OutData::Owned(v) => {
+                    dst.copy_from_slice(v);
+                    true
+                }
+                OutData::Store { lun, offset, .. } => conn.read_store(*lun, *offset, dst),
+            },
+        );
+    // The engine builds no PDU the framing cannot carry: its data segments
+    // stay within the negotiated MaxRecvDataSegmentLength.
+    encoded.unwrap_or(false)
 }
 
 /// A receive buffer that holds at least one whole PDU.
@@ -361,10 +360,8 @@ impl RxBuffer {
 
 #[derive(Debug, thiserror::Error)]
 enum RxError {
-    #[error("header digest mismatch")]
-    HeaderDigest,
-    #[error("data segment of {0} bytes exceeds MaxRecvDataSegmentLength")]
-    Oversized(u32),
+    #[error(transparent)]
+    Framing(#[from] DeframeError),
     #[error("engine closed the connection")]
     Closed,
 }
@@ -375,50 +372,30 @@ fn process_pdus(conn: &mut Connection, rx: &mut RxBuffer) -> Result<(), RxError>
         if conn.is_closed() {
             return Err(RxError::Closed);
         }
-        let avail = rx.data();
-        if avail.len() < BHS_LEN {
-            rx.reserve(BHS_LEN);
-            return Ok(());
-        }
-        let mut raw = [0u8; BHS_LEN];
-        raw.copy_from_slice(&avail[..BHS_LEN]);
-        // Unknown opcodes still get a Reject from the engine, so no decode() here.
-        let bhs = Bhs::from_raw(raw);
-        let (hd, dd) = conn.rx_digests();
-        let layout = PduLayout::of(&bhs, hd, dd);
-        if bhs.data_segment_len() > conn.max_rx_data_segment() {
-            conn.handle_oversized(Instant::now(), &bhs);
-            return Err(RxError::Oversized(bhs.data_segment_len()));
-        }
-        let header_len = BHS_LEN + layout.header_rest();
-        let total = header_len + layout.data_wire_len();
-        if avail.len() < total {
-            rx.reserve(total.max(BHS_LEN + MAX_AHS));
-            return Ok(());
-        }
-        let ahs = &avail[BHS_LEN..BHS_LEN + layout.ahs_len];
-        if hd {
-            let got = digest::from_wire(
-                avail[header_len - 4..header_len]
-                    .try_into()
-                    .unwrap_or_default(),
-            );
-            if got != digest::header(&avail[..BHS_LEN], ahs) {
-                // Lengths can no longer be trusted: the stream is lost (RFC 7143 7.8).
-                return Err(RxError::HeaderDigest);
+        let rules = RxRules {
+            digests: conn.rx_digests(),
+            max_data_len: conn.max_rx_data_segment(),
+        };
+        let frame = match frame::deframe(rx.data(), rules) {
+            Ok(Deframed::Pdu(frame)) => frame,
+            Ok(Deframed::Incomplete { need }) => {
+                rx.reserve(need.max(BHS_LEN + MAX_AHS));
+                return Ok(());
             }
-        }
-        let data = &avail[header_len..header_len + layout.data_len];
-        let data_ok = !dd
-            || layout.data_len == 0
-            || digest::from_wire(avail[total - 4..total].try_into().unwrap_or_default())
-                == digest::data(data);
+            Err(e) => {
+                if let DeframeError::Oversized { bhs, .. } = &e {
+                    conn.handle_oversized(Instant::now(), bhs);
+                }
+                return Err(e.into());
+            }
+        };
         let now = Instant::now();
-        if data_ok {
-            conn.handle_pdu(now, &bhs, ahs, data);
+        // Unknown opcodes reach the engine too: it answers them with a Reject.
+        if frame.data_digest_ok {
+            conn.handle_pdu(now, &frame.bhs, frame.ahs, frame.data);
         } else {
-            conn.handle_data_digest_error(now, &bhs);
+            conn.handle_data_digest_error(now, &frame.bhs);
         }
-        rx.consume(total);
+        rx.consume(frame.wire_len);
     }
 }

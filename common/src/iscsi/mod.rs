@@ -3,6 +3,7 @@
 mod bhs;
 pub mod chap;
 pub mod digest;
+pub mod frame;
 pub mod text;
 
 pub use bhs::*;

@@ -22,6 +22,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use ramslog_common::iscsi::frame::Digests;
 use ramslog_common::iscsi::{
     self, login_status, Bhs, LoginResponse, Opcode, RejectReason, Residual, RESERVED_TAG,
 };
@@ -286,8 +287,11 @@ impl Connection {
     }
 
     /// Whether incoming PDUs carry header and data digests.
-    pub fn rx_digests(&self) -> (bool, bool) {
-        (self.rx_header_digest, self.rx_data_digest)
+    pub fn rx_digests(&self) -> Digests {
+        Digests {
+            header: self.rx_header_digest,
+            data: self.rx_data_digest,
+        }
     }
 
     /// Largest data segment the driver should accept before handing a PDU over.
