@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ramslog_common::iscsi::{Bhs, Opcode, BHS_LEN};
-use ramslog_common::iser::{Header, RemoteBuffer, HEADER_LEN};
+use ramslog_common::iser::{Header, Message, RemoteBuffer, HEADER_LEN};
 use ramslog_target::engine::{Action, Connection, OutPdu};
 use ramslog_target::{metrics, rdma, tcp, testkit};
 
@@ -144,14 +144,10 @@ fn tcp_command(conn: &mut Connection, wire: &Wire, wbuf: &mut Vec<u8>) -> Option
 /// data is the HCA's work); returns its SCSI status.
 fn iser_command(conn: &mut Connection, wire: &Wire, slot: &mut [u8]) -> Option<u8> {
     let now = Instant::now();
-    let Ok(Header::Control { write, read }) = Header::decode(&wire.bytes) else {
-        panic!("bad iSER header");
+    let Ok(Message::Pdu(pdu)) = Message::parse(&wire.bytes, conn.max_rx_data_segment()) else {
+        panic!("bad iSER message");
     };
-    let mut raw = [0u8; BHS_LEN];
-    raw.copy_from_slice(&wire.bytes[HEADER_LEN..HEADER_LEN + BHS_LEN]);
-    let bhs = Bhs::from_raw(raw);
-    let data = &wire.bytes[HEADER_LEN + BHS_LEN..];
-    conn.handle_iser_pdu(now, write, read, &bhs, &[], data);
+    conn.handle_iser_pdu(now, pdu.write, pdu.read, &pdu.bhs, pdu.ahs, pdu.data);
     let mut st = None;
     while let Some(a) = conn.poll_action() {
         match a {

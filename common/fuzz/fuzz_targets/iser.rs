@@ -1,7 +1,8 @@
 #![no_main]
-//! iSER header and CM private data: decode never panics; what decodes re-encodes to the same value.
+//! iSER header, message and CM private data: decode and parse never panic;
+//! what decodes re-encodes to the same value.
 use libfuzzer_sys::fuzz_target;
-use ramslog_common::iser::{CmRequest, Header, HEADER_LEN};
+use ramslog_common::iser::{CmRequest, Header, Message, HEADER_LEN};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(h) = Header::decode(data) {
@@ -10,4 +11,5 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(Header::decode(&b), Ok(h));
     }
     let _ = CmRequest::parse(data);
+    let _ = Message::parse(data, 8192);
 });

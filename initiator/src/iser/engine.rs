@@ -252,45 +252,29 @@ impl IserSession {
             let msg = self.rdma.recv[slot]
                 .bytes(0..len)
                 .ok_or_else(|| Error::Rdma(format!("{len}-byte receive completion")))?;
-            match Header::decode(msg) {
-                Ok(Header::Control { .. }) => {}
-                Ok(h) => {
+            let pdu = match Message::parse(msg, self.max_rx_data) {
+                Ok(Message::Pdu(pdu)) => pdu,
+                Ok(Message::Handshake(h)) => {
                     return Err(Error::proto(format!(
                         "the target sent {h:?}: initiators send Hello, targets answer it"
                     )))
                 }
-                Err(e) => return Err(Error::proto(format!("bad iSER header: {e}"))),
-            }
-            let bhs = msg
-                .get(HEADER_LEN..HEADERS_LEN)
-                .ok_or_else(|| Error::proto(format!("{len}-byte message holds no iSCSI header")))
-                .and_then(|b| Bhs::decode(b).map_err(|e| Error::proto(e.to_string())))?;
-            let data_start = HEADERS_LEN + bhs.total_ahs_len();
-            let data_len = bhs.data_segment_len() as usize;
-            // One PDU per message; the data segment may carry its iSCSI pad
-            // to 4 bytes (LIO's isert sends it, ib_iser accepts it).
-            let pdu_len = data_start + data_len;
-            if pdu_len > len || len > ramslog_common::iscsi::padded(pdu_len) {
-                return Err(Error::proto(format!(
-                    "a {len}-byte message carries a PDU of {pdu_len} bytes (opcode {:#04x}; \
-                     iSER sends one PDU per message)",
-                    bhs.raw_opcode()
-                )));
-            }
-            if bhs.data_segment_len() > self.max_rx_data {
-                return Err(Error::proto(format!(
-                    "data segment of {data_len} bytes exceeds the {} we receive{} (opcode {:#04x})",
-                    self.max_rx_data,
-                    if self.full_feature && self.opts.profile == IserProfile::Linux {
-                        " (ib_iser's full-feature receive room)"
-                    } else {
-                        ""
-                    },
-                    bhs.raw_opcode()
-                )));
-            }
-            let data = &msg[data_start..pdu_len];
-            (bhs, classify(&bhs, data)?)
+                Err(IserError::Oversized { bhs, len, limit }) => {
+                    return Err(Error::proto(format!(
+                        "data segment of {len} bytes exceeds the {limit} we receive{} (opcode {:#04x})",
+                        if self.full_feature && self.opts.profile == IserProfile::Linux {
+                            " (ib_iser's full-feature receive room)"
+                        } else {
+                            ""
+                        },
+                        bhs.raw_opcode()
+                    )))
+                }
+                Err(e) => return Err(Error::proto(format!("bad iSER message: {e}"))),
+            };
+            // An initiator refuses opcodes RFC 7143 does not define.
+            let bhs = Bhs::decode(pdu.bhs.as_bytes()).map_err(|e| Error::proto(e.to_string()))?;
+            (bhs, classify(&bhs, pdu.data)?)
         };
         if self.full_feature {
             self.stats.largest_full_feature_data = self

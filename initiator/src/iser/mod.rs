@@ -32,8 +32,10 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use ramslog_common::iscsi::{scsi_cmd, Bhs, Opcode, BHS_LEN, RESERVED_TAG};
-use ramslog_common::iser::{peer, Header, RemoteBuffer, HEADER_LEN, LINUX_CM_PRIVATE_DATA};
+use ramslog_common::iscsi::{scsi_cmd, Bhs, Opcode, RESERVED_TAG};
+use ramslog_common::iser::{
+    peer, Header, IserError, Message, RemoteBuffer, HEADERS_LEN, LINUX_CM_PRIVATE_DATA,
+};
 use ramslog_common::scsi_wire::{be32, be64, Sense};
 use ramslog_common::verbs::wait::{self, SpinBudget};
 use ramslog_common::verbs::{
@@ -58,7 +60,6 @@ mod transport;
 use transport::Rdma;
 
 /// iSER header plus BHS: where a PDU's AHS (and then data) starts in a message.
-const HEADERS_LEN: usize = HEADER_LEN + BHS_LEN;
 /// Linux ib_iser's login receive buffer: headers plus its data room.
 const LINUX_RECV_LEN: usize = HEADERS_LEN + peer::LINUX_LOGIN_RECV_DATA;
 /// Bytes of one send slot: illumos's fixed message, which no send exceeds.

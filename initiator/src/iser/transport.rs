@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ramslog_common::iscsi::Bhs;
-use ramslog_common::iser::{peer, Header, HEADER_LEN};
+use ramslog_common::iser::{self, peer, Header};
 use ramslog_common::verbs::{
     Access, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam, EventChannel,
     ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr, WrId,
@@ -172,15 +172,11 @@ impl Rdma {
             .send
             .bytes_mut(start..start + total)
             .ok_or_else(|| Error::Rdma(format!("{total}-byte message exceeds its send slot")))?;
-        header
-            .encode_into(msg)
-            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        let mut b = *bhs;
-        b.set_total_ahs_len(0)
-            .map_err(|e| Error::InvalidArgument(e.to_string()))?
-            .set_data_segment_len(data.len() as u32);
-        msg[HEADER_LEN..HEADERS_LEN].copy_from_slice(b.as_bytes());
-        msg[HEADERS_LEN..].copy_from_slice(data);
+        iser::encode_message(header, bhs, data.len(), msg, |dst| {
+            dst.copy_from_slice(data);
+            true
+        })
+        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let sge = self
             .send
             .sge(start, total as u32)

@@ -290,46 +290,26 @@ impl Driver<'_> {
                 "receive slot outside its buffer".into(),
             ));
         };
-        let header = Header::decode(msg)
-            .map_err(|e| ConnError::Protocol(format!("bad iSER header: {e}")))?;
-        let (write, read) = match header {
-            Header::Control { write, read } => (write, read),
-            Header::Hello {
+        let pdu = match Message::parse(msg, self.conn.max_rx_data_segment()) {
+            Ok(Message::Pdu(pdu)) => pdu,
+            Ok(Message::Handshake(Header::Hello {
                 max_ver, min_ver, ..
-            } => {
+            })) => {
                 let reject = !(min_ver..=max_ver).contains(&VERSION);
                 return self.send_hello_reply(reject);
             }
-            Header::HelloReply { .. } => {
+            Ok(Message::Handshake(_)) => {
                 return Err(ConnError::Protocol("HelloReply sent to a target".into()));
             }
+            Err(IserError::Oversized { bhs, .. }) => {
+                // The engine answers it (RFC 7143: a protocol error it reports).
+                self.conn.handle_oversized(now, &bhs);
+                return Ok(());
+            }
+            Err(e) => return Err(ConnError::Protocol(format!("bad iSER message: {e}"))),
         };
-        let pdu = &msg[HEADER_LEN..];
-        let Some(bhs_bytes) = pdu.get(..BHS_LEN) else {
-            return Err(ConnError::Protocol(format!(
-                "{len}-byte message holds no iSCSI header"
-            )));
-        };
-        let mut raw = [0u8; BHS_LEN];
-        raw.copy_from_slice(bhs_bytes);
-        let bhs = Bhs::from_raw(raw);
-        let ahs_len = bhs.total_ahs_len();
-        let data_len = bhs.data_segment_len() as usize;
-        if bhs.data_segment_len() > self.conn.max_rx_data_segment() {
-            self.conn.handle_oversized(now, &bhs);
-            return Ok(());
-        }
-        // iSER carries the data segment unpadded right after the header(s).
-        let Some(ahs) = pdu.get(BHS_LEN..BHS_LEN + ahs_len) else {
-            return Err(ConnError::Protocol("AHS longer than the message".into()));
-        };
-        let data_start = BHS_LEN + ahs_len;
-        let Some(data) = pdu.get(data_start..data_start + data_len) else {
-            return Err(ConnError::Protocol(format!(
-                "data segment of {data_len} bytes longer than the {len}-byte message"
-            )));
-        };
-        self.conn.handle_iser_pdu(now, write, read, &bhs, ahs, data);
+        self.conn
+            .handle_iser_pdu(now, pdu.write, pdu.read, &pdu.bhs, pdu.ahs, pdu.data);
         if self.conn.is_logged_in() && self.large.is_none() {
             self.permit.logged_in();
             self.large = Some(LargeBuffers::new(self.pd)?);
@@ -576,25 +556,22 @@ impl Driver<'_> {
 /// `out` (the 16 KiB iSER message), or LUN bytes that cannot be read — then
 /// nothing must be sent in their place.
 pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, out: &mut [u8]) -> Result<usize, String> {
-    let total = HEADER_LEN + BHS_LEN + pdu.data.len();
-    let Some(msg) = out.get_mut(..total) else {
-        return Err(format!(
-            "{:?} PDU of {total} bytes exceeds the {}-byte iSER message",
-            pdu.bhs.opcode(),
-            out.len()
-        ));
-    };
-    Header::PLAIN.encode_into(msg).map_err(|e| e.to_string())?;
-    msg[HEADER_LEN..HEADER_LEN + BHS_LEN].copy_from_slice(pdu.bhs.as_bytes());
-    let data = &mut msg[HEADER_LEN + BHS_LEN..];
-    match &pdu.data {
-        OutData::None => {}
-        OutData::Owned(v) => data.copy_from_slice(v),
-        OutData::Store { lun, offset, .. } => {
-            if !conn.read_store(*lun, *offset, data) {
-                return Err("PDU names bytes outside the LUN".into());
+    iser::encode_message(
+        &Header::PLAIN,
+        &pdu.bhs,
+        pdu.data.len(),
+        out,
+        |dst| match &pdu.data {
+            OutData::None => true,
+            OutData::Owned(v) => {
+                dst.copy_from_slice(v);
+                true
             }
-        }
-    }
-    Ok(total)
+            OutData::Store { lun, offset, .. } => conn.read_store(*lun, *offset, dst),
+        },
+    )
+    .map_err(|e| match e {
+        IserError::DataUnavailable => "PDU names bytes outside the LUN".into(),
+        e => format!("{:?} PDU: {e}", pdu.bhs.opcode()),
+    })
 }

@@ -21,8 +21,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ramslog_common::iscsi::{Bhs, BHS_LEN};
-use ramslog_common::iser::{peer, CmPeer, CmRequest, Header, HEADER_LEN, VERSION};
+use ramslog_common::iser::{
+    self, peer, CmPeer, CmRequest, Header, IserError, Message, HEADER_LEN, VERSION,
+};
 use ramslog_common::verbs::wait::{self, SpinBudget};
 use ramslog_common::verbs::{
     self, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam,
