@@ -1,6 +1,8 @@
 //! Login parameters, the keys the initiator proposes, and what it records
 //! from the target's answers (RFC 7143 section 13).
 
+use ramslog_common::iscsi::keys::{self, yes_no};
+
 use crate::chap;
 use crate::Error;
 
@@ -196,8 +198,8 @@ impl LoginParams {
         ];
         if self.session_type == SessionType::Normal {
             k.extend([
-                ("InitialR2T".into(), yes_no(self.initial_r2t)),
-                ("ImmediateData".into(), yes_no(self.immediate_data)),
+                ("InitialR2T".into(), yes_no(self.initial_r2t).into()),
+                ("ImmediateData".into(), yes_no(self.immediate_data).into()),
                 ("MaxBurstLength".into(), self.max_burst_length.to_string()),
                 (
                     "FirstBurstLength".into(),
@@ -214,7 +216,6 @@ impl LoginParams {
     }
 
     fn rfc7143_keys(&self) -> Vec<(String, String)> {
-        let yn = yes_no;
         let mut k: Vec<(String, String)> = vec![
             ("HeaderDigest".into(), self.header_digest.offer().into()),
             ("DataDigest".into(), self.data_digest.offer().into()),
@@ -222,8 +223,8 @@ impl LoginParams {
         if self.session_type == SessionType::Normal {
             k.extend([
                 ("MaxConnections".into(), "1".into()),
-                ("InitialR2T".into(), yn(self.initial_r2t)),
-                ("ImmediateData".into(), yn(self.immediate_data)),
+                ("InitialR2T".into(), yes_no(self.initial_r2t).into()),
+                ("ImmediateData".into(), yes_no(self.immediate_data).into()),
             ]);
         }
         if self.dialect == LoginDialect::IserRdmaExtensions {
@@ -266,10 +267,6 @@ impl LoginParams {
     }
 }
 
-fn yes_no(b: bool) -> String {
-    if b { "Yes" } else { "No" }.to_string()
-}
-
 /// The session's operational values, as the target answered them (RFC 7143
 /// defaults where it did not).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -305,19 +302,20 @@ impl Negotiated {
         Negotiated {
             header_digest: false,
             data_digest: false,
-            max_connections: 1,
-            initial_r2t: true,
-            immediate_data: true,
+            max_connections: keys::MAX_CONNECTIONS.default_number() as u32,
+            initial_r2t: keys::INITIAL_R2T.default_bool(),
+            immediate_data: keys::IMMEDIATE_DATA.default_bool(),
             max_recv_data_segment_length: ours,
-            target_max_recv_data_segment_length: 8192,
-            max_burst_length: 262_144,
-            first_burst_length: 65_536,
-            default_time2wait: 2,
-            default_time2retain: 20,
-            max_outstanding_r2t: 1,
-            data_pdu_in_order: true,
-            data_sequence_in_order: true,
-            error_recovery_level: 0,
+            target_max_recv_data_segment_length: keys::MAX_RECV_DATA_SEGMENT_LENGTH.default_number()
+                as u32,
+            max_burst_length: keys::MAX_BURST_LENGTH.default_number() as u32,
+            first_burst_length: keys::FIRST_BURST_LENGTH.default_number() as u32,
+            default_time2wait: keys::DEFAULT_TIME2WAIT.default_number() as u32,
+            default_time2retain: keys::DEFAULT_TIME2RETAIN.default_number() as u32,
+            max_outstanding_r2t: keys::MAX_OUTSTANDING_R2T.default_number() as u32,
+            data_pdu_in_order: keys::DATA_PDU_IN_ORDER.default_bool(),
+            data_sequence_in_order: keys::DATA_SEQUENCE_IN_ORDER.default_bool(),
+            error_recovery_level: keys::ERROR_RECOVERY_LEVEL.default_number() as u32,
             target_portal_group_tag: None,
             target_alias: None,
             rdma_extensions: false,
@@ -333,12 +331,22 @@ impl Negotiated {
             return Ok(());
         }
         let bad = || Error::proto(format!("login key {key}={value:?} is not a valid answer"));
-        let num = || value.parse::<u32>().map_err(|_| bad());
-        let boolean = || match value {
-            "Yes" => Ok(true),
-            "No" => Ok(false),
-            _ => Err(bad()),
+        let spec = keys::lookup(key);
+        // Range-checked, decimal or hex, as RFC 7143 6.1 allows.
+        let num = || {
+            spec.and_then(|k| k.number(value))
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or_else(bad)
         };
+        let boolean = || keys::parse_bool(value).ok_or_else(bad);
+        // What we offered bounds the outcome: a minimum cannot exceed it,
+        // an AND of our No is No, an OR of our Yes is Yes.
+        if let Some(k) = spec {
+            let offered = p.operational_keys().into_iter().find(|(o, _)| o == key);
+            if offered.is_some_and(|(_, ours)| !k.answer_fits(&ours, value)) {
+                return Err(bad());
+            }
+        }
         let digest = |offer: Digest| -> Result<bool, Error> {
             match (value, offer) {
                 ("None", Digest::None | Digest::PreferCrc32c) => Ok(false),
@@ -346,39 +354,14 @@ impl Negotiated {
                 _ => Err(bad()),
             }
         };
-        let at_most = |v: u32, limit: u32| {
-            if v <= limit && v >= 512 {
-                Ok(v)
-            } else {
-                Err(bad())
-            }
-        };
         match key {
             "HeaderDigest" => self.header_digest = digest(p.header_digest)?,
             "DataDigest" => self.data_digest = digest(p.data_digest)?,
-            "MaxConnections" => {
-                // We offer 1; the result of a min function cannot exceed it.
-                if num()? != 1 {
-                    return Err(bad());
-                }
-                self.max_connections = 1;
-            }
-            "InitialR2T" => {
-                let v = boolean()?;
-                if p.initial_r2t && !v {
-                    return Err(bad()); // OR function
-                }
-                self.initial_r2t = v;
-            }
-            "ImmediateData" => {
-                let v = boolean()?;
-                if !p.immediate_data && v {
-                    return Err(bad()); // AND function
-                }
-                self.immediate_data = v;
-            }
+            "MaxConnections" => self.max_connections = num()?,
+            "InitialR2T" => self.initial_r2t = boolean()?,
+            "ImmediateData" => self.immediate_data = boolean()?,
             "MaxRecvDataSegmentLength" | "TargetRecvDataSegmentLength" => {
-                self.target_max_recv_data_segment_length = at_most(num()?, 16_777_215)?
+                self.target_max_recv_data_segment_length = num()?
             }
             "RDMAExtensions" => {
                 let v = boolean()?;
@@ -387,11 +370,11 @@ impl Negotiated {
                 }
                 self.rdma_extensions = v;
             }
-            "MaxBurstLength" => self.max_burst_length = at_most(num()?, p.max_burst_length)?,
-            "FirstBurstLength" => self.first_burst_length = at_most(num()?, p.first_burst_length)?,
+            "MaxBurstLength" => self.max_burst_length = num()?,
+            "FirstBurstLength" => self.first_burst_length = num()?,
             "DefaultTime2Wait" => self.default_time2wait = num()?,
             "DefaultTime2Retain" => self.default_time2retain = num()?,
-            "MaxOutstandingR2T" => self.max_outstanding_r2t = num()?.max(1),
+            "MaxOutstandingR2T" => self.max_outstanding_r2t = num()?,
             "DataPDUInOrder" => self.data_pdu_in_order = boolean()?,
             "DataSequenceInOrder" => self.data_sequence_in_order = boolean()?,
             "ErrorRecoveryLevel" => self.error_recovery_level = num()?,

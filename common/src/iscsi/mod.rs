@@ -4,6 +4,7 @@ mod bhs;
 pub mod chap;
 pub mod digest;
 pub mod frame;
+pub mod keys;
 pub mod text;
 
 pub use bhs::*;

@@ -11,9 +11,10 @@ use ramslog_common::iscsi::chap::{self, decode_binary, encode_hex};
 use ramslog_common::iscsi::{login, login_status, text, Bhs};
 use rand::RngCore;
 
-use super::params::{parse_bool, parse_number, yes_no, Params};
+use super::params::Params;
 use super::Transport;
 use crate::portal::{ChapSecret, Portal};
+use ramslog_common::iscsi::keys::{self, parse_bool, yes_no};
 
 /// RFC 7143 6.1: values are at most 255 bytes, except binary CHAP values.
 const MAX_VALUE_LEN: usize = 255;
@@ -530,24 +531,6 @@ fn is_plausible_name(name: &str) -> bool {
         && !name.chars().any(|c| c.is_control() || c.is_whitespace())
 }
 
-/// Keys that mean nothing in a discovery session (RFC 7143 13).
-const NORMAL_ONLY: &[&str] = &[
-    "MaxConnections",
-    "InitialR2T",
-    "ImmediateData",
-    "MaxBurstLength",
-    "FirstBurstLength",
-    "MaxOutstandingR2T",
-    "DataPDUInOrder",
-    "DataSequenceInOrder",
-    "DefaultTime2Wait",
-    "DefaultTime2Retain",
-];
-
-fn numeric(value: &str, lo: u64, hi: u64) -> Option<u64> {
-    parse_number(value).filter(|v| (lo..=hi).contains(v))
-}
-
 /// Negotiate one operational key; `None` means the key is declarative and needs no answer.
 fn negotiate(
     key: &str,
@@ -556,11 +539,10 @@ fn negotiate(
     limits: &crate::portal::Limits,
     kind: SessionKind,
 ) -> Option<String> {
-    const MAX_SEGMENT: u64 = (1 << 24) - 1;
     if matches!(value, "NotUnderstood" | "Irrelevant" | "Reject") {
         return None;
     }
-    if kind == SessionKind::Discovery && NORMAL_ONLY.contains(&key) {
+    if kind == SessionKind::Discovery && keys::lookup(key).is_some_and(|k| k.normal_only) {
         return Some("Irrelevant".into());
     }
     let reject = || Some("Reject".to_string());
@@ -583,7 +565,9 @@ fn negotiate(
             }
             Some(choice.into())
         }
-        "MaxConnections" => numeric(value, 1, 65535).map_or_else(reject, |_| Some("1".into())),
+        "MaxConnections" => keys::MAX_CONNECTIONS
+            .number(value)
+            .map_or_else(reject, |_| Some("1".into())),
         "InitialR2T" => parse_bool(value).map_or_else(reject, |v| {
             p.initial_r2t = v || limits.initial_r2t || illumos_iser;
             Some(yes_no(p.initial_r2t).into())
@@ -593,7 +577,7 @@ fn negotiate(
             Some(yes_no(p.immediate_data).into())
         }),
         "MaxRecvDataSegmentLength" if p.rdma_extensions => Some("Irrelevant".into()),
-        "MaxRecvDataSegmentLength" => match numeric(value, 512, MAX_SEGMENT) {
+        "MaxRecvDataSegmentLength" => match keys::MAX_RECV_DATA_SEGMENT_LENGTH.number(value) {
             Some(v) => {
                 // illumos receives into fixed 16 KiB messages, headers included.
                 let cap = if illumos_iser {
@@ -607,7 +591,7 @@ fn negotiate(
             None => reject(),
         },
         "InitiatorRecvDataSegmentLength" if p.rdma_extensions => {
-            match numeric(value, 512, MAX_SEGMENT) {
+            match keys::INITIATOR_RECV_DATA_SEGMENT_LENGTH.number(value) {
                 Some(v) => {
                     p.initiator_mrdsl = v as u32;
                     None
@@ -617,50 +601,63 @@ fn negotiate(
         }
         // A hint from the initiator; we declare our own value with the
         // operational stage's first response.
-        "TargetRecvDataSegmentLength" if p.rdma_extensions => {
-            numeric(value, 512, MAX_SEGMENT).map_or_else(reject, |_| None)
-        }
+        "TargetRecvDataSegmentLength" if p.rdma_extensions => keys::TARGET_RECV_DATA_SEGMENT_LENGTH
+            .number(value)
+            .map_or_else(reject, |_| None),
         "MaxOutstandingUnexpectedPDUs" if p.rdma_extensions => {
             // Minimum, 0 meaning no limit: we send no unexpected PDUs but pings.
-            parse_number(value)
-                .filter(|v| *v == 0 || (2..=u64::from(u32::MAX)).contains(v))
+            keys::MAX_OUTSTANDING_UNEXPECTED_PDUS
+                .number(value)
+                .filter(|v| *v != 1)
                 .map_or_else(reject, |v| Some(v.to_string()))
         }
-        "MaxBurstLength" => numeric(value, 512, MAX_SEGMENT).map_or_else(reject, |v| {
-            p.max_burst_len = (v as u32).min(limits.max_burst_len);
-            Some(p.max_burst_len.to_string())
-        }),
-        "FirstBurstLength" => numeric(value, 512, MAX_SEGMENT).map_or_else(reject, |v| {
-            p.first_burst_len = (v as u32).min(limits.first_burst_len);
-            Some(p.first_burst_len.to_string())
-        }),
-        "DefaultTime2Wait" => numeric(value, 0, 3600).map_or_else(reject, |v| {
-            p.default_time2wait = v as u32;
-            Some(v.to_string())
-        }),
-        "DefaultTime2Retain" => numeric(value, 0, 3600).map_or_else(reject, |_| {
-            // Error recovery level 0 retains nothing after a connection ends.
-            p.default_time2retain = 0;
-            Some("0".into())
-        }),
-        "MaxOutstandingR2T" => numeric(value, 1, 65535).map_or_else(reject, |v| {
-            p.max_outstanding_r2t = (v as u32).min(limits.max_outstanding_r2t);
-            Some(p.max_outstanding_r2t.to_string())
-        }),
+        "MaxBurstLength" => keys::MAX_BURST_LENGTH
+            .number(value)
+            .map_or_else(reject, |v| {
+                p.max_burst_len = (v as u32).min(limits.max_burst_len);
+                Some(p.max_burst_len.to_string())
+            }),
+        "FirstBurstLength" => keys::FIRST_BURST_LENGTH
+            .number(value)
+            .map_or_else(reject, |v| {
+                p.first_burst_len = (v as u32).min(limits.first_burst_len);
+                Some(p.first_burst_len.to_string())
+            }),
+        "DefaultTime2Wait" => keys::DEFAULT_TIME2WAIT
+            .number(value)
+            .map_or_else(reject, |v| {
+                p.default_time2wait = v as u32;
+                Some(v.to_string())
+            }),
+        "DefaultTime2Retain" => keys::DEFAULT_TIME2RETAIN
+            .number(value)
+            .map_or_else(reject, |_| {
+                // Error recovery level 0 retains nothing after a connection ends.
+                p.default_time2retain = 0;
+                Some("0".into())
+            }),
+        "MaxOutstandingR2T" => keys::MAX_OUTSTANDING_R2T
+            .number(value)
+            .map_or_else(reject, |v| {
+                p.max_outstanding_r2t = (v as u32).min(limits.max_outstanding_r2t);
+                Some(p.max_outstanding_r2t.to_string())
+            }),
         "DataPDUInOrder" | "DataSequenceInOrder" => {
             // OR with our Yes: data always arrives in order.
             parse_bool(value).map_or_else(reject, |_| Some("Yes".into()))
         }
-        "ErrorRecoveryLevel" => numeric(value, 0, 2).map_or_else(reject, |_| Some("0".into())),
+        "ErrorRecoveryLevel" => keys::ERROR_RECOVERY_LEVEL
+            .number(value)
+            .map_or_else(reject, |_| Some("0".into())),
         "IFMarker" | "OFMarker" => parse_bool(value).map_or_else(reject, |_| Some("No".into())),
         "IFMarkInt" | "OFMarkInt" => Some("Irrelevant".into()),
         "RDMAExtensions" => {
             parse_bool(value).map_or_else(reject, |v| Some(yes_no(v && p.iser).into()))
         }
         "TaskReporting" => Some("RFC3720".into()),
-        "iSCSIProtocolLevel" => {
-            numeric(value, 0, 31).map_or_else(reject, |v| Some(v.min(1).to_string()))
-        }
+        "iSCSIProtocolLevel" => keys::ISCSI_PROTOCOL_LEVEL
+            .number(value)
+            .map_or_else(reject, |v| Some(v.min(1).to_string())),
         "TargetAlias" | "TargetAddress" | "TargetPortalGroupTag" | "SendTargets" => {
             Some("Irrelevant".into())
         }

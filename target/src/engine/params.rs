@@ -1,4 +1,7 @@
-//! Operational parameters and the negotiation rules of RFC 7143 section 13.
+//! The operational values in force for a connection; how each key is
+//! negotiated, its range and default are in `ramslog_common::iscsi::keys`.
+
+use ramslog_common::iscsi::keys;
 
 /// The values in force for a connection/session after login.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,57 +32,17 @@ impl Params {
         Params {
             header_digest: false,
             data_digest: false,
-            initiator_mrdsl: 8192,
+            initiator_mrdsl: keys::MAX_RECV_DATA_SEGMENT_LENGTH.default_number() as u32,
             target_mrdsl,
-            max_burst_len: 262_144,
-            first_burst_len: 65_536,
-            initial_r2t: true,
-            immediate_data: true,
-            max_outstanding_r2t: 1,
-            default_time2wait: 2,
-            default_time2retain: 20,
+            max_burst_len: keys::MAX_BURST_LENGTH.default_number() as u32,
+            first_burst_len: keys::FIRST_BURST_LENGTH.default_number() as u32,
+            initial_r2t: keys::INITIAL_R2T.default_bool(),
+            immediate_data: keys::IMMEDIATE_DATA.default_bool(),
+            max_outstanding_r2t: keys::MAX_OUTSTANDING_R2T.default_number() as u32,
+            default_time2wait: keys::DEFAULT_TIME2WAIT.default_number() as u32,
+            default_time2retain: keys::DEFAULT_TIME2RETAIN.default_number() as u32,
             iser: false,
             rdma_extensions: false,
         }
-    }
-}
-
-/// Parse an iSCSI numerical value: decimal, or hex with a 0x prefix.
-pub fn parse_number(v: &str) -> Option<u64> {
-    if let Some(hex) = v.strip_prefix("0x").or_else(|| v.strip_prefix("0X")) {
-        u64::from_str_radix(hex, 16).ok()
-    } else if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
-        v.parse().ok()
-    } else {
-        None
-    }
-}
-
-pub fn parse_bool(v: &str) -> Option<bool> {
-    match v {
-        "Yes" => Some(true),
-        "No" => Some(false),
-        _ => None,
-    }
-}
-
-pub fn yes_no(b: bool) -> &'static str {
-    if b {
-        "Yes"
-    } else {
-        "No"
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn numbers() {
-        assert_eq!(parse_number("8192"), Some(8192));
-        assert_eq!(parse_number("0x10"), Some(16));
-        assert_eq!(parse_number("-1"), None);
-        assert_eq!(parse_number(""), None);
     }
 }
