@@ -83,7 +83,7 @@ async fn run_connection(
     });
     permit.watch(control.clone());
     let stall_limit = portal.limits.output_stall_timeout;
-    let mut conn = Connection::new(
+    let mut conn = Connection::tcp(
         portal,
         ConnInfo { local, peer },
         control.clone(),

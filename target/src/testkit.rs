@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ramslog_common::iscsi::{login, text, Bhs, Opcode};
+use ramslog_common::iser::CmPeer;
 
 use crate::engine::{ConnInfo, Connection};
 use crate::portal::{Acl, Limits, Portal, SessionControl, TargetDef};
@@ -75,8 +76,8 @@ pub fn logged_in(
     };
     let target = portal.targets[0].name.clone();
     let mut conn = match iser_recv_data_len {
-        Some(len) => Connection::new_iser(portal, info, Arc::new(NoControl), now, len),
-        None => Connection::new(portal, info, Arc::new(NoControl), now),
+        Some(len) => Connection::iser(portal, info, Arc::new(NoControl), now, len, CmPeer::Unknown),
+        None => Connection::tcp(portal, info, Arc::new(NoControl), now),
     };
     let mut data = Vec::new();
     text::encode_pair(

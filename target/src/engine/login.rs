@@ -8,13 +8,14 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 
 use ramslog_common::iscsi::chap::{self, decode_binary, encode_hex};
+use ramslog_common::iscsi::keys::{self, parse_bool, yes_no};
 use ramslog_common::iscsi::{login, login_status, text, Bhs};
+use ramslog_common::iser::CmPeer;
 use rand::RngCore;
 
 use super::params::Params;
 use super::Transport;
 use crate::portal::{ChapSecret, Portal};
-use ramslog_common::iscsi::keys::{self, parse_bool, yes_no};
 
 /// RFC 7143 6.1: values are at most 255 bytes, except binary CHAP values.
 const MAX_VALUE_LEN: usize = 255;
@@ -98,9 +99,10 @@ impl Reply {
 }
 
 impl Login {
-    pub fn new(target_mrdsl: u32, transport: Transport, peer: IpAddr) -> Login {
+    pub fn new(target_mrdsl: u32, transport: Transport, peer: IpAddr, proposed: CmPeer) -> Login {
         let mut params = Params::defaults(target_mrdsl);
         params.iser = transport == Transport::Iser;
+        params.cm_peer = proposed;
         Login {
             first: None,
             stage: login::STAGE_SECURITY,

@@ -26,7 +26,7 @@ use ramslog_common::iscsi::frame::Digests;
 use ramslog_common::iscsi::{
     self, login_status, Bhs, LoginResponse, Opcode, RejectReason, Residual, RESERVED_TAG,
 };
-use ramslog_common::iser::RemoteBuffer;
+use ramslog_common::iser::{CmPeer, RemoteBuffer};
 
 pub use login::SessionKind;
 pub use params::Params;
@@ -193,35 +193,41 @@ pub struct Connection {
 }
 
 impl Connection {
-    pub fn new(
+    /// An iSCSI/TCP connection.
+    pub fn tcp(
         portal: Arc<Portal>,
         info: ConnInfo,
         control: Arc<dyn SessionControl>,
         now: Instant,
     ) -> Connection {
         let mrdsl = portal.limits.max_recv_data_segment_len;
-        Connection::with_transport(portal, info, control, now, Transport::Tcp, mrdsl)
+        let login = Login::new(mrdsl, Transport::Tcp, info.peer.ip(), CmPeer::Unknown);
+        Connection::with_login(portal, info, control, now, Transport::Tcp, login)
     }
 
     /// An iSER connection whose receive buffers hold `recv_data_len` bytes of
-    /// data segment after the iSER header, BHS and AHS.
-    pub fn new_iser(
+    /// data segment after the iSER header, BHS and AHS. `proposed` is the
+    /// initiator family its connect request's private data looks like; the
+    /// login confirms it (docs/iser-compat.md).
+    pub fn iser(
         portal: Arc<Portal>,
         info: ConnInfo,
         control: Arc<dyn SessionControl>,
         now: Instant,
         recv_data_len: u32,
+        proposed: CmPeer,
     ) -> Connection {
-        Connection::with_transport(portal, info, control, now, Transport::Iser, recv_data_len)
+        let login = Login::new(recv_data_len, Transport::Iser, info.peer.ip(), proposed);
+        Connection::with_login(portal, info, control, now, Transport::Iser, login)
     }
 
-    fn with_transport(
+    fn with_login(
         portal: Arc<Portal>,
         info: ConnInfo,
         control: Arc<dyn SessionControl>,
         now: Instant,
         transport: Transport,
-        mrdsl: u32,
+        login: Login,
     ) -> Connection {
         let mut timers = TimerTable::default();
         timers.set(Timer::Login, now + portal.limits.login_timeout);
@@ -229,7 +235,7 @@ impl Connection {
             portal,
             info,
             control,
-            phase: Phase::Login(Box::new(Login::new(mrdsl, transport, info.peer.ip()))),
+            phase: Phase::Login(Box::new(login)),
             actions: VecDeque::with_capacity(64),
             timers,
             statsn: 0,

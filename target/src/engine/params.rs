@@ -2,6 +2,7 @@
 //! negotiated, its range and default are in `ramslog_common::iscsi::keys`.
 
 use ramslog_common::iscsi::keys;
+use ramslog_common::iser::CmPeer;
 
 /// The values in force for a connection/session after login.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,6 +25,9 @@ pub struct Params {
     /// The initiator negotiated RDMAExtensions=Yes (RFC 7145, Linux); an
     /// iSER login without it follows the illumos initiator's rules.
     pub rdma_extensions: bool,
+    /// iSER: the initiator family the connect request's private data
+    /// proposed; the login confirms it.
+    pub cm_peer: CmPeer,
 }
 
 impl Params {
@@ -43,6 +47,7 @@ impl Params {
             default_time2retain: keys::DEFAULT_TIME2RETAIN.default_number() as u32,
             iser: false,
             rdma_extensions: false,
+            cm_peer: CmPeer::Unknown,
         }
     }
 }

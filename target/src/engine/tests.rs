@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use ramslog_common::iscsi::chap;
 use ramslog_common::iscsi::{login, login_status, text, tmf, Bhs, Opcode, BHS_LEN, RESERVED_TAG};
+use ramslog_common::iser::CmPeer;
 use ramslog_common::scsi_wire::{sense_key, status, Sense};
 
 use super::*;
@@ -80,7 +81,7 @@ impl Harness {
             peer: "127.0.0.1:5555".parse().unwrap(),
         };
         Harness {
-            conn: Connection::new(portal, info, Arc::new(Flag::default()), now),
+            conn: Connection::tcp(portal, info, Arc::new(Flag::default()), now),
             now,
             cmdsn: 100,
             itt: 1,
@@ -90,8 +91,14 @@ impl Harness {
     }
 
     fn new_iser(portal: Arc<Portal>) -> Harness {
+        Harness::new_iser_from(portal, CmPeer::Unknown)
+    }
+
+    /// An iSER connection whose connect request looked like `proposed`.
+    fn new_iser_from(portal: Arc<Portal>, proposed: CmPeer) -> Harness {
         let mut h = Harness::new(portal.clone());
-        h.conn = Connection::new_iser(portal, h.conn.info, Arc::new(Flag::default()), h.now, 8192);
+        let control = Arc::new(Flag::default());
+        h.conn = Connection::iser(portal, h.conn.info, control, h.now, 8192, proposed);
         h
     }
 
@@ -936,8 +943,13 @@ impl Harness {
 }
 
 fn iser_login(extra: &[(&str, &str)]) -> (Harness, Vec<(String, String)>) {
+    iser_login_from(CmPeer::Unknown, extra)
+}
+
+/// An iSER login whose connect request's private data looked like `proposed`.
+fn iser_login_from(proposed: CmPeer, extra: &[(&str, &str)]) -> (Harness, Vec<(String, String)>) {
     let portal = portal_with(Limits::default(), None, None, Acl::Any);
-    let mut h = Harness::new_iser(portal);
+    let mut h = Harness::new_iser_from(portal, proposed);
     let mut keys = vec![
         ("InitiatorName", INI),
         ("TargetName", IQN),
@@ -952,6 +964,31 @@ fn iser_login(extra: &[(&str, &str)]) -> (Harness, Vec<(String, String)>) {
     let k = keys_of(&r.data);
     h.clear_unit_attention();
     (h, k)
+}
+
+/// The connect request proposes the peer, the RDMAExtensions key confirms
+/// it. An illumos-looking connect that negotiates RFC 7145 keys is a peer we
+/// cannot place, so it gets the illumos limits, which every peer can take:
+/// no immediate data, InitialR2T.
+#[test]
+#[should_panic(expected = "illumos limits when the connect request and the keys disagree")]
+fn an_illumos_connect_with_rdma_extensions_gets_the_illumos_limits() {
+    let (_, k) = iser_login_from(
+        CmPeer::Illumos,
+        &[
+            ("RDMAExtensions", "Yes"),
+            ("InitiatorRecvDataSegmentLength", "262144"),
+            ("TargetRecvDataSegmentLength", "262144"),
+            ("ImmediateData", "Yes"),
+            ("InitialR2T", "No"),
+        ],
+    );
+    assert_eq!(key(&k, "RDMAExtensions"), Some("Yes"));
+    assert_eq!(
+        (key(&k, "ImmediateData"), key(&k, "InitialR2T")),
+        (Some("No"), Some("Yes")),
+        "illumos limits when the connect request and the keys disagree"
+    );
 }
 
 #[test]

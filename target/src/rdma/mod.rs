@@ -380,7 +380,14 @@ fn run_connection(
     });
     permit.watch(control.clone());
     let output_stall_timeout = portal.limits.output_stall_timeout;
-    let conn = Connection::new_iser(portal, info, control.clone(), Instant::now(), RECV_DATA_LEN);
+    let conn = Connection::iser(
+        portal,
+        info,
+        control.clone(),
+        Instant::now(),
+        RECV_DATA_LEN,
+        offer.request.peer,
+    );
     let mut driver = Driver {
         id: &id,
         send_cq: &send_cq,

@@ -469,7 +469,7 @@ fn discovery_login_never_ends_a_normal_session() {
     );
     let victim_flag = Arc::new(Flag::default());
     let mut victim = Harness::new(portal.clone());
-    victim.conn = Connection::new(
+    victim.conn = Connection::tcp(
         portal.clone(),
         victim.conn.info,
         victim_flag.clone(),
