@@ -13,7 +13,7 @@ use ramslog_common::iscsi::{login, login_status, text, Bhs};
 use ramslog_common::iser::CmPeer;
 use rand::RngCore;
 
-use super::params::Params;
+use super::params::{IserPeer, Params};
 use super::Transport;
 use crate::portal::{ChapSecret, Portal};
 
@@ -218,6 +218,13 @@ impl Login {
             // Decided before any other key: it changes how ImmediateData and
             // the segment lengths are answered in this same PDU.
             self.params.rdma_extensions = true;
+            if self.params.cm_peer == CmPeer::Illumos {
+                tracing::warn!(
+                    peer = %self.peer,
+                    "the connect request looks like the illumos initiator, the login negotiates \
+                     RDMAExtensions=Yes: applying the illumos limits (no immediate data, InitialR2T)"
+                );
+            }
         }
         // Identity keys first, whatever their order in the PDU: whether CHAP
         // is required depends on the target and the session type, so no
@@ -388,6 +395,16 @@ impl Login {
                         self.params.first_burst_len = self.params.max_burst_len;
                     }
                     next = Next::FullFeature;
+                    if self.params.iser
+                        && self.params.cm_peer == CmPeer::Linux
+                        && !self.params.rdma_extensions
+                    {
+                        tracing::warn!(
+                            peer = %self.peer,
+                            "the connect request looks like Linux ib_iser, the login has no \
+                             RDMAExtensions=Yes: applied the illumos limits"
+                        );
+                    }
                 }
             }
         } else if csg == login::STAGE_OPERATIONAL
@@ -549,7 +566,7 @@ fn negotiate(
     }
     let reject = || Some("Reject".to_string());
     // The illumos iSER initiator: no RDMAExtensions key, 16 KiB messages.
-    let illumos_iser = p.iser && !p.rdma_extensions;
+    let illumos_iser = p.iser_peer() == Some(IserPeer::Illumos);
     match key {
         "HeaderDigest" | "DataDigest" => {
             // iSER moves data by RDMA: digests do not apply (RFC 7145 6.3).

@@ -29,7 +29,7 @@ use ramslog_common::iscsi::{
 use ramslog_common::iser::{CmPeer, RemoteBuffer};
 
 pub use login::SessionKind;
-pub use params::Params;
+pub use params::{IserPeer, Params};
 pub use session::ISER_BUFFERED_READ_MAX;
 
 use crate::metrics::{LoginRefusal, Served};
@@ -253,6 +253,14 @@ impl Connection {
 
     pub fn transport(&self) -> Transport {
         self.transport
+    }
+
+    /// Whose limits this iSER connection got, once logged in.
+    pub fn iser_peer(&self) -> Option<IserPeer> {
+        match &self.phase {
+            Phase::FullFeature(s) => s.params.iser_peer(),
+            _ => None,
+        }
     }
 
     /// The logged-in session's LUs (kept after the session ends, like [`Self::read_store`]).

@@ -30,7 +30,32 @@ pub struct Params {
     pub cm_peer: CmPeer,
 }
 
+/// Whose limits an iSER connection gets (docs/iser-compat.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IserPeer {
+    /// Linux ib_iser: RFC 7145 keys, immediate data, 128-byte full-feature
+    /// receive buffers.
+    Linux,
+    /// The illumos initiator, and any peer we cannot place: no immediate
+    /// data, InitialR2T, 16 KiB messages, 4 RDMA READs in flight. Every
+    /// initiator can live with these.
+    Illumos,
+}
+
 impl Params {
+    /// The peer an iSER connection serves, decided in one place: the connect
+    /// request's private data proposes, the RDMAExtensions key confirms.
+    /// Linux needs both to agree; anything else gets the illumos limits.
+    pub fn iser_peer(&self) -> Option<IserPeer> {
+        if !self.iser {
+            return None;
+        }
+        Some(match (self.cm_peer, self.rdma_extensions) {
+            (CmPeer::Linux | CmPeer::Unknown, true) => IserPeer::Linux,
+            (CmPeer::Illumos, _) | (_, false) => IserPeer::Illumos,
+        })
+    }
+
     /// RFC 7143 defaults, with our own receive limit declared.
     pub fn defaults(target_mrdsl: u32) -> Params {
         Params {

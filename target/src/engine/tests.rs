@@ -971,7 +971,6 @@ fn iser_login_from(proposed: CmPeer, extra: &[(&str, &str)]) -> (Harness, Vec<(S
 /// cannot place, so it gets the illumos limits, which every peer can take:
 /// no immediate data, InitialR2T.
 #[test]
-#[should_panic(expected = "illumos limits when the connect request and the keys disagree")]
 fn an_illumos_connect_with_rdma_extensions_gets_the_illumos_limits() {
     let (_, k) = iser_login_from(
         CmPeer::Illumos,
@@ -989,6 +988,30 @@ fn an_illumos_connect_with_rdma_extensions_gets_the_illumos_limits() {
         (Some("No"), Some("Yes")),
         "illumos limits when the connect request and the keys disagree"
     );
+}
+
+#[test]
+fn the_peer_is_linux_only_when_the_connect_request_and_the_keys_agree() {
+    let linux_keys = [
+        ("RDMAExtensions", "Yes"),
+        ("InitiatorRecvDataSegmentLength", "262144"),
+        ("TargetRecvDataSegmentLength", "262144"),
+        ("ImmediateData", "Yes"),
+        ("InitialR2T", "No"),
+    ];
+    let (h, k) = iser_login_from(CmPeer::Linux, &linux_keys);
+    assert_eq!(h.conn.iser_peer(), Some(IserPeer::Linux));
+    assert_eq!(key(&k, "ImmediateData"), Some("Yes"));
+    let (h, _) = iser_login_from(CmPeer::Illumos, &linux_keys);
+    assert_eq!(h.conn.iser_peer(), Some(IserPeer::Illumos));
+    // A Linux-looking connect that logs in like illumos (no RFC 7145 keys).
+    let (h, k) = iser_login_from(
+        CmPeer::Linux,
+        &[("ImmediateData", "Yes"), ("InitialR2T", "No")],
+    );
+    assert_eq!(h.conn.iser_peer(), Some(IserPeer::Illumos));
+    assert_eq!(key(&k, "ImmediateData"), Some("No"));
+    assert_eq!(logged_in().conn.iser_peer(), None);
 }
 
 #[test]

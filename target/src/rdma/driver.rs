@@ -313,6 +313,13 @@ impl Driver<'_> {
         if self.conn.is_logged_in() && self.large.is_none() {
             self.permit.logged_in();
             self.large = Some(LargeBuffers::new(self.pd)?);
+            if self.conn.iser_peer() == Some(IserPeer::Illumos) {
+                // The connect request looked like Linux but the login did
+                // not: a peer we cannot place gets what illumos can take.
+                self.credits = self
+                    .credits
+                    .min(usize::from(peer::ILLUMOS_RDMA_READ_CREDITS));
+            }
         }
         Ok(())
     }
