@@ -15,7 +15,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
-use crate::engine::{Action, ConnInfo, Connection, OutData, OutPdu};
+use crate::engine::{Action, ConnInfo, Connection, Input, OutData, OutPdu};
 use crate::metrics::{self, LimitHit, Served};
 use crate::portal::{Link, Permit, Portal, Refusal, SessionControl};
 
@@ -125,7 +125,7 @@ async fn run_connection(
                         }
                         break Ok(());
                     }
-                    conn.handle_timeout(now);
+                    conn.handle(now, Input::Timeout);
                 }
                 _ = control.notify.notified() => break Ok(()),
             }
@@ -155,7 +155,7 @@ async fn run_connection(
                 }
                 Err(e) => break Err(e),
             },
-            _ = sleep_until(deadline) => conn.handle_timeout(Instant::now()),
+            _ = sleep_until(deadline) => conn.handle(Instant::now(), Input::Timeout),
             _ = control.notify.notified() => break Ok(()),
         }
     };
@@ -384,7 +384,7 @@ fn process_pdus(conn: &mut Connection, rx: &mut RxBuffer) -> Result<(), RxError>
             }
             Err(e) => {
                 if let DeframeError::Oversized { bhs, .. } = &e {
-                    conn.handle_oversized(Instant::now(), bhs);
+                    conn.handle(Instant::now(), Input::Oversized(bhs));
                 }
                 return Err(e.into());
             }
@@ -392,9 +392,9 @@ fn process_pdus(conn: &mut Connection, rx: &mut RxBuffer) -> Result<(), RxError>
         let now = Instant::now();
         // Unknown opcodes reach the engine too: it answers them with a Reject.
         if frame.data_digest_ok {
-            conn.handle_pdu(now, &frame.bhs, frame.ahs, frame.data);
+            conn.handle(now, Input::pdu(&frame.bhs, frame.ahs, frame.data));
         } else {
-            conn.handle_data_digest_error(now, &frame.bhs);
+            conn.handle(now, Input::DataDigestError(&frame.bhs));
         }
         rx.consume(frame.wire_len);
     }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use ramslog_common::iscsi::{login, text, Bhs, Opcode};
 use ramslog_common::iser::CmPeer;
 
-use crate::engine::{ConnInfo, Connection};
+use crate::engine::{ConnInfo, Connection, Input};
 use crate::portal::{Acl, Limits, Portal, SessionControl, TargetDef};
 use crate::scsi::{Identity, Readiness, ScsiTarget};
 use crate::store::{HugePages, Store};
@@ -93,7 +93,7 @@ pub fn logged_in(
     l.set_immediate(true)
         .set_flags(login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE)
         .set_data_segment_len(data.len() as u32);
-    conn.handle_pdu(now, &l, &[], &data);
+    conn.handle(now, Input::pdu(&l, &[], &data));
     let mut status = None;
     while let Some(a) = conn.poll_action() {
         if let crate::engine::Action::Send(p) = a {

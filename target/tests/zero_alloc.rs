@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use ramslog_common::iscsi::{Bhs, Opcode};
 use ramslog_common::iser::RemoteBuffer;
-use ramslog_target::engine::{Action, Connection, OutData, ReadDest};
+use ramslog_target::engine::{Action, Connection, Input, OutData, ReadDest, RemoteBuffers};
 use ramslog_target::metrics::{self, CommandKind};
 use ramslog_target::testkit;
 
@@ -64,7 +64,7 @@ fn drain(conn: &mut Connection, now: Instant) -> (usize, Option<u8>) {
             }
             Action::RdmaRead { tag, dest, .. } => {
                 assert!(matches!(dest, ReadDest::Store { .. }));
-                conn.handle_rdma_read_done(now, tag, &[]);
+                conn.handle(now, Input::RdmaReadDone { tag, data: &[] });
             }
             Action::Close => panic!("connection closed"),
         }
@@ -137,9 +137,17 @@ fn io_loop(iser: bool) {
             } else {
                 (None, remote)
             };
-            conn.handle_iser_pdu(now, w, r, &b, &[], payload);
+            conn.handle(
+                now,
+                Input::Pdu {
+                    bhs: &b,
+                    ahs: &[],
+                    data: payload,
+                    buffers: RemoteBuffers { write: w, read: r },
+                },
+            );
         } else {
-            conn.handle_pdu(now, &b, &[], payload);
+            conn.handle(now, Input::pdu(&b, &[], payload));
         }
         drain(conn, now)
     };

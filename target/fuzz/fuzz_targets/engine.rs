@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use libfuzzer_sys::fuzz_target;
 use ramslog_common::iscsi::{Bhs, Opcode, BHS_LEN, RESERVED_TAG};
 use ramslog_common::iser::RemoteBuffer;
-use ramslog_target::engine::{Action, Connection, OutData};
+use ramslog_target::engine::{Action, Connection, Input as EngineInput, OutData, RemoteBuffers};
 use ramslog_target::testkit;
 
 /// `FUZZ_TRACE=1 cargo fuzz run engine ARTIFACT` prints what a case does.
@@ -182,9 +182,9 @@ fuzz_target!(|data: &[u8]| {
             let d = input.take(len).unwrap_or(&[]).to_vec();
             b.set_data_segment_len(d.len() as u32);
             if kind & 1 != 0 {
-                run.conn.handle_pdu(run.now, &b, &[], &d);
+                run.conn.handle(run.now, EngineInput::pdu(&b, &[], &d));
             } else {
-                run.conn.handle_data_digest_error(run.now, &b);
+                run.conn.handle(run.now, EngineInput::DataDigestError(&b));
             }
         } else {
             match kind % 4 {
@@ -219,9 +219,9 @@ fuzz_target!(|data: &[u8]| {
                         va: 0x10000,
                     });
                     if run.iser {
-                        run.conn.handle_iser_pdu(run.now, remote, None, &b, &[], &d);
+                        run.conn.handle(run.now, EngineInput::Pdu { bhs: &b, ahs: &[], data: &d, buffers: RemoteBuffers { write: remote, read: None } });
                     } else {
-                        run.conn.handle_pdu(run.now, &b, &[], &d);
+                        run.conn.handle(run.now, EngineInput::pdu(&b, &[], &d));
                     }
                 }
                 // Data-Out: solicited (answering a known R2T, maybe wrongly) or not.
@@ -255,12 +255,12 @@ fuzz_target!(|data: &[u8]| {
                     trace!(
                         "DATA-OUT itt={itt} ttt={ttt:#x} off={offset} n={n} sn={datasn} F={last}"
                     );
-                    run.conn.handle_pdu(run.now, &b, &[], &d);
+                    run.conn.handle(run.now, EngineInput::pdu(&b, &[], &d));
                 }
                 // Time passes; RDMA READs complete (the HCA wrote the pattern).
                 _ => {
                     run.now += Duration::from_secs(u64::from(input.byte().unwrap_or(0)));
-                    run.conn.handle_timeout(run.now);
+                    run.conn.handle(run.now, EngineInput::Timeout);
                     for (tag, len, off, _) in std::mem::take(&mut run.reads) {
                         if off != u64::MAX {
                             let itt = (off / REGION) as u32;
@@ -271,7 +271,7 @@ fuzz_target!(|data: &[u8]| {
                             }
                         }
                         trace!("READ-DONE tag={tag} off={off} len={len}");
-                        run.conn.handle_rdma_read_done(run.now, tag, &[]);
+                        run.conn.handle(run.now, EngineInput::RdmaReadDone { tag, data: &[] });
                     }
                 }
             }

@@ -1,9 +1,10 @@
 //! The sans-IO iSCSI engine: one `Connection` per transport connection.
 //!
-//! Inputs: [`Connection::handle_pdu`] (a whole PDU: BHS, AHS, data segment,
-//! digests already checked by the driver), [`Connection::handle_data_digest_error`],
-//! [`Connection::handle_timeout`]. Outputs: [`Connection::poll_action`] (PDUs to
-//! send, or close) and [`Connection::poll_timeout`]. The driver polls in that
+//! One input, [`Connection::handle`], carries everything a transport delivers
+//! ([`Input`]: a whole PDU with the buffers its iSER header named, digests
+//! already checked by the driver; a data digest error; an oversized PDU; a
+//! finished RDMA READ; a timeout). Outputs: [`Connection::poll_action`] (PDUs
+//! to send, RDMA transfers, close) and [`Connection::poll_timeout`]. The driver polls in that
 //! order after every input: drain `poll_action` until `None`, then re-arm its
 //! timer from `poll_timeout`. The engine never touches sockets or clocks: the
 //! current time is always passed in.
@@ -105,7 +106,7 @@ pub enum Action {
         data: OutData,
     },
     /// iSER: RDMA-READ `len` bytes of the initiator's buffer into `dest`, then
-    /// report [`Connection::handle_rdma_read_done`] with `tag`.
+    /// report [`Input::RdmaReadDone`] with `tag`.
     RdmaRead {
         tag: u32,
         stag: u32,
@@ -165,6 +166,51 @@ impl TimerTable {
     }
     fn next(&self) -> Option<Instant> {
         self.0.iter().flatten().min().copied()
+    }
+}
+
+/// The tagged buffers an iSER header named for a SCSI command: the
+/// initiator's write data to RDMA-read and its read buffer to RDMA-write.
+/// None on TCP.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RemoteBuffers {
+    pub write: Option<RemoteBuffer>,
+    pub read: Option<RemoteBuffer>,
+}
+
+/// Everything a transport delivers to the engine, through [`Connection::handle`].
+#[derive(Debug, Clone, Copy)]
+pub enum Input<'a> {
+    /// A PDU: its header, AHS and data segment (no padding or digests), with
+    /// the buffers its iSER header named.
+    Pdu {
+        bhs: &'a Bhs,
+        ahs: &'a [u8],
+        data: &'a [u8],
+        buffers: RemoteBuffers,
+    },
+    /// A PDU whose data digest did not match; its header was sound.
+    DataDigestError(&'a Bhs),
+    /// A PDU announcing a data segment longer than
+    /// [`Connection::max_rx_data_segment`]: a protocol error.
+    Oversized(&'a Bhs),
+    /// The RDMA READ of [`Action::RdmaRead`] `tag` finished (iSER). For
+    /// [`ReadDest::Buffer`] `data` holds the bytes read; for the store it is
+    /// empty.
+    RdmaReadDone { tag: u32, data: &'a [u8] },
+    /// A deadline [`Connection::poll_timeout`] named has passed.
+    Timeout,
+}
+
+impl<'a> Input<'a> {
+    /// A PDU that came without tagged buffers (every PDU on TCP).
+    pub fn pdu(bhs: &'a Bhs, ahs: &'a [u8], data: &'a [u8]) -> Input<'a> {
+        Input::Pdu {
+            bhs,
+            ahs,
+            data,
+            buffers: RemoteBuffers::default(),
+        }
     }
 }
 
@@ -268,28 +314,23 @@ impl Connection {
         self.scsi.as_ref()
     }
 
-    /// iSER: a control PDU with the tagged buffers its iSER header carried.
-    pub fn handle_iser_pdu(
-        &mut self,
-        now: Instant,
-        write: Option<RemoteBuffer>,
-        read: Option<RemoteBuffer>,
-        bhs: &Bhs,
-        ahs: &[u8],
-        data: &[u8],
-    ) {
-        if let Phase::FullFeature(s) = &mut self.phase {
-            s.set_remote_buffers(write, read);
-        }
-        self.handle_pdu(now, bhs, ahs, data);
-        if let Phase::FullFeature(s) = &mut self.phase {
-            s.set_remote_buffers(None, None);
+    /// The one way in: whatever the transport delivers, at `now`.
+    pub fn handle(&mut self, now: Instant, input: Input<'_>) {
+        match input {
+            Input::Pdu {
+                bhs,
+                ahs,
+                data,
+                buffers,
+            } => self.pdu(now, bhs, ahs, data, buffers),
+            Input::DataDigestError(bhs) => self.data_digest_error(now, bhs),
+            Input::Oversized(bhs) => self.oversized(now, bhs),
+            Input::RdmaReadDone { tag, data } => self.rdma_read_done(now, tag, data),
+            Input::Timeout => self.timeout(now),
         }
     }
 
-    /// iSER: the RDMA READ of [`Action::RdmaRead`] `tag` finished. For
-    /// [`ReadDest::Buffer`] `data` holds the bytes read; for the store it is empty.
-    pub fn handle_rdma_read_done(&mut self, now: Instant, tag: u32, data: &[u8]) {
+    fn rdma_read_done(&mut self, now: Instant, tag: u32, data: &[u8]) {
         self.touch(now);
         if let Phase::FullFeature(s) = &mut self.phase {
             let mut out = Out {
@@ -382,8 +423,7 @@ impl Connection {
             .is_some_and(|lu| lu.volume().store().read(offset, out).is_ok())
     }
 
-    /// A PDU whose data digest did not match (the header was good).
-    pub fn handle_data_digest_error(&mut self, now: Instant, bhs: &Bhs) {
+    fn data_digest_error(&mut self, now: Instant, bhs: &Bhs) {
         tracing::warn!(peer = %self.info.peer, "data digest error on {:?}", bhs.opcode());
         self.touch(now);
         if let Phase::FullFeature(s) = &mut self.phase {
@@ -399,8 +439,7 @@ impl Connection {
         }
     }
 
-    /// A PDU announced a data segment longer than we accept: protocol error.
-    pub fn handle_oversized(&mut self, now: Instant, bhs: &Bhs) {
+    fn oversized(&mut self, now: Instant, bhs: &Bhs) {
         self.touch(now);
         tracing::warn!(peer = %self.info.peer, len = bhs.data_segment_len(), "data segment longer than MaxRecvDataSegmentLength");
         if let Phase::FullFeature(s) = &mut self.phase {
@@ -413,7 +452,7 @@ impl Connection {
         self.fail_close();
     }
 
-    pub fn handle_pdu(&mut self, now: Instant, bhs: &Bhs, ahs: &[u8], data: &[u8]) {
+    fn pdu(&mut self, now: Instant, bhs: &Bhs, ahs: &[u8], data: &[u8], buffers: RemoteBuffers) {
         self.touch(now);
         match &mut self.phase {
             Phase::Closed => {}
@@ -423,7 +462,7 @@ impl Connection {
                     q: &mut self.actions,
                     statsn: &mut self.statsn,
                 };
-                match s.handle_pdu(now, bhs, ahs, data, &mut out) {
+                match s.handle_pdu(now, bhs, ahs, data, buffers, &mut out) {
                     session::Flow::Continue => {}
                     // touch() above re-armed the idle interval.
                     session::Flow::PingAnswered => self.timers.clear(Timer::NopResponse),
@@ -433,7 +472,7 @@ impl Connection {
         }
     }
 
-    pub fn handle_timeout(&mut self, now: Instant) {
+    fn timeout(&mut self, now: Instant) {
         if self.timers.expired(Timer::Login, now) {
             tracing::info!(peer = %self.info.peer, "login timed out");
             self.timers.clear(Timer::Login);

@@ -105,7 +105,7 @@ impl Harness {
     fn send(&mut self, bhs: &Bhs, data: &[u8]) -> Vec<Rsp> {
         let mut b = *bhs;
         b.set_data_segment_len(data.len() as u32);
-        self.conn.handle_pdu(self.now, &b, &[], data);
+        self.conn.handle(self.now, Input::pdu(&b, &[], data));
         self.drain()
     }
 
@@ -718,7 +718,7 @@ fn nop_echo_ping_and_ping_timeout() {
     assert_eq!(r[0].data, b"ping-data");
     // Idle: the target pings; answered, nothing happens; unanswered, it closes.
     h.now += Duration::from_secs(16);
-    h.conn.handle_timeout(h.now);
+    h.conn.handle(h.now, Input::Timeout);
     let r = h.drain();
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::NopIn));
     assert_eq!(r[0].bhs.itt(), RESERVED_TAG);
@@ -731,10 +731,10 @@ fn nop_echo_ping_and_ping_timeout() {
         .set_cmdsn(h.cmdsn);
     assert!(h.send(&a, &[]).is_empty());
     h.now += Duration::from_secs(16);
-    h.conn.handle_timeout(h.now);
+    h.conn.handle(h.now, Input::Timeout);
     assert_eq!(h.drain().len(), 1);
     h.now += Duration::from_secs(31);
-    h.conn.handle_timeout(h.now);
+    h.conn.handle(h.now, Input::Timeout);
     h.drain();
     assert!(h.closed);
 }
@@ -846,7 +846,7 @@ mod hostile {
                 b.set_total_ahs_len(ahs_words as usize * 4).unwrap();
                 let ahs = vec![0u8; ahs_words as usize * 4];
                 b.set_data_segment_len(data.len() as u32);
-                h.conn.handle_pdu(h.now, &b, &ahs, &data);
+                h.conn.handle(h.now, Input::pdu(&b, &ahs, &data));
                 h.drain();
                 if h.closed {
                     break;
@@ -869,10 +869,10 @@ fn data_in_queued_before_a_fatal_error_carries_the_real_bytes() {
         .set_expected_data_len(4096)
         .set_cmdsn(h.cmdsn);
     b.set_cdb(&read10(16, 8));
-    h.conn.handle_pdu(h.now, &b, &[], &[]);
+    h.conn.handle(h.now, Input::pdu(&b, &[], &[]));
     let mut huge = Bhs::new(Opcode::ScsiCommand);
     huge.set_data_segment_len((1 << 24) - 1);
-    h.conn.handle_oversized(h.now, &huge);
+    h.conn.handle(h.now, Input::Oversized(&huge));
     let r = h.drain();
     assert!(h.closed);
     let data: Vec<u8> = r
@@ -936,8 +936,15 @@ impl Harness {
             .set_data_segment_len(data.len() as u32);
         self.cmdsn += 1;
         b.set_cdb(cdb);
-        self.conn
-            .handle_iser_pdu(self.now, write, read, &b, &[], data);
+        self.conn.handle(
+            self.now,
+            Input::Pdu {
+                bhs: &b,
+                ahs: &[],
+                data,
+                buffers: RemoteBuffers { write, read },
+            },
+        );
         (itt, self.drain())
     }
 }
@@ -1164,7 +1171,7 @@ fn iser_write_takes_immediate_data_and_rdma_reads_the_rest() {
         .store()
         .clone();
     lu_store.write(offset, &data[4096..]).unwrap();
-    h.conn.handle_rdma_read_done(h.now, tag, &[]);
+    h.conn.handle(h.now, Input::RdmaReadDone { tag, data: &[] });
     let r = h.drain();
     assert_eq!(r.len(), 1);
     assert_eq!(
@@ -1175,7 +1182,7 @@ fn iser_write_takes_immediate_data_and_rdma_reads_the_rest() {
     lu_store.read(4 * 512, &mut back).unwrap();
     assert_eq!(back, data);
     // A late completion for a tag no task owns is ignored.
-    h.conn.handle_rdma_read_done(h.now, tag, &[]);
+    h.conn.handle(h.now, Input::RdmaReadDone { tag, data: &[] });
     assert!(h.drain().is_empty());
 }
 
@@ -1214,7 +1221,8 @@ fn iser_parameter_data_is_read_into_the_driver_buffer() {
         panic!("expected an RDMA READ");
     };
     assert_eq!((len, dest), (param.len() as u32, ReadDest::Buffer));
-    h.conn.handle_rdma_read_done(h.now, tag, &param);
+    h.conn
+        .handle(h.now, Input::RdmaReadDone { tag, data: &param });
     let r = h.drain();
     assert_eq!(r.len(), 1);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));

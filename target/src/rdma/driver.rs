@@ -99,7 +99,7 @@ impl Driver<'_> {
             // engine queues nothing more for a peer that takes nothing.
             let n = self.reap(now, &mut wcs, self.held.is_none())?;
             if self.conn.poll_timeout().is_some_and(|t| t <= now) {
-                self.conn.handle_timeout(now);
+                self.conn.handle(now, Input::Timeout);
             }
             if self.drain_actions()? || self.conn.is_closed() {
                 self.closing.get_or_insert(now);
@@ -257,10 +257,22 @@ impl Driver<'_> {
                         else {
                             return Err(ConnError::Protocol("RDMA READ beyond its buffer".into()));
                         };
-                        self.conn.handle_rdma_read_done(now, read.tag, data);
+                        self.conn.handle(
+                            now,
+                            Input::RdmaReadDone {
+                                tag: read.tag,
+                                data,
+                            },
+                        );
                         self.free_bounce.push(b);
                     }
-                    None => self.conn.handle_rdma_read_done(now, read.tag, &[]),
+                    None => self.conn.handle(
+                        now,
+                        Input::RdmaReadDone {
+                            tag: read.tag,
+                            data: &[],
+                        },
+                    ),
                 }
             }
             _ => {
@@ -303,13 +315,23 @@ impl Driver<'_> {
             }
             Err(IserError::Oversized { bhs, .. }) => {
                 // The engine answers it (RFC 7143: a protocol error it reports).
-                self.conn.handle_oversized(now, &bhs);
+                self.conn.handle(now, Input::Oversized(&bhs));
                 return Ok(());
             }
             Err(e) => return Err(ConnError::Protocol(format!("bad iSER message: {e}"))),
         };
-        self.conn
-            .handle_iser_pdu(now, pdu.write, pdu.read, &pdu.bhs, pdu.ahs, pdu.data);
+        self.conn.handle(
+            now,
+            Input::Pdu {
+                bhs: &pdu.bhs,
+                ahs: pdu.ahs,
+                data: pdu.data,
+                buffers: RemoteBuffers {
+                    write: pdu.write,
+                    read: pdu.read,
+                },
+            },
+        );
         if self.conn.is_logged_in() && self.large.is_none() {
             self.permit.logged_in();
             self.large = Some(LargeBuffers::new(self.pd)?);

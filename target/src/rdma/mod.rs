@@ -33,7 +33,8 @@ use ramslog_common::verbs::{
 
 use crate::clock::CoarseClock;
 use crate::engine::{
-    Action, ConnInfo, Connection, IserPeer, OutData, OutPdu, ReadDest, ISER_BUFFERED_READ_MAX,
+    Action, ConnInfo, Connection, Input, IserPeer, OutData, OutPdu, ReadDest, RemoteBuffers,
+    ISER_BUFFERED_READ_MAX,
 };
 use crate::metrics::{self, LimitHit};
 use crate::portal::{Link, Permit, Portal, SessionControl};

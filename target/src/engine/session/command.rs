@@ -3,7 +3,14 @@
 use super::*;
 
 impl Session {
-    pub(super) fn scsi_command(&mut self, bhs: &Bhs, ahs: &[u8], data: &[u8], out: &mut Out) {
+    pub(super) fn scsi_command(
+        &mut self,
+        bhs: &Bhs,
+        ahs: &[u8],
+        data: &[u8],
+        buffers: RemoteBuffers,
+        out: &mut Out,
+    ) {
         let itt = bhs.itt();
         if self.tasks.iter().any(|t| t.itt == itt) {
             self.reject(out, bhs, RejectReason::InvalidPduField);
@@ -61,8 +68,7 @@ impl Session {
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
         }
-        if self.params.iser && flags & scsi_cmd::READ != 0 && edtl > 0 && self.remote_read.is_none()
-        {
+        if self.params.iser && flags & scsi_cmd::READ != 0 && edtl > 0 && buffers.read.is_none() {
             // iSER reads are RDMA-written to a buffer the command must name.
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
@@ -96,6 +102,7 @@ impl Session {
                 &[],
                 edtl_in,
                 Residual::between(edtl, 0),
+                buffers.read,
             );
             return;
         }
@@ -140,7 +147,7 @@ impl Session {
             r2ts: Vec::new(),
             buf: Vec::new(),
             staged: 0,
-            remote: self.remote_write,
+            remote: buffers.write,
             remote_base: unsol_end,
             rdma_read: None,
             failure: None,
@@ -202,24 +209,29 @@ impl Session {
         data_out: &[u8],
         edtl_in: u32,
         residual: Residual,
+        read_buffer: Option<RemoteBuffer>,
     ) {
         let mut data_in = std::mem::take(&mut self.data_in);
         let result = scsi.execute(self.nexus, plan, data_out, &mut data_in);
         match result {
             Ok(DataIn::None) => self.respond(out, itt, status::GOOD, None, residual),
             Ok(DataIn::Store { offset, len }) => {
-                self.send_data_in(out, itt, lun, DataSource::Store(offset), len, edtl_in)
+                let src = DataSource::Store(offset);
+                self.send_data_in(out, itt, lun, src, len, edtl_in, read_buffer)
             }
             Ok(DataIn::Buffer { len }) => {
                 let len = len.min(data_in.len() as u32);
-                self.send_data_in(out, itt, lun, DataSource::Buffer(&data_in), len, edtl_in);
+                let src = DataSource::Buffer(&data_in);
+                self.send_data_in(out, itt, lun, src, len, edtl_in, read_buffer);
             }
             Err(reason) => self.fail(out, itt, reason, residual),
         }
         self.data_in = data_in;
     }
 
-    /// Data-In PDUs for a read, the last one carrying GOOD status.
+    /// A read's data: Data-In PDUs, the last one carrying GOOD status, or on
+    /// iSER one RDMA WRITE to `read_buffer` and a SCSI Response.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn send_data_in(
         &mut self,
         out: &mut Out,
@@ -228,6 +240,7 @@ impl Session {
         src: DataSource,
         produced: u32,
         edtl: u32,
+        read_buffer: Option<RemoteBuffer>,
     ) {
         let xfer = produced.min(edtl);
         let residual = Residual::between(edtl, produced);
@@ -239,7 +252,7 @@ impl Session {
         if self.params.iser {
             // Checked when the command arrived; the address cannot overflow
             // once the initiator registered that many bytes there.
-            let Some(remote) = self.remote_read else {
+            let Some(remote) = read_buffer else {
                 self.fail(out, itt, SenseReason::DataPhaseError, residual);
                 return;
             };

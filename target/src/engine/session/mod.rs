@@ -23,6 +23,7 @@ use super::login::{Login, SessionKind};
 use super::params::Params;
 use super::{
     is_reserved, rejected_header, Action, ConnInfo, DataInStream, Out, OutData, OutPdu, ReadDest,
+    RemoteBuffers,
 };
 use crate::metrics::{self, CommandKind, LimitHit, Served, SessionMetrics};
 use crate::portal::{OpenSessionError, Portal, SessionControl, SessionKey};
@@ -205,8 +206,6 @@ pub(super) struct Session {
     text_tx: Option<(u32, Vec<u8>)>,
     ended: bool,
     /// iSER: the tagged buffers of the PDU being handled.
-    remote_write: Option<RemoteBuffer>,
-    remote_read: Option<RemoteBuffer>,
     next_rdma_tag: u32,
     metrics: SessionMetrics,
     counting: Counting,
@@ -294,18 +293,11 @@ impl Session {
             text_rx: Vec::new(),
             text_tx: None,
             ended: false,
-            remote_write: None,
-            remote_read: None,
             next_rdma_tag: 1,
             metrics,
             counting: Counting::NONE,
             timed: portal.service_times,
         })
-    }
-
-    pub fn set_remote_buffers(&mut self, write: Option<RemoteBuffer>, read: Option<RemoteBuffer>) {
-        self.remote_write = write;
-        self.remote_read = read;
     }
 
     /// Release the session: the I_T nexus is lost.
@@ -431,6 +423,7 @@ impl Session {
         bhs: &Bhs,
         ahs: &[u8],
         data: &[u8],
+        buffers: RemoteBuffers,
         out: &mut Out,
     ) -> Flow {
         let Some(op) = bhs.opcode().filter(|o| o.is_initiator_opcode()) else {
@@ -481,7 +474,7 @@ impl Session {
             return Flow::Continue;
         }
         match op {
-            Opcode::ScsiCommand => self.scsi_command(bhs, ahs, data, out),
+            Opcode::ScsiCommand => self.scsi_command(bhs, ahs, data, buffers, out),
             Opcode::NopOut => self.nop_out(bhs, data, out),
             Opcode::TaskMgmtRequest => self.task_mgmt(bhs, out),
             Opcode::TextRequest => self.text_request(bhs, data, out),

@@ -532,7 +532,7 @@ fn unanswered_ping_closes_when_the_clock_steps_through_each_deadline() {
             at - start
         );
         h.now = at;
-        h.conn.handle_timeout(at);
+        h.conn.handle(at, Input::Timeout);
         pings += h
             .drain()
             .iter()
@@ -640,7 +640,7 @@ fn data_in_is_produced_as_the_driver_takes_it() {
         .set_cmdsn(h.cmdsn);
     h.cmdsn += 1;
     b.set_cdb(&read10(0, 32768));
-    h.conn.handle_pdu(h.now, &b, &[], &[]);
+    h.conn.handle(h.now, Input::pdu(&b, &[], &[]));
     assert!(
         h.conn.queued_actions() <= 4,
         "defect 4: {} actions queued for one READ",
@@ -761,7 +761,7 @@ fn preempt_and_abort_fences_the_preempted_writes_over_iser() {
         pr_out(&mut a, PR_PREEMPT_AND_ABORT, 0xaa, 0xbb),
         status::GOOD
     );
-    b.conn.handle_rdma_read_done(b.now, tag, &[]);
+    b.conn.handle(b.now, Input::RdmaReadDone { tag, data: &[] });
     let r = b.drain();
     assert!(
         !r.iter()
