@@ -4,11 +4,7 @@
 //! 64 KiB WRITE whose data is RDMA-read). The metrics are on, as in the
 //! daemon: every command is counted and its service time recorded the way
 //! the drivers do once a response is out.
-// Counting allocations takes a global allocator, an unsafe trait.
-#![allow(unsafe_code)]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use ramslog_common::iscsi::{Bhs, Opcode};
@@ -16,30 +12,10 @@ use ramslog_common::iser::RemoteBuffer;
 use ramslog_target::engine::{Action, Connection, Input, OutData, ReadDest, RemoteBuffers};
 use ramslog_target::metrics::{self, CommandKind};
 use ramslog_target::testkit;
-
-struct Counting;
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator; only counts calls.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use ramslog_tests::counting_alloc::CountingAllocator;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static ALLOCATOR: CountingAllocator = CountingAllocator::new();
 
 /// Drain the engine's actions without allocating (completing RDMA READs as
 /// the HCA would); returns (PDUs, SCSI status of the last response).
@@ -156,7 +132,7 @@ fn io_loop(iser: bool) {
         io(&mut conn, i % 2 == 0, (i * 8) % 8192);
     }
     let writes_before = counted();
-    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    let before = ALLOCATOR.allocations();
     for i in 0..2000 {
         let (pdus, st) = io(&mut conn, i % 2 == 0, (i * 8) % 8192);
         assert_eq!(
@@ -165,7 +141,7 @@ fn io_loop(iser: bool) {
             "one PDU with GOOD status per command"
         );
     }
-    let after = ALLOCATIONS.load(Ordering::Relaxed);
+    let after = ALLOCATOR.allocations();
     assert_eq!(after - before, 0, "allocations during 2000 4 KiB commands");
     let writes_after = counted();
     assert_eq!(

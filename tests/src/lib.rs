@@ -5,6 +5,7 @@
 //! stops it (SIGTERM, then SIGKILL) when dropped. [`testcu`] runs and parses libiscsi's
 //! `iscsi-test-cu`.
 
+pub mod counting_alloc;
 pub mod testcu;
 
 pub use rustix::process::Signal;

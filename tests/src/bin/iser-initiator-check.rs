@@ -19,16 +19,15 @@
 //! SendTargets over an iSER discovery session; logs out. Prints
 //! `ISER <PROFILE> CHECK PASSED` and exits 0, or says what failed and exits 1.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ramslog_common::iser::peer;
 use ramslog_common::scsi_wire::sense_key;
 use ramslog_initiator::iser::{self, IserOptions, IserProfile, IserSession, Tag};
 use ramslog_initiator::{cdb, LoginParams};
+use ramslog_tests::counting_alloc::CountingAllocator;
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
 
@@ -38,30 +37,8 @@ const USAGE: &str =
 [--flood-pings N]";
 
 /// Counts allocations, to show the I/O path makes none after setup.
-struct Counting;
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged; only counts.
-#[allow(unsafe_code)]
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller's contract is System.alloc's.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from System.alloc/realloc with `layout`.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller's contract is System.realloc's.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static ALLOCATOR: CountingAllocator = CountingAllocator::new();
 
 /// Transfer sizes of the verify loop (those that are whole blocks are used).
 const SIZES: &[usize] = &[
@@ -550,11 +527,11 @@ fn zero_alloc(s: &mut IserSession, d: &mut Disk) -> Result<(), String> {
         round(s, &mut back)?;
     }
     let rounds = 50;
-    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    let before = ALLOCATOR.allocations();
     for _ in 0..rounds {
         round(s, &mut back)?;
     }
-    let n = ALLOCATIONS.load(Ordering::Relaxed) - before;
+    let n = ALLOCATOR.allocations() - before;
     compare("zero-allocation loop", &data, &back)?;
     let ios = rounds * (2 + 2 * depth);
     println!("{ios} I/Os of {len} bytes after warm-up: {n} allocations");
