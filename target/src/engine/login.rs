@@ -49,10 +49,91 @@ enum Auth {
 pub enum Next {
     /// Stay in the login phase.
     Continue,
-    /// The response carries a failure status; close after sending it.
-    Fail,
+    /// The response carries this failure's status; close after sending it.
+    Fail(LoginFailure),
     /// Transit to full feature phase once the response is sent.
     FullFeature,
+}
+
+/// Why a login is refused. Each has one status (RFC 7143 11.13.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoginFailure {
+    /// A malformed, inconsistent or out-of-order request.
+    InitiatorError,
+    AuthFailed,
+    /// Not in the target's ACL.
+    Forbidden,
+    /// No such target.
+    NotFound,
+    UnsupportedVersion,
+    /// The login names an existing session: it has its one connection.
+    TooManyConnections,
+    /// InitiatorName, or TargetName for a normal session, is missing.
+    MissingParameter,
+    SessionTypeNotSupported,
+    /// The login names a session that does not exist.
+    SessionDoesNotExist,
+    /// A session limit or the staging budget is exhausted.
+    OutOfResources,
+}
+
+impl LoginFailure {
+    pub fn status(self) -> u16 {
+        match self {
+            LoginFailure::InitiatorError => login_status::INITIATOR_ERROR,
+            LoginFailure::AuthFailed => login_status::AUTH_FAILED,
+            LoginFailure::Forbidden => login_status::FORBIDDEN,
+            LoginFailure::NotFound => login_status::NOT_FOUND,
+            LoginFailure::UnsupportedVersion => login_status::UNSUPPORTED_VERSION,
+            LoginFailure::TooManyConnections => login_status::TOO_MANY_CONNECTIONS,
+            LoginFailure::MissingParameter => login_status::MISSING_PARAMETER,
+            LoginFailure::SessionTypeNotSupported => login_status::SESSION_TYPE_NOT_SUPPORTED,
+            LoginFailure::SessionDoesNotExist => login_status::SESSION_DOES_NOT_EXIST,
+            LoginFailure::OutOfResources => login_status::OUT_OF_RESOURCES,
+        }
+    }
+}
+
+/// A login stage (RFC 7143 6.3); the wire's value 2 is none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Stage {
+    Security,
+    Operational,
+    FullFeature,
+}
+
+impl Stage {
+    fn from_wire(bits: u8) -> Option<Stage> {
+        match bits {
+            login::STAGE_SECURITY => Some(Stage::Security),
+            login::STAGE_OPERATIONAL => Some(Stage::Operational),
+            login::STAGE_FULL_FEATURE => Some(Stage::FullFeature),
+            _ => None,
+        }
+    }
+
+    fn wire(self) -> u8 {
+        match self {
+            Stage::Security => login::STAGE_SECURITY,
+            Stage::Operational => login::STAGE_OPERATIONAL,
+            Stage::FullFeature => login::STAGE_FULL_FEATURE,
+        }
+    }
+}
+
+/// How far the login got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Progress {
+    /// No request yet: the first one fixes the login's identity and stage.
+    Start,
+    /// In `stage`, every request carrying `first`'s identity.
+    In {
+        first: First,
+        stage: Stage,
+        /// The checks that need the first request's names (InitiatorName,
+        /// TargetName, the ACL) have run.
+        names_checked: bool,
+    },
 }
 
 /// Identity of the login, fixed by its first PDU.
@@ -64,8 +145,7 @@ struct First {
 }
 
 pub struct Login {
-    first: Option<First>,
-    stage: u8,
+    progress: Progress,
     pub initiator_name: Option<String>,
     pub target: Option<usize>,
     pub kind: SessionKind,
@@ -88,12 +168,12 @@ pub struct Reply {
 }
 
 impl Reply {
-    fn fail(status: u16, flags: u8) -> Reply {
+    fn fail(failure: LoginFailure, flags: u8) -> Reply {
         Reply {
             flags: flags & 0x0c,
-            status,
+            status: failure.status(),
             text: Vec::new(),
-            next: Next::Fail,
+            next: Next::Fail(failure),
         }
     }
 }
@@ -104,8 +184,7 @@ impl Login {
         params.iser = transport == Transport::Iser;
         params.cm_peer = proposed;
         Login {
-            first: None,
-            stage: login::STAGE_SECURITY,
+            progress: Progress::Start,
             initiator_name: None,
             target: None,
             kind: SessionKind::Normal,
@@ -120,11 +199,25 @@ impl Login {
     }
 
     pub fn isid(&self) -> [u8; 6] {
-        self.first.map(|f| f.isid).unwrap_or_default()
+        self.first().map(|f| f.isid).unwrap_or_default()
     }
 
     pub fn cid(&self) -> u16 {
-        self.first.map(|f| f.cid).unwrap_or_default()
+        self.first().map(|f| f.cid).unwrap_or_default()
+    }
+
+    fn first(&self) -> Option<First> {
+        match self.progress {
+            Progress::Start => None,
+            Progress::In { first, .. } => Some(first),
+        }
+    }
+
+    fn stage(&self) -> Option<Stage> {
+        match self.progress {
+            Progress::Start => None,
+            Progress::In { stage, .. } => Some(stage),
+        }
     }
 
     fn chap_required<'p>(&self, portal: &'p Portal) -> Option<&'p ChapSecret> {
@@ -149,49 +242,60 @@ impl Login {
     pub fn handle(&mut self, portal: &Portal, req: &Bhs, data: &[u8]) -> Reply {
         let flags = req.flags();
         let (transit, cont) = (flags & login::TRANSIT != 0, flags & login::CONTINUE != 0);
-        let csg = login::csg(flags);
-        let nsg = login::nsg(flags);
         let stage_bits = flags & 0x0f;
+        let Some(csg) = Stage::from_wire(login::csg(flags)) else {
+            return Reply::fail(LoginFailure::InitiatorError, stage_bits);
+        };
+        // NSG means something only with T set (RFC 7143 11.12.3).
+        let nsg = match (transit, Stage::from_wire(login::nsg(flags))) {
+            (false, _) => None,
+            (true, Some(nsg)) => Some(nsg),
+            (true, None) => return Reply::fail(LoginFailure::InitiatorError, stage_bits),
+        };
 
         // Only version 0 exists: a Version-min above it cannot be met.
         if req.version_min() != 0 {
-            return Reply::fail(login_status::UNSUPPORTED_VERSION, stage_bits);
+            return Reply::fail(LoginFailure::UnsupportedVersion, stage_bits);
         }
         let this = First {
             isid: req.isid(),
             tsih: req.tsih(),
             cid: req.cid(),
         };
-        match self.first {
-            None => {
+        match self.progress {
+            Progress::Start => {
                 if this.tsih != 0 {
                     // One connection per session: nothing can be added to a session.
                     let exists = portal.sessions_info().iter().any(|s| s.tsih == this.tsih);
-                    let status = if exists {
-                        login_status::TOO_MANY_CONNECTIONS
+                    let failure = if exists {
+                        LoginFailure::TooManyConnections
                     } else {
-                        login_status::SESSION_DOES_NOT_EXIST
+                        LoginFailure::SessionDoesNotExist
                     };
-                    return Reply::fail(status, stage_bits);
+                    return Reply::fail(failure, stage_bits);
                 }
-                self.first = Some(this);
-                self.stage = csg;
+                self.progress = Progress::In {
+                    first: this,
+                    stage: csg,
+                    names_checked: false,
+                };
             }
-            Some(f) if f != this => return Reply::fail(login_status::INITIATOR_ERROR, stage_bits),
-            Some(_) => {}
+            Progress::In { first, .. } if first != this => {
+                return Reply::fail(LoginFailure::InitiatorError, stage_bits)
+            }
+            Progress::In { .. } => {}
         }
         if (transit && cont)
-            || csg != self.stage
-            || csg == 2
-            || csg == login::STAGE_FULL_FEATURE
-            || (transit && (nsg <= csg || nsg == 2))
+            || Some(csg) != self.stage()
+            || csg == Stage::FullFeature
+            || nsg.is_some_and(|nsg| nsg <= csg)
         {
-            return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
+            return Reply::fail(LoginFailure::InitiatorError, stage_bits);
         }
 
         self.rx_text.extend_from_slice(data);
         if self.rx_text.len() > 64 * 1024 {
-            return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
+            return Reply::fail(LoginFailure::InitiatorError, stage_bits);
         }
         if cont {
             // More text follows: acknowledge with an empty response.
@@ -207,7 +311,7 @@ impl Login {
             Ok(p) => p,
             Err(e) => {
                 tracing::info!("login refused: malformed text: {e}");
-                return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
+                return Reply::fail(LoginFailure::InitiatorError, stage_bits);
             }
         };
         if self.params.iser
@@ -240,11 +344,11 @@ impl Login {
                     key = %p.key.escape_debug(),
                     "login refused: value longer than {limit} bytes"
                 );
-                return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
+                return Reply::fail(LoginFailure::InitiatorError, stage_bits);
             }
             if !self.seen.insert(p.key.to_string()) {
                 tracing::info!(key = %p.key.escape_debug(), "login refused: key sent twice");
-                return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
+                return Reply::fail(LoginFailure::InitiatorError, stage_bits);
             }
             match p.key {
                 "InitiatorName" => {
@@ -253,7 +357,7 @@ impl Login {
                             initiator = %p.value.escape_debug(),
                             "login refused: not an iSCSI name"
                         );
-                        return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
+                        return Reply::fail(LoginFailure::InitiatorError, stage_bits);
                     }
                     self.initiator_name = Some(p.value.to_string());
                 }
@@ -268,13 +372,13 @@ impl Login {
                             target = %p.value.escape_debug(),
                             "login refused: no such target"
                         );
-                        return Reply::fail(login_status::NOT_FOUND, stage_bits);
+                        return Reply::fail(LoginFailure::NotFound, stage_bits);
                     }
                 },
                 "SessionType" => match p.value {
                     "Normal" => self.kind = SessionKind::Normal,
                     "Discovery" => self.kind = SessionKind::Discovery,
-                    _ => return Reply::fail(login_status::SESSION_TYPE_NOT_SUPPORTED, stage_bits),
+                    _ => return Reply::fail(LoginFailure::SessionTypeNotSupported, stage_bits),
                 },
                 _ => {}
             }
@@ -295,19 +399,19 @@ impl Login {
                     if failed {
                         return Reply {
                             text: out,
-                            ..Reply::fail(login_status::AUTH_FAILED, stage_bits)
+                            ..Reply::fail(LoginFailure::AuthFailed, stage_bits)
                         };
                     }
                 }
                 "CHAP_A" => {
                     if self.auth != Auth::ChapAgreed {
-                        return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
+                        return Reply::fail(LoginFailure::InitiatorError, stage_bits);
                     }
                     if !p.value.split(',').any(|a| a == chap::ALGORITHM_MD5) {
                         text::encode_pair(&mut out, "CHAP_A", "Reject");
                         return Reply {
                             text: out,
-                            ..Reply::fail(login_status::AUTH_FAILED, stage_bits)
+                            ..Reply::fail(LoginFailure::AuthFailed, stage_bits)
                         };
                     }
                     let mut challenge = vec![0u8; CHAP_CHALLENGE_LEN];
@@ -333,17 +437,17 @@ impl Login {
             }
         }
 
-        if self.first_pdu_checks_pending() {
+        if self.names_unchecked() {
             let Some(name) = &self.initiator_name else {
-                return Reply::fail(login_status::MISSING_PARAMETER, stage_bits);
+                return Reply::fail(LoginFailure::MissingParameter, stage_bits);
             };
             if self.kind == SessionKind::Normal {
                 let Some(t) = self.target.and_then(|t| portal.targets.get(t)) else {
-                    return Reply::fail(login_status::MISSING_PARAMETER, stage_bits);
+                    return Reply::fail(LoginFailure::MissingParameter, stage_bits);
                 };
                 if !t.acl.allows(name, self.peer) {
                     tracing::warn!(initiator = %name, target = %t.name, "login refused: initiator not in the target's ACL");
-                    return Reply::fail(login_status::FORBIDDEN, stage_bits);
+                    return Reply::fail(LoginFailure::Forbidden, stage_bits);
                 }
             }
         }
@@ -354,7 +458,7 @@ impl Login {
                 Err(status) => return Reply::fail(status, stage_bits),
             }
         } else if chap_i.is_some() || chap_c.is_some() {
-            return Reply::fail(login_status::INITIATOR_ERROR, stage_bits);
+            return Reply::fail(LoginFailure::InitiatorError, stage_bits);
         }
 
         if self.kind == SessionKind::Normal && !self.sent_tpgt {
@@ -367,7 +471,7 @@ impl Login {
                 text::encode_pair(&mut out, "TargetAlias", alias);
             }
         }
-        if csg == login::STAGE_OPERATIONAL && !self.declared_mrdsl {
+        if csg == Stage::Operational && !self.declared_mrdsl {
             self.declared_mrdsl = true;
             let key = if self.params.rdma_extensions {
                 "TargetRecvDataSegmentLength"
@@ -378,19 +482,21 @@ impl Login {
         }
 
         let mut next = Next::Continue;
-        let mut resp_flags = csg << 2;
-        if transit {
-            let may_leave = csg != login::STAGE_SECURITY || self.security_done(portal);
-            if csg == login::STAGE_SECURITY && self.chap_required(portal).is_some() && !may_leave {
+        let mut resp_flags = csg.wire() << 2;
+        if let Some(nsg) = nsg {
+            let may_leave = csg != Stage::Security || self.security_done(portal);
+            if csg == Stage::Security && self.chap_required(portal).is_some() && !may_leave {
                 // The initiator wants to skip authentication the target requires.
                 if self.auth == Auth::Pending {
-                    return Reply::fail(login_status::AUTH_FAILED, stage_bits);
+                    return Reply::fail(LoginFailure::AuthFailed, stage_bits);
                 }
             }
             if may_leave {
-                resp_flags |= login::TRANSIT | nsg;
-                self.stage = nsg;
-                if nsg == login::STAGE_FULL_FEATURE {
+                resp_flags |= login::TRANSIT | nsg.wire();
+                if let Progress::In { stage, .. } = &mut self.progress {
+                    *stage = nsg;
+                }
+                if nsg == Stage::FullFeature {
                     if self.params.first_burst_len > self.params.max_burst_len {
                         self.params.first_burst_len = self.params.max_burst_len;
                     }
@@ -407,28 +513,28 @@ impl Login {
                     }
                 }
             }
-        } else if csg == login::STAGE_OPERATIONAL
-            && self.stage == login::STAGE_OPERATIONAL
+        } else if csg == Stage::Operational
+            && self.stage() == Some(Stage::Operational)
             && self.chap_required(portal).is_some()
             && self.auth != Auth::ChapVerified
         {
-            return Reply::fail(login_status::AUTH_FAILED, stage_bits);
+            return Reply::fail(LoginFailure::AuthFailed, stage_bits);
         }
-        if csg == login::STAGE_OPERATIONAL
+        if csg == Stage::Operational
             && self.chap_required(portal).is_some()
             && self.auth != Auth::ChapVerified
         {
             // Skipped the security stage on a target that requires CHAP.
-            return Reply::fail(login_status::AUTH_FAILED, stage_bits);
+            return Reply::fail(LoginFailure::AuthFailed, stage_bits);
         }
-        if self.stage != login::STAGE_SECURITY
+        if self.stage() != Some(Stage::Security)
             && self.chap_required(portal).is_some()
             && self.auth != Auth::ChapVerified
         {
             // Whatever path led here: a protected target is never past the
             // security stage without a verified CHAP response.
             tracing::warn!("login refused: leaving security without a verified CHAP response");
-            return Reply::fail(login_status::AUTH_FAILED, stage_bits);
+            return Reply::fail(LoginFailure::AuthFailed, stage_bits);
         }
         Reply {
             flags: resp_flags,
@@ -438,11 +544,17 @@ impl Login {
         }
     }
 
-    /// True until the checks that need the whole first PDU have run once.
-    fn first_pdu_checks_pending(&mut self) -> bool {
-        // The first PDU's keys are all in `seen` after its loop; later PDUs
-        // cannot change the names (they are "sent twice" otherwise).
-        !self.seen.contains("\0checked") && self.seen.insert("\0checked".into())
+    /// True once, on the first request: the checks that need its names run
+    /// then. Later requests cannot change the names (a key sent twice fails
+    /// the login).
+    fn names_unchecked(&mut self) -> bool {
+        match &mut self.progress {
+            Progress::In { names_checked, .. } if !*names_checked => {
+                *names_checked = true;
+                true
+            }
+            _ => false,
+        }
     }
 
     fn security_done(&mut self, portal: &Portal) -> bool {
@@ -489,26 +601,26 @@ impl Login {
         i: Option<&str>,
         c: Option<&str>,
         out: &mut Vec<u8>,
-    ) -> Result<(), u16> {
+    ) -> Result<(), LoginFailure> {
         let Auth::ChallengeSent { id, challenge } =
             std::mem::replace(&mut self.auth, Auth::Pending)
         else {
-            return Err(login_status::INITIATOR_ERROR);
+            return Err(LoginFailure::InitiatorError);
         };
         let (Some(n), Some(r)) = (n, r) else {
-            return Err(login_status::INITIATOR_ERROR);
+            return Err(LoginFailure::InitiatorError);
         };
         let secret = self
             .chap_required(portal)
-            .ok_or(login_status::INITIATOR_ERROR)?;
-        let response = decode_binary(r).ok_or(login_status::INITIATOR_ERROR)?;
+            .ok_or(LoginFailure::InitiatorError)?;
+        let response = decode_binary(r).ok_or(LoginFailure::InitiatorError)?;
         let expected = chap::response(id, secret.secret.as_bytes(), &challenge);
         if n != secret.user || response[..] != expected[..] {
             tracing::warn!(
                 user = %n.escape_debug(),
                 "login refused: CHAP authentication failed"
             );
-            return Err(login_status::AUTH_FAILED);
+            return Err(LoginFailure::AuthFailed);
         }
         match (i, c) {
             (None, None) => {}
@@ -517,15 +629,15 @@ impl Login {
                     tracing::warn!(
                         "login refused: initiator asked for mutual CHAP, none configured"
                     );
-                    login_status::AUTH_FAILED
+                    LoginFailure::AuthFailed
                 })?;
-                let id = chap::parse_identifier(i).ok_or(login_status::INITIATOR_ERROR)?;
-                let their = decode_binary(c).ok_or(login_status::INITIATOR_ERROR)?;
+                let id = chap::parse_identifier(i).ok_or(LoginFailure::InitiatorError)?;
+                let their = decode_binary(c).ok_or(LoginFailure::InitiatorError)?;
                 if their == challenge {
                     tracing::warn!(
                         "login refused: initiator reflected the target's CHAP challenge"
                     );
-                    return Err(login_status::AUTH_FAILED);
+                    return Err(LoginFailure::AuthFailed);
                 }
                 text::encode_pair(out, "CHAP_N", &mutual.user);
                 text::encode_pair(
@@ -534,7 +646,7 @@ impl Login {
                     &encode_hex(&chap::response(id, mutual.secret.as_bytes(), &their)),
                 );
             }
-            _ => return Err(login_status::INITIATOR_ERROR),
+            _ => return Err(LoginFailure::InitiatorError),
         }
         self.auth = Auth::ChapVerified;
         Ok(())

@@ -25,11 +25,11 @@ use std::time::Instant;
 
 use ramslog_common::iscsi::frame::Digests;
 use ramslog_common::iscsi::{
-    self, login_status, Bhs, LoginResponse, Opcode, RejectReason, Residual, RESERVED_TAG,
+    self, Bhs, LoginResponse, Opcode, RejectReason, Residual, RESERVED_TAG,
 };
 use ramslog_common::iser::{CmPeer, RemoteBuffer};
 
-pub use login::SessionKind;
+pub use login::{LoginFailure, SessionKind};
 pub use params::{IserPeer, Params};
 pub use session::ISER_BUFFERED_READ_MAX;
 
@@ -554,7 +554,7 @@ impl Connection {
 
         match reply.next {
             Next::Continue => self.push_login_response(rsp, reply.text),
-            Next::Fail => {
+            Next::Fail(_) => {
                 self.portal
                     .counters
                     .login_refused(LoginRefusal::of_status(reply.status));
@@ -584,7 +584,7 @@ impl Connection {
                         self.portal
                             .counters
                             .login_refused(LoginRefusal::OutOfResources);
-                        rsp.fail_login(login_status::OUT_OF_RESOURCES);
+                        rsp.fail_login(LoginFailure::OutOfResources.status());
                         self.push_login_response(rsp, Vec::new());
                         self.fail_close();
                         return;

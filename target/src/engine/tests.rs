@@ -796,6 +796,33 @@ fn discovery_lists_targets_and_refuses_scsi() {
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::Reject));
 }
 
+/// NSG means something only with T set: without T its bits are ignored,
+/// with T the reserved stage 2, or a stage that does not move forward, is
+/// an initiator error.
+#[test]
+fn the_next_stage_counts_only_with_transit() {
+    let names = [
+        ("InitiatorName", INI),
+        ("TargetName", IQN),
+        ("SessionType", "Normal"),
+    ];
+    let operational = login::STAGE_OPERATIONAL << 2;
+    let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+    let r = h.login_pdu(operational | 2, &names);
+    assert_eq!(r[0].bhs.login_status(), login_status::SUCCESS);
+    assert_eq!(r[0].bhs.flags() & login::TRANSIT, 0);
+    for nsg in [2, login::STAGE_OPERATIONAL, login::STAGE_SECURITY] {
+        let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+        let r = h.login_pdu(login::TRANSIT | operational | nsg, &names);
+        assert_eq!(
+            r[0].bhs.login_status(),
+            login_status::INITIATOR_ERROR,
+            "NSG {nsg}"
+        );
+        assert!(h.closed);
+    }
+}
+
 #[test]
 fn unknown_opcode_is_rejected_and_logout_closes() {
     let mut h = logged_in();
