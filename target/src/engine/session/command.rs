@@ -143,13 +143,20 @@ impl Session {
             edtl: edtl_out,
             unsolicited: Some(unsolicited),
             solicit_next: unsol_end,
-            r2tsn: 0,
-            r2ts: Vec::new(),
+            fetch: if self.params.iser {
+                Fetch::RdmaRead {
+                    remote: buffers.write,
+                    base: unsol_end,
+                    in_flight: None,
+                }
+            } else {
+                Fetch::R2ts {
+                    next_r2tsn: 0,
+                    outstanding: Vec::new(),
+                }
+            },
             buf: Vec::new(),
             staged: 0,
-            remote: buffers.write,
-            remote_base: unsol_end,
-            rdma_read: None,
             failure: None,
             in_window: !bhs.immediate(),
             counting: self.counting,
@@ -157,7 +164,7 @@ impl Session {
         if unsol_end == data.len() as u32 {
             task.unsolicited = None;
         }
-        if self.params.iser && unsol_end < moved && task.remote.is_none() {
+        if unsol_end < moved && matches!(task.fetch, Fetch::RdmaRead { remote: None, .. }) {
             // The rest must be RDMA-read, but the command named no buffer.
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;

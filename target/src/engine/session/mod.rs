@@ -94,6 +94,48 @@ struct R2t {
     seq: Sequence,
 }
 
+/// How a write's data past its unsolicited part is fetched, and what of it
+/// the task is waiting for.
+enum Fetch {
+    /// TCP: R2Ts ask for it burst by burst, each answered by Data-Out.
+    R2ts {
+        next_r2tsn: u32,
+        outstanding: Vec<R2t>,
+    },
+    /// iSER: one RDMA READ pulls it from the initiator's buffer.
+    RdmaRead {
+        /// The buffer the iSER header named for the write data not sent
+        /// unsolicited; its address is that of byte `base` as the command
+        /// arrived (RFC 7145 9.2; Linux sets it to buffer + unsolicited
+        /// length).
+        remote: Option<RemoteBuffer>,
+        base: u32,
+        in_flight: Option<RdmaReadInFlight>,
+    },
+}
+
+/// An RDMA READ of `len` bytes at write offset `offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RdmaReadInFlight {
+    tag: u32,
+    offset: u32,
+    len: u32,
+}
+
+impl Fetch {
+    /// Nothing solicited is outstanding.
+    fn idle(&self) -> bool {
+        match self {
+            Fetch::R2ts { outstanding, .. } => outstanding.is_empty(),
+            Fetch::RdmaRead { in_flight, .. } => in_flight.is_none(),
+        }
+    }
+
+    fn reading(&self, tag: u32) -> bool {
+        matches!(self, Fetch::RdmaRead { in_flight: Some(r), .. } if r.tag == tag)
+    }
+}
+
 /// Why a write-direction command will fail once its data transfer is over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum WriteFailure {
@@ -120,22 +162,14 @@ struct Task {
     edtl: u32,
     /// Immediate data and unsolicited Data-Out; `None` once it ended.
     unsolicited: Option<Sequence>,
-    /// Next offset not yet covered by unsolicited data or an R2T.
+    /// Next offset not yet covered by unsolicited data or solicited.
     solicit_next: u32,
-    r2tsn: u32,
-    r2ts: Vec<R2t>,
+    fetch: Fetch,
     /// Data the SCSI device must see whole before acting (parameter lists,
     /// compare data): gathered here. LUN writes go straight to the LUN.
     buf: Vec<u8>,
     /// Bytes of the daemon's staging budget this task holds.
     staged: u64,
-    /// iSER: the initiator's buffer holding the write data that was not sent
-    /// unsolicited: its address is that of byte `remote_base` as the command
-    /// arrived (RFC 7145 9.2; Linux sets it to buffer + unsolicited length).
-    remote: Option<RemoteBuffer>,
-    remote_base: u32,
-    /// iSER: the RDMA READ in flight, as (tag, offset, len).
-    rdma_read: Option<(u32, u32, u32)>,
     /// Set once the command is bound to fail; its status waits until no
     /// sequence of it is open and no RDMA READ of it is in flight, because
     /// after the status the initiator may reuse the ITT.
@@ -173,7 +207,7 @@ impl Counting {
 impl Task {
     /// Nothing of this task can still arrive.
     fn transfer_quiet(&self) -> bool {
-        self.unsolicited.is_none() && self.r2ts.is_empty() && self.rdma_read.is_none()
+        self.unsolicited.is_none() && self.fetch.idle()
     }
 
     fn fail(&mut self, why: WriteFailure) {

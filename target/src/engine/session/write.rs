@@ -77,11 +77,15 @@ impl Session {
     /// one RDMA READ of everything not sent unsolicited. Called only once
     /// the unsolicited sequence ended, so a short one is simply continued.
     pub(super) fn solicit(&mut self, out: &mut Out, task: &mut Task) -> bool {
-        if self.params.iser {
+        let Fetch::R2ts {
+            next_r2tsn,
+            outstanding,
+        } = &mut task.fetch
+        else {
             return self.solicit_rdma(out, task);
-        }
+        };
         while task.solicit_next < task.moved
-            && (task.r2ts.len() as u32) < self.params.max_outstanding_r2t
+            && (outstanding.len() as u32) < self.params.max_outstanding_r2t
         {
             let offset = task.solicit_next;
             let len = (task.moved - offset).min(self.params.max_burst_len);
@@ -90,15 +94,15 @@ impl Session {
                 lun: task.lun.to_wire(),
                 itt: task.itt,
                 ttt,
-                r2tsn: task.r2tsn,
+                r2tsn: *next_r2tsn,
                 buffer_offset: offset,
                 desired_len: len,
             });
             b.set_statsn(out.peek_statsn());
             self.stamp(&mut b);
-            task.r2tsn = task.r2tsn.wrapping_add(1);
+            *next_r2tsn = next_r2tsn.wrapping_add(1);
             task.solicit_next += len;
-            task.r2ts.push(R2t {
+            outstanding.push(R2t {
                 ttt,
                 seq: Sequence::new(offset, offset + len),
             });
@@ -110,17 +114,25 @@ impl Session {
 
     /// False when the data cannot be fetched: the command must fail.
     pub(super) fn solicit_rdma(&mut self, out: &mut Out, task: &mut Task) -> bool {
-        if task.rdma_read.is_some() || task.solicit_next >= task.moved {
+        let Fetch::RdmaRead {
+            remote,
+            base,
+            in_flight,
+        } = &mut task.fetch
+        else {
+            return false;
+        };
+        if in_flight.is_some() || task.solicit_next >= task.moved {
             return true;
         }
         let (offset, len) = (task.solicit_next, task.moved - task.solicit_next);
-        let Some(remote) = task.remote else {
+        let Some(remote) = *remote else {
             return false;
         };
         // Data the initiator meant to send unsolicited but did not is not in
         // the tagged buffer: refuse instead of reading the wrong bytes.
         let Some(remote_addr) = offset
-            .checked_sub(task.remote_base)
+            .checked_sub(*base)
             .and_then(|rel| remote.at(rel.into()))
         else {
             tracing::warn!(
@@ -139,7 +151,7 @@ impl Session {
         };
         let tag = self.next_rdma_tag;
         self.next_rdma_tag = self.next_rdma_tag.wrapping_add(1).max(1);
-        task.rdma_read = Some((tag, offset, len));
+        *in_flight = Some(RdmaReadInFlight { tag, offset, len });
         task.solicit_next = task.moved;
         out.push_action(Action::RdmaRead {
             tag,
@@ -154,18 +166,17 @@ impl Session {
     /// iSER: an RDMA READ finished. A task aborted meanwhile is gone, and its
     /// late data is dropped.
     pub fn rdma_read_done(&mut self, tag: u32, data: &[u8], out: &mut Out) {
-        let Some(idx) = self
-            .tasks
-            .iter()
-            .position(|t| t.rdma_read.is_some_and(|(t, _, _)| t == tag))
-        else {
+        let Some(idx) = self.tasks.iter().position(|t| t.fetch.reading(tag)) else {
             return;
         };
         let Some(scsi) = self.scsi.clone() else {
             return;
         };
         let mut task = self.tasks.swap_remove(idx);
-        let Some((_, offset, len)) = task.rdma_read.take() else {
+        let Fetch::RdmaRead { in_flight, .. } = &mut task.fetch else {
+            return;
+        };
+        let Some(RdmaReadInFlight { offset, len, .. }) = in_flight.take() else {
             return;
         };
         // For the store the HCA already placed the bytes in LUN memory.
@@ -218,23 +229,27 @@ impl Session {
                 }
                 None => false,
             }
-        } else {
-            match task.r2ts.iter().position(|r| r.ttt == ttt) {
+        } else if let Fetch::R2ts { outstanding, .. } = &mut task.fetch {
+            match outstanding.iter().position(|r| r.ttt == ttt) {
                 Some(ri) => {
-                    let seq = &mut task.r2ts[ri].seq;
+                    let seq = &mut outstanding[ri].seq;
                     let fits = seq.take(offset, len, datasn);
                     if last {
-                        if seq.broken || seq.next < seq.end {
-                            // A solicited burst must deliver what its R2T
-                            // asked for: ending early is a data-sequence error.
+                        // A solicited burst must deliver what its R2T asked
+                        // for: ending early is a data-sequence error.
+                        let short = seq.broken || seq.next < seq.end;
+                        outstanding.swap_remove(ri);
+                        if short {
                             task.fail(WriteFailure::DataPhase);
                         }
-                        task.r2ts.swap_remove(ri);
                     }
                     fits
                 }
                 None => false,
             }
+        } else {
+            // Over iSER nothing is solicited with a TTT.
+            false
         };
         if !placed_ok {
             if !failing_already {
