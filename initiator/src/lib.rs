@@ -17,6 +17,8 @@ mod error;
 mod exchange;
 pub mod iser;
 mod login;
+#[cfg(test)]
+mod pair_tests;
 pub mod pdu;
 pub mod seq;
 mod session;
