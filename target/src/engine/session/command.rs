@@ -68,7 +68,7 @@ impl Session {
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
         }
-        if self.params.iser && flags & scsi_cmd::READ != 0 && edtl > 0 && buffers.read.is_none() {
+        if flags & scsi_cmd::READ != 0 && !self.data_path.can_return(edtl, buffers) {
             // iSER reads are RDMA-written to a buffer the command must name.
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
@@ -143,18 +143,7 @@ impl Session {
             edtl: edtl_out,
             unsolicited: Some(unsolicited),
             solicit_next: unsol_end,
-            fetch: if self.params.iser {
-                Fetch::RdmaRead {
-                    remote: buffers.write,
-                    base: unsol_end,
-                    in_flight: None,
-                }
-            } else {
-                Fetch::R2ts {
-                    next_r2tsn: 0,
-                    outstanding: Vec::new(),
-                }
-            },
+            fetch: self.data_path.fetch(buffers, unsol_end),
             buf: Vec::new(),
             staged: 0,
             failure: None,
@@ -169,9 +158,11 @@ impl Session {
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
         }
-        if self.params.iser
-            && matches!(task.plan.out_placement, OutPlacement::Buffer)
-            && moved.saturating_sub(unsol_end) > ISER_BUFFERED_READ_MAX
+        if matches!(task.plan.out_placement, OutPlacement::Buffer)
+            && self
+                .data_path
+                .buffered_fetch_max()
+                .is_some_and(|max| moved.saturating_sub(unsol_end) > max)
         {
             // The driver reads such data into a buffer of its own, which
             // has this size: refuse the command rather than the connection.
@@ -234,116 +225,6 @@ impl Session {
             Err(reason) => self.fail(out, itt, reason, residual),
         }
         self.data_in = data_in;
-    }
-
-    /// A read's data: Data-In PDUs, the last one carrying GOOD status, or on
-    /// iSER one RDMA WRITE to `read_buffer` and a SCSI Response.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn send_data_in(
-        &mut self,
-        out: &mut Out,
-        itt: u32,
-        lun: Lun,
-        src: DataSource,
-        produced: u32,
-        edtl: u32,
-        read_buffer: Option<RemoteBuffer>,
-    ) {
-        let xfer = produced.min(edtl);
-        let residual = Residual::between(edtl, produced);
-        self.counting.bytes = xfer;
-        if xfer == 0 {
-            self.respond(out, itt, status::GOOD, None, residual);
-            return;
-        }
-        if self.params.iser {
-            // Checked when the command arrived; the address cannot overflow
-            // once the initiator registered that many bytes there.
-            let Some(remote) = read_buffer else {
-                self.fail(out, itt, SenseReason::DataPhaseError, residual);
-                return;
-            };
-            let data = match src {
-                DataSource::Store(offset) => OutData::Store {
-                    lun: lun.number(),
-                    offset,
-                    len: xfer,
-                },
-                DataSource::Buffer(v) => OutData::Owned(v[..xfer as usize].to_vec()),
-            };
-            out.push_action(Action::RdmaWrite {
-                stag: remote.stag,
-                remote_addr: remote.va,
-                data,
-            });
-            self.respond(out, itt, status::GOOD, None, residual);
-            return;
-        }
-        let seg = self.params.initiator_mrdsl.clamp(512, DATA_IN_SEGMENT_MAX);
-        let burst = self.params.max_burst_len.max(seg);
-        if let DataSource::Store(base) = src {
-            let statsn = out.take_statsn();
-            let mut stream = DataInStream {
-                itt,
-                lun: lun.number(),
-                lun_wire: lun.to_wire(),
-                base,
-                xfer,
-                off: 0,
-                datasn: 0,
-                seg,
-                burst,
-                statsn,
-                exp_cmdsn: self.exp_cmdsn,
-                max_cmdsn: self.max_cmdsn(),
-                residual,
-                header_digest: self.params.header_digest,
-                data_digest: self.params.data_digest,
-                served: None,
-            };
-            stream.served = self.count_status(status::GOOD, None);
-            self.note_max_cmdsn(stream.max_cmdsn);
-            out.push_data_in(stream);
-            return;
-        }
-        let mut off = 0u32;
-        let mut datasn = 0u32;
-        while off < xfer {
-            let burst_end = ((off / burst) + 1).saturating_mul(burst).min(xfer);
-            let len = (xfer - off).min(seg).min(burst_end - off);
-            let last = off + len == xfer;
-            let mut b = Bhs::data_in(iscsi::DataIn {
-                lun: lun.to_wire(),
-                itt,
-                datasn,
-                buffer_offset: off,
-                len,
-                final_in_sequence: off + len == burst_end,
-                status: last.then(|| iscsi::DataInStatus {
-                    scsi_status: status::GOOD,
-                    statsn: out.take_statsn(),
-                    residual,
-                }),
-            });
-            self.stamp(&mut b);
-            let data = match src {
-                DataSource::Store(base) => OutData::Store {
-                    lun: lun.number(),
-                    offset: base + off as u64,
-                    len,
-                },
-                DataSource::Buffer(v) => {
-                    OutData::Owned(v[off as usize..(off + len) as usize].to_vec())
-                }
-            };
-            let mut pdu = self.pdu(b, data);
-            if last {
-                pdu.served = self.count_status(status::GOOD, None);
-            }
-            out.push(pdu);
-            off += len;
-            datasn += 1;
-        }
     }
 
     /// A command that failed: its CHECK CONDITION (or other status), or,

@@ -3,7 +3,10 @@
 
 mod command;
 mod control;
+mod datapath;
 mod write;
+
+use datapath::{DataPath, Fetch, RdmaReadInFlight};
 
 use std::cell::Cell;
 use std::net::SocketAddr;
@@ -94,48 +97,6 @@ struct R2t {
     seq: Sequence,
 }
 
-/// How a write's data past its unsolicited part is fetched, and what of it
-/// the task is waiting for.
-enum Fetch {
-    /// TCP: R2Ts ask for it burst by burst, each answered by Data-Out.
-    R2ts {
-        next_r2tsn: u32,
-        outstanding: Vec<R2t>,
-    },
-    /// iSER: one RDMA READ pulls it from the initiator's buffer.
-    RdmaRead {
-        /// The buffer the iSER header named for the write data not sent
-        /// unsolicited; its address is that of byte `base` as the command
-        /// arrived (RFC 7145 9.2; Linux sets it to buffer + unsolicited
-        /// length).
-        remote: Option<RemoteBuffer>,
-        base: u32,
-        in_flight: Option<RdmaReadInFlight>,
-    },
-}
-
-/// An RDMA READ of `len` bytes at write offset `offset`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct RdmaReadInFlight {
-    tag: u32,
-    offset: u32,
-    len: u32,
-}
-
-impl Fetch {
-    /// Nothing solicited is outstanding.
-    fn idle(&self) -> bool {
-        match self {
-            Fetch::R2ts { outstanding, .. } => outstanding.is_empty(),
-            Fetch::RdmaRead { in_flight, .. } => in_flight.is_none(),
-        }
-    }
-
-    fn reading(&self, tag: u32) -> bool {
-        matches!(self, Fetch::RdmaRead { in_flight: Some(r), .. } if r.tag == tag)
-    }
-}
-
 /// Why a write-direction command will fail once its data transfer is over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum WriteFailure {
@@ -219,6 +180,8 @@ pub(super) struct Session {
     portal: Arc<Portal>,
     pub tsih: u16,
     pub params: Params,
+    /// How data moves on this transport, chosen once at the start.
+    data_path: DataPath,
     kind: SessionKind,
     nexus: NexusId,
     scsi: Option<Arc<ScsiTarget>>,
@@ -291,22 +254,13 @@ impl Session {
         );
         let window = portal.limits.cmd_window.max(1);
         let mut params = login.params.clone();
-        if params.iser {
-            // Everything we send over iSER is one SEND into a 16 KiB message.
-            params.initiator_mrdsl = params.initiator_mrdsl.min(peer::ILLUMOS_MAX_RECV_DATA);
-        }
-        if params.rdma_extensions && login.kind == SessionKind::Normal {
-            // Linux ib_iser receives full-feature PDUs into buffers with 128
-            // bytes of data room, whatever it declared during login (a
-            // discovery session keeps its login buffer).
-            params.initiator_mrdsl = params
-                .initiator_mrdsl
-                .min(peer::LINUX_FULL_FEATURE_RECV_DATA);
-        }
+        let data_path = DataPath::of(&params);
+        data_path.settle(&mut params, login.kind);
         Ok(Session {
             portal: portal.clone(),
             tsih,
             params,
+            data_path,
             kind: login.kind,
             nexus,
             scsi,
