@@ -12,6 +12,7 @@
 //! Sessions have exactly one connection (MaxConnections=1, ErrorRecoveryLevel=0),
 //! so the session state lives inside the connection.
 
+mod io;
 mod login;
 mod params;
 mod session;
@@ -19,7 +20,6 @@ mod session;
 mod tests;
 
 use std::collections::VecDeque;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -27,8 +27,9 @@ use ramslog_common::iscsi::frame::Digests;
 use ramslog_common::iscsi::{
     self, Bhs, LoginResponse, Opcode, RejectReason, Residual, RESERVED_TAG,
 };
-use ramslog_common::iser::{CmPeer, RemoteBuffer};
+use ramslog_common::iser::CmPeer;
 
+pub use io::{Action, ConnInfo, Input, OutData, OutPdu, ReadDest, RemoteBuffers, Transport};
 pub use login::{LoginFailure, SessionKind};
 pub use params::{IserPeer, Params};
 pub use session::ISER_BUFFERED_READ_MAX;
@@ -38,104 +39,6 @@ use crate::portal::{Portal, SessionControl};
 use crate::scsi::ScsiTarget;
 use login::{Login, Next};
 use session::Session;
-
-/// Where a connection runs, for logs, `status` and SendTargets.
-#[derive(Debug, Clone, Copy)]
-pub struct ConnInfo {
-    pub local: SocketAddr,
-    pub peer: SocketAddr,
-}
-
-/// The data segment of an outgoing PDU.
-#[derive(Debug, PartialEq, Eq)]
-pub enum OutData {
-    None,
-    Owned(Vec<u8>),
-    /// Bytes of a LUN's memory: the driver copies (TCP) or RDMA-writes (iSER) them.
-    Store {
-        lun: u64,
-        offset: u64,
-        len: u32,
-    },
-}
-
-impl OutData {
-    /// Owned bytes, or no data segment at all when there are none.
-    pub fn bytes(v: Vec<u8>) -> OutData {
-        if v.is_empty() {
-            OutData::None
-        } else {
-            OutData::Owned(v)
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        match self {
-            OutData::None => 0,
-            OutData::Owned(v) => v.len(),
-            OutData::Store { len, .. } => *len as usize,
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-#[derive(Debug, PartialEq, Eq)]
-pub struct OutPdu {
-    /// The data segment length field is already set.
-    pub bhs: Bhs,
-    pub data: OutData,
-    pub header_digest: bool,
-    pub data_digest: bool,
-    /// This response ends a counted SCSI command: once it is posted or
-    /// written, the driver hands this to [`Connection::served`].
-    pub served: Option<Served>,
-}
-
-#[derive(Debug, PartialEq, Eq)]
-pub enum Action {
-    Send(OutPdu),
-    /// iSER: RDMA-WRITE `data` to the initiator's buffer at `remote_addr`. It
-    /// is queued before the SCSI Response of the same command, and RC ordering
-    /// places it before that SEND arrives, so the driver needs no completion.
-    RdmaWrite {
-        stag: u32,
-        remote_addr: u64,
-        data: OutData,
-    },
-    /// iSER: RDMA-READ `len` bytes of the initiator's buffer into `dest`, then
-    /// report [`Input::RdmaReadDone`] with `tag`.
-    RdmaRead {
-        tag: u32,
-        stag: u32,
-        remote_addr: u64,
-        len: u32,
-        dest: ReadDest,
-    },
-    /// Close the connection once everything before this action is sent.
-    Close,
-}
-
-/// Where an RDMA READ puts the initiator's data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReadDest {
-    /// Straight into LUN memory.
-    Store { lun: u64, offset: u64 },
-    /// Into the driver's own buffer; its bytes come back with the completion
-    /// (parameter lists and other data the SCSI device must see first).
-    Buffer,
-}
-
-/// The transport a connection runs on: it decides how data moves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transport {
-    /// R2T / Data-Out / Data-In PDUs.
-    Tcp,
-    /// RDMA READ / WRITE of tagged initiator buffers; only control PDUs are sent.
-    Iser,
-}
 
 /// Timers, one slot each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,51 +69,6 @@ impl TimerTable {
     }
     fn next(&self) -> Option<Instant> {
         self.0.iter().flatten().min().copied()
-    }
-}
-
-/// The tagged buffers an iSER header named for a SCSI command: the
-/// initiator's write data to RDMA-read and its read buffer to RDMA-write.
-/// None on TCP.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RemoteBuffers {
-    pub write: Option<RemoteBuffer>,
-    pub read: Option<RemoteBuffer>,
-}
-
-/// Everything a transport delivers to the engine, through [`Connection::handle`].
-#[derive(Debug, Clone, Copy)]
-pub enum Input<'a> {
-    /// A PDU: its header, AHS and data segment (no padding or digests), with
-    /// the buffers its iSER header named.
-    Pdu {
-        bhs: &'a Bhs,
-        ahs: &'a [u8],
-        data: &'a [u8],
-        buffers: RemoteBuffers,
-    },
-    /// A PDU whose data digest did not match; its header was sound.
-    DataDigestError(&'a Bhs),
-    /// A PDU announcing a data segment longer than
-    /// [`Connection::max_rx_data_segment`]: a protocol error.
-    Oversized(&'a Bhs),
-    /// The RDMA READ of [`Action::RdmaRead`] `tag` finished (iSER). For
-    /// [`ReadDest::Buffer`] `data` holds the bytes read; for the store it is
-    /// empty.
-    RdmaReadDone { tag: u32, data: &'a [u8] },
-    /// A deadline [`Connection::poll_timeout`] named has passed.
-    Timeout,
-}
-
-impl<'a> Input<'a> {
-    /// A PDU that came without tagged buffers (every PDU on TCP).
-    pub fn pdu(bhs: &'a Bhs, ahs: &'a [u8], data: &'a [u8]) -> Input<'a> {
-        Input::Pdu {
-            bhs,
-            ahs,
-            data,
-            buffers: RemoteBuffers::default(),
-        }
     }
 }
 
