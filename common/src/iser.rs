@@ -8,7 +8,7 @@
 
 use thiserror::Error;
 
-use crate::iscsi::{padded, Bhs, BHS_LEN};
+use crate::iscsi::{padded, Bhs, BHS_LEN, MAX_DATA_SEGMENT_LEN};
 
 /// Bytes of the iSER header in front of every iSCSI control PDU.
 pub const HEADER_LEN: usize = 28;
@@ -118,19 +118,22 @@ pub enum Header {
     },
 }
 
-fn be32(b: &[u8], at: usize) -> u32 {
+#[inline]
+fn be32(b: &[u8; HEADER_LEN], at: usize) -> u32 {
     u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
-fn be64(b: &[u8], at: usize) -> u64 {
+#[inline]
+fn be64(b: &[u8; HEADER_LEN], at: usize) -> u64 {
     (u64::from(be32(b, at)) << 32) | u64::from(be32(b, at + 4))
 }
 
 impl Header {
     /// Decode the header at the start of a received message; the iSCSI PDU
     /// (for `Control`) starts at [`HEADER_LEN`].
+    #[inline]
     pub fn decode(msg: &[u8]) -> Result<Header, IserError> {
-        let Some(b) = msg.get(..HEADER_LEN) else {
+        let Some(b) = msg.first_chunk::<HEADER_LEN>() else {
             return Err(IserError::Short(msg.len()));
         };
         match b[0] >> 4 {
@@ -161,6 +164,7 @@ impl Header {
     }
 
     /// Encode into the first [`HEADER_LEN`] bytes of `out`; returns the length written.
+    #[inline]
     pub fn encode_into(&self, out: &mut [u8]) -> Result<usize, IserError> {
         let len = out.len();
         let Some(b) = out.get_mut(..HEADER_LEN) else {
@@ -242,17 +246,19 @@ impl Message<'_> {
     /// and illumos send the data unpadded). A data segment longer than
     /// `max_data_len`, this side's MaxRecvDataSegmentLength, is reported
     /// with its header so a target can answer it.
+    #[inline]
     pub fn parse(msg: &[u8], max_data_len: u32) -> Result<Message<'_>, IserError> {
         let (write, read) = match Header::decode(msg)? {
             Header::Control { write, read } => (write, read),
             handshake => return Ok(Message::Handshake(handshake)),
         };
-        let Some(header) = msg.get(HEADER_LEN..HEADERS_LEN) else {
+        let Some(raw) = msg
+            .get(HEADER_LEN..)
+            .and_then(|pdu| pdu.first_chunk::<BHS_LEN>())
+        else {
             return Err(IserError::NoPdu(msg.len()));
         };
-        let mut raw = [0; BHS_LEN];
-        raw.copy_from_slice(header);
-        let bhs = Bhs::from_raw(raw);
+        let bhs = Bhs::from_raw(*raw);
         let len = bhs.data_segment_len();
         if len > max_data_len {
             return Err(IserError::Oversized {
@@ -284,6 +290,7 @@ impl Message<'_> {
 /// TotalAHSLength 0 and DataSegmentLength `data_len`, and the data
 /// unpadded, which `fill` writes in place (a target reads a LUN extent
 /// straight into its send buffer). Returns the message length.
+#[inline]
 pub fn encode_message(
     header: &Header,
     bhs: &Bhs,
@@ -293,14 +300,16 @@ pub fn encode_message(
 ) -> Result<usize, IserError> {
     let len = HEADERS_LEN + data_len;
     let room = out.len();
-    let Some(msg) = out.get_mut(..len) else {
+    let Some(msg) = out
+        .get_mut(..len)
+        .filter(|_| data_len <= MAX_DATA_SEGMENT_LEN as usize)
+    else {
         return Err(IserError::MessageTooLong { len, room });
     };
     header.encode_into(msg)?;
     let mut b = *bhs;
-    b.set_total_ahs_len(0)
-        .map_err(|_| IserError::BufTooSmall(room))?
-        .set_data_segment_len(data_len as u32);
+    // The message holds no AHS.
+    b.set_lengths(0, data_len as u32);
     msg[HEADER_LEN..HEADERS_LEN].copy_from_slice(b.as_bytes());
     if !fill(&mut msg[HEADERS_LEN..]) {
         return Err(IserError::DataUnavailable);

@@ -219,6 +219,15 @@ impl Bhs {
     pub fn total_ahs_len(&self) -> usize {
         self.0[4] as usize * 4
     }
+    /// Set TotalAHSLength (in 4-byte words) and DataSegmentLength at once,
+    /// for the framers, which have checked both.
+    #[inline]
+    pub(crate) fn set_lengths(&mut self, ahs_words: u8, data_len: u32) {
+        debug_assert!(data_len <= MAX_DATA_SEGMENT_LEN);
+        let b = data_len.to_be_bytes();
+        self.0[4] = ahs_words;
+        self.0[5..8].copy_from_slice(&b[1..4]);
+    }
     /// Set `TotalAHSLength` from a length in bytes, which must be a multiple
     /// of 4 and at most 1020.
     pub fn set_total_ahs_len(&mut self, bytes: usize) -> Result<&mut Self, WireError> {

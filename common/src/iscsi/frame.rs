@@ -18,6 +18,7 @@ pub struct Digests {
 
 /// Append one PDU to `out`. TotalAHSLength and DataSegmentLength are set
 /// from `ahs` (zero-padded to 4 bytes) and `data`.
+#[inline]
 pub fn encode(
     bhs: &Bhs,
     ahs: &[u8],
@@ -35,6 +36,7 @@ pub fn encode(
 /// Append one PDU whose `data_len` data bytes `fill` writes in place, so a
 /// target can read a LUN extent straight into its send buffer. `Ok(false)`,
 /// with `out` as it was, when `fill` could not produce the data.
+#[inline]
 pub fn encode_filled(
     bhs: &Bhs,
     ahs: &[u8],
@@ -50,13 +52,20 @@ pub fn encode_filled(
         });
     }
     let ahs_padded = padded(ahs.len());
+    let Ok(ahs_words) = u8::try_from(ahs_padded / 4) else {
+        return Err(WireError::AhsLength {
+            declared: ahs_padded,
+            available: u8::MAX as usize * 4,
+        });
+    };
     let mut b = *bhs;
-    b.set_total_ahs_len(ahs_padded)?
-        .set_data_segment_len(data_len as u32);
+    b.set_lengths(ahs_words, data_len as u32);
     let start = out.len();
     out.extend_from_slice(b.as_bytes());
-    out.extend_from_slice(ahs);
-    out.resize(start + BHS_LEN + ahs_padded, 0);
+    if !ahs.is_empty() {
+        out.extend_from_slice(ahs);
+        out.resize(start + BHS_LEN + ahs_padded, 0);
+    }
     if digests.header {
         let d = digest::header(&out[start..start + BHS_LEN], &out[start + BHS_LEN..]);
         out.extend_from_slice(&digest::to_wire(d));
@@ -121,6 +130,7 @@ pub enum DeframeError {
 }
 
 /// Find the PDU at the start of `buf`.
+#[inline]
 pub fn deframe(buf: &[u8], rules: RxRules) -> Result<Deframed<'_>, DeframeError> {
     let Some(header) = buf.get(..BHS_LEN) else {
         return Ok(Deframed::Incomplete { need: BHS_LEN });

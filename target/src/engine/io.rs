@@ -141,6 +141,7 @@ pub enum Input<'a> {
 
 impl<'a> Input<'a> {
     /// A PDU that came without tagged buffers (every PDU on TCP).
+    #[inline]
     pub fn pdu(bhs: &'a Bhs, ahs: &'a [u8], data: &'a [u8]) -> Input<'a> {
         Input::Pdu {
             bhs,

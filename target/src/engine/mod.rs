@@ -173,6 +173,7 @@ impl Connection {
     }
 
     /// The one way in: whatever the transport delivers, at `now`.
+    #[inline]
     pub fn handle(&mut self, now: Instant, input: Input<'_>) {
         match input {
             Input::Pdu {
@@ -180,7 +181,7 @@ impl Connection {
                 ahs,
                 data,
                 buffers,
-            } => self.pdu(now, bhs, ahs, data, buffers),
+            } => self.pdu(now, bhs, ahs, data, &buffers),
             Input::DataDigestError(bhs) => self.data_digest_error(now, bhs),
             Input::Oversized(bhs) => self.oversized(now, bhs),
             Input::RdmaReadDone { tag, data } => self.rdma_read_done(now, tag, data),
@@ -310,7 +311,7 @@ impl Connection {
         self.fail_close();
     }
 
-    fn pdu(&mut self, now: Instant, bhs: &Bhs, ahs: &[u8], data: &[u8], buffers: RemoteBuffers) {
+    fn pdu(&mut self, now: Instant, bhs: &Bhs, ahs: &[u8], data: &[u8], buffers: &RemoteBuffers) {
         self.touch(now);
         match &mut self.phase {
             Phase::Closed => {}

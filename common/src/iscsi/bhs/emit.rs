@@ -20,6 +20,7 @@ pub enum Residual {
 
 impl Residual {
     /// Compare the initiator's expected length with what the command moves.
+    #[inline]
     pub fn between(expected: u32, actual: u32) -> Residual {
         match expected.cmp(&actual) {
             std::cmp::Ordering::Equal => Residual::None,
@@ -29,6 +30,7 @@ impl Residual {
     }
 
     /// The U/O bits of byte 1.
+    #[inline]
     pub fn flags(self) -> u8 {
         match self {
             Residual::None => 0,
@@ -38,6 +40,7 @@ impl Residual {
     }
 
     /// The ResidualCount field.
+    #[inline]
     pub fn count(self) -> u32 {
         match self {
             Residual::None => 0,
@@ -94,6 +97,7 @@ pub struct LoginResponse {
 impl Bhs {
     /// A SCSI Response (RFC 7143 11.4) with iSCSI response 0, "command
     /// completed at target"; sense data, if any, goes in the data segment.
+    #[inline]
     pub fn scsi_response(itt: u32, scsi_status: u8, residual: Residual) -> Bhs {
         let mut b = Bhs::new(Opcode::ScsiResponse);
         b.set_flags(0x80 | residual.flags()).set_itt(itt);
@@ -102,6 +106,7 @@ impl Bhs {
         b
     }
 
+    #[inline]
     pub fn data_in(d: DataIn) -> Bhs {
         let mut b = Bhs::new(Opcode::DataIn);
         let mut flags = if d.final_in_sequence || d.status.is_some() {
@@ -124,6 +129,7 @@ impl Bhs {
         b
     }
 
+    #[inline]
     pub fn r2t(r: R2t) -> Bhs {
         let mut b = Bhs::new(Opcode::ReadyToTransfer);
         b.set_final(true)
@@ -193,6 +199,7 @@ impl Bhs {
 
     /// A NOP-In (RFC 7143 11.19): an answer to a NOP-Out (its ITT, TTT
     /// reserved) or a ping of the target's own (ITT reserved, a fresh TTT).
+    #[inline]
     pub fn nop_in(lun: u64, itt: u32, ttt: u32) -> Bhs {
         let mut b = Bhs::new(Opcode::NopIn);
         b.set_final(true).set_lun(lun).set_itt(itt).set_ttt(ttt);
@@ -200,6 +207,7 @@ impl Bhs {
     }
 
     /// The residual of a SCSI Response or a status-carrying Data-In.
+    #[inline]
     pub fn residual_status(&self) -> Result<Residual, WireError> {
         let count = self.residual();
         match (

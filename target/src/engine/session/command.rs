@@ -8,7 +8,7 @@ impl Session {
         bhs: &Bhs,
         ahs: &[u8],
         data: &[u8],
-        buffers: RemoteBuffers,
+        buffers: &RemoteBuffers,
         out: &mut Out,
     ) {
         let itt = bhs.itt();

@@ -44,7 +44,7 @@ impl DataPath {
 
     /// Whether a command that reads `edtl` bytes can return them: over iSER
     /// the command must name the buffer they are written to.
-    pub(super) fn can_return(self, edtl: u32, buffers: RemoteBuffers) -> bool {
+    pub(super) fn can_return(self, edtl: u32, buffers: &RemoteBuffers) -> bool {
         match self {
             DataPath::Pdus => true,
             DataPath::Rdma(_) => edtl == 0 || buffers.read.is_some(),
@@ -53,7 +53,7 @@ impl DataPath {
 
     /// How a write whose unsolicited data ends at `unsolicited_end` fetches
     /// the rest.
-    pub(super) fn fetch(self, buffers: RemoteBuffers, unsolicited_end: u32) -> Fetch {
+    pub(super) fn fetch(self, buffers: &RemoteBuffers, unsolicited_end: u32) -> Fetch {
         match self {
             DataPath::Pdus => Fetch::R2ts {
                 next_r2tsn: 0,

@@ -411,7 +411,7 @@ impl Session {
         bhs: &Bhs,
         ahs: &[u8],
         data: &[u8],
-        buffers: RemoteBuffers,
+        buffers: &RemoteBuffers,
         out: &mut Out,
     ) -> Flow {
         let Some(op) = bhs.opcode().filter(|o| o.is_initiator_opcode()) else {
