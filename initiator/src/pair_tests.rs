@@ -12,7 +12,7 @@ use ramslog_common::cdb;
 use ramslog_common::iscsi::frame::{self, Deframed, Digests, RxRules};
 use ramslog_common::iscsi::{scsi_cmd, Bhs, Opcode, RejectReason, RESERVED_TAG};
 use ramslog_common::scsi_wire::status;
-use ramslog_target::engine::{Action, ConnInfo, Connection, Input};
+use ramslog_target::engine::{Action, Connection, Input};
 use ramslog_target::portal::Portal;
 use ramslog_target::{tcp, testkit};
 
@@ -58,12 +58,13 @@ struct Pair {
 impl Pair {
     fn new(portal: Arc<Portal>) -> Pair {
         let now = Instant::now();
-        let info = ConnInfo {
-            local: "127.0.0.1:3260".parse().expect("address"),
-            peer: "127.0.0.1:40000".parse().expect("address"),
-        };
         Pair {
-            target: Connection::tcp(portal, info, Arc::new(testkit::NoControl), now),
+            target: Connection::tcp(
+                portal,
+                testkit::conn_info(),
+                Arc::new(testkit::NoControl),
+                now,
+            ),
             now,
             seq: SeqState::default(),
             digests: Digests::default(),
@@ -301,7 +302,7 @@ fn params(digests: bool) -> LoginParams {
 }
 
 fn logged_in(digests: bool) -> Pair {
-    let mut pair = Pair::new(testkit::ram_portal(IQN, LUN_BYTES));
+    let mut pair = Pair::new(testkit::RamPortal::new(IQN).size(LUN_BYTES).build());
     let outcome = pair.login(&params(digests));
     assert_eq!(outcome.negotiated.data_digest, digests);
     // The power-on unit attention, as every real initiator meets it first.
@@ -378,7 +379,7 @@ fn a_command_that_skips_ahead_of_cmdsn_is_dropped() {
 
 #[test]
 fn a_login_whose_request_is_lost_times_out_in_simulated_time() {
-    let mut pair = Pair::new(testkit::ram_portal(IQN, LUN_BYTES));
+    let mut pair = Pair::new(testkit::RamPortal::new(IQN).size(LUN_BYTES).build());
     pair.faults.push_back(Fault::Drop);
     let (_machine, bhs, data) =
         LoginMachine::start(&params(false), 1, &mut pair.seq).expect("login start");

@@ -23,11 +23,13 @@ const LUN_BLOCKS: u32 = 16384;
 
 fn logged_in(iser: bool, metrics: bool) -> Connection {
     let (name, size) = ("iqn.2026-11.org.ramslog:bench", u64::from(LUN_BLOCKS) * 512);
+    let portal = testkit::RamPortal::new(name).size(size);
     let portal = if metrics {
-        testkit::ram_portal_with_metrics(name, size)
+        portal.service_times()
     } else {
-        testkit::ram_portal(name, size)
-    };
+        portal
+    }
+    .build();
     let mut keys = vec![
         ("ImmediateData", "Yes"),
         ("InitialR2T", "Yes"),

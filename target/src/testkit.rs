@@ -1,7 +1,9 @@
-//! Building blocks for the engine's integration tests and benchmarks: a
-//! portal with one RAM LUN and a connection logged in to it, with no
-//! transport. The daemon does not use this module.
+//! Building blocks for the engine's tests, fuzz targets and benchmarks: a
+//! portal with one RAM LUN, a session control that records termination, and
+//! a connection logged in to it, with no transport. The daemon does not use
+//! this module.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -9,10 +11,13 @@ use ramslog_common::iscsi::{login, text, Bhs, Opcode};
 use ramslog_common::iser::CmPeer;
 
 use crate::engine::{ConnInfo, Connection, Input};
-use crate::portal::{Acl, Limits, Portal, SessionControl, TargetDef};
+use crate::portal::{Acl, ChapSecret, Limits, Portal, SessionControl, TargetDef};
 use crate::scsi::{Identity, Readiness, ScsiTarget};
 use crate::store::{HugePages, Store};
 use crate::volume::{Volume, VolumeConfig};
+
+/// The address every testkit portal claims to listen on.
+pub const PORTAL_ADDRESS: &str = "127.0.0.1:3260";
 
 /// A session control nobody terminates.
 pub struct NoControl;
@@ -21,44 +26,130 @@ impl SessionControl for NoControl {
     fn terminate(&self) {}
 }
 
-/// A portal serving `target_name` with LUN 0 of `size` bytes (512-byte
-/// blocks), open to every initiator.
-pub fn ram_portal(target_name: &str, size: u64) -> Arc<Portal> {
-    Arc::new(ram_portal_unshared(target_name, size))
+/// A session control that remembers being asked to terminate the session.
+#[derive(Default)]
+pub struct TerminateFlag(AtomicBool);
+
+impl TerminateFlag {
+    pub fn terminated(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
 }
 
-/// [`ram_portal`] measuring service times, as the daemon does with `--metrics`.
-pub fn ram_portal_with_metrics(target_name: &str, size: u64) -> Arc<Portal> {
-    let mut portal = ram_portal_unshared(target_name, size);
-    portal.service_times = true;
-    Arc::new(portal)
+impl SessionControl for TerminateFlag {
+    fn terminate(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
 }
 
-fn ram_portal_unshared(target_name: &str, size: u64) -> Portal {
+/// The addresses of a testkit connection: the portal's, and an initiator's
+/// on loopback.
+pub fn conn_info() -> ConnInfo {
+    ConnInfo {
+        local: PORTAL_ADDRESS.parse().expect("address"),
+        peer: "127.0.0.1:40000".parse().expect("address"),
+    }
+}
+
+/// A RAM volume of `size` bytes in 512-byte blocks, ready, with a fresh
+/// identity: LUN `lun` of `target_name`.
+pub fn ram_volume(target_name: &str, lun: u64, size: u64) -> Volume {
     let store = Arc::new(Store::new(size, HugePages::Off).expect("RAM for the test LUN"));
-    let volume = Volume::in_memory(
+    Volume::in_memory(
         VolumeConfig {
             target: target_name.into(),
-            lun: 0,
+            lun,
             block_size: 512,
             identity: Identity::generate(),
             readiness: Readiness::Ready,
         },
         store,
-    );
-    let target = TargetDef {
-        name: target_name.into(),
-        alias: None,
-        scsi: Arc::new(ScsiTarget::new(vec![Arc::new(volume)])),
-        acl: Acl::Any,
-        chap: None,
-        mutual_chap: None,
-    };
-    Portal::new(
-        vec![target],
-        Limits::default(),
-        vec!["127.0.0.1:3260".parse().expect("address")],
     )
+}
+
+/// A portal serving one target with LUN 0 in RAM, open to every initiator
+/// unless told otherwise: `RamPortal::new(name).size(..).chap(..).build()`.
+#[must_use]
+pub struct RamPortal {
+    target_name: String,
+    size: u64,
+    limits: Limits,
+    acl: Acl,
+    chap: Option<ChapSecret>,
+    mutual_chap: Option<ChapSecret>,
+    discovery_chap: Option<ChapSecret>,
+    service_times: bool,
+}
+
+impl RamPortal {
+    /// One MiB, default limits, no CHAP, every initiator admitted.
+    pub fn new(target_name: &str) -> RamPortal {
+        RamPortal {
+            target_name: target_name.into(),
+            size: 1 << 20,
+            limits: Limits::default(),
+            acl: Acl::Any,
+            chap: None,
+            mutual_chap: None,
+            discovery_chap: None,
+            service_times: false,
+        }
+    }
+
+    pub fn size(mut self, bytes: u64) -> RamPortal {
+        self.size = bytes;
+        self
+    }
+
+    pub fn limits(mut self, limits: Limits) -> RamPortal {
+        self.limits = limits;
+        self
+    }
+
+    pub fn acl(mut self, acl: Acl) -> RamPortal {
+        self.acl = acl;
+        self
+    }
+
+    /// The secret initiators must prove to log in to the target.
+    pub fn chap(mut self, secret: ChapSecret) -> RamPortal {
+        self.chap = Some(secret);
+        self
+    }
+
+    /// The secret the target proves when an initiator asks for mutual CHAP.
+    pub fn mutual_chap(mut self, secret: ChapSecret) -> RamPortal {
+        self.mutual_chap = Some(secret);
+        self
+    }
+
+    pub fn discovery_chap(mut self, secret: ChapSecret) -> RamPortal {
+        self.discovery_chap = Some(secret);
+        self
+    }
+
+    /// Measure service times, as the daemon does with `--metrics`.
+    pub fn service_times(mut self) -> RamPortal {
+        self.service_times = true;
+        self
+    }
+
+    pub fn build(self) -> Arc<Portal> {
+        let volume = ram_volume(&self.target_name, 0, self.size);
+        let target = TargetDef {
+            name: self.target_name,
+            alias: None,
+            scsi: Arc::new(ScsiTarget::new(vec![Arc::new(volume)])),
+            acl: self.acl,
+            chap: self.chap,
+            mutual_chap: self.mutual_chap,
+        };
+        let address = PORTAL_ADDRESS.parse().expect("address");
+        let mut portal = Portal::new(vec![target], self.limits, vec![address]);
+        portal.discovery_chap = self.discovery_chap;
+        portal.service_times = self.service_times;
+        Arc::new(portal)
+    }
 }
 
 /// A connection to the portal's first target that has completed a one-PDU
@@ -70,10 +161,7 @@ pub fn logged_in(
     keys: &[(&str, &str)],
     now: Instant,
 ) -> Connection {
-    let info = ConnInfo {
-        local: "127.0.0.1:3260".parse().expect("address"),
-        peer: "127.0.0.1:5000".parse().expect("address"),
-    };
+    let info = conn_info();
     let target = portal.targets[0].name.clone();
     let mut conn = match iser_recv_data_len {
         Some(len) => Connection::iser(portal, info, Arc::new(NoControl), now, len, CmPeer::Unknown),

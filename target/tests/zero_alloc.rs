@@ -58,7 +58,10 @@ fn zero_allocations_per_io_after_warm_up() {
 
 fn io_loop(iser: bool) {
     let now = Instant::now();
-    let portal = testkit::ram_portal_with_metrics("iqn.2026-11.org.ramslog:alloc", 8 << 20);
+    let portal = testkit::RamPortal::new("iqn.2026-11.org.ramslog:alloc")
+        .size(8 << 20)
+        .service_times()
+        .build();
     let mut keys = vec![
         ("ImmediateData", "Yes"),
         ("InitialR2T", "No"),

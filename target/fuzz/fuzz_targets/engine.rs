@@ -133,7 +133,9 @@ fuzz_target!(|data: &[u8]| {
     let mut input = Input(data);
     let Some(mode) = input.byte() else { return };
     let iser = mode & 1 != 0;
-    let portal = testkit::ram_portal("iqn.2026-11.org.ramslog:fuzz", LUN_BYTES);
+    let portal = testkit::RamPortal::new("iqn.2026-11.org.ramslog:fuzz")
+        .size(LUN_BYTES)
+        .build();
     let keys: &[(&str, &str)] = if iser {
         &[
             ("RDMAExtensions", "Yes"),

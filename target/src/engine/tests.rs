@@ -1,7 +1,6 @@
 //! Engine tests: an initiator model drives a `Connection` directly — no
 //! sockets, no clock but the one passed in.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,21 +10,11 @@ use ramslog_common::iser::CmPeer;
 use ramslog_common::scsi_wire::{sense_key, status, Sense};
 
 use super::*;
-use crate::portal::{Acl, AclEntry, ChapSecret, Limits, Portal, SessionControl, TargetDef};
-use crate::scsi::{Identity, Readiness, ScsiTarget};
-use crate::store::{HugePages, Store};
-use crate::volume::{Volume, VolumeConfig};
+use crate::portal::{Acl, AclEntry, ChapSecret, Limits, Portal};
+use crate::testkit::{conn_info, RamPortal, TerminateFlag};
 
 const IQN: &str = "iqn.2026-11.org.ramslog:test";
 const INI: &str = "iqn.1994-05.com.example:ini";
-
-#[derive(Default)]
-struct Flag(AtomicBool);
-impl SessionControl for Flag {
-    fn terminate(&self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-}
 
 struct Rsp {
     bhs: Bhs,
@@ -42,46 +31,11 @@ struct Harness {
     rdma: Vec<(usize, Action)>,
 }
 
-fn portal_with(
-    limits: Limits,
-    chap: Option<ChapSecret>,
-    mutual: Option<ChapSecret>,
-    acl: Acl,
-) -> Arc<Portal> {
-    portal_sized(1 << 20, limits, chap, mutual, acl)
-}
-
-fn portal_sized(
-    size: u64,
-    limits: Limits,
-    chap: Option<ChapSecret>,
-    mutual: Option<ChapSecret>,
-    acl: Acl,
-) -> Arc<Portal> {
-    let target = TargetDef {
-        name: IQN.into(),
-        alias: None,
-        scsi: Arc::new(ScsiTarget::new(vec![ram_volume(size)])),
-        acl,
-        chap,
-        mutual_chap: mutual,
-    };
-    Arc::new(Portal::new(
-        vec![target],
-        limits,
-        vec!["127.0.0.1:3260".parse().unwrap()],
-    ))
-}
-
 impl Harness {
     fn new(portal: Arc<Portal>) -> Harness {
         let now = Instant::now();
-        let info = ConnInfo {
-            local: "127.0.0.1:3260".parse().unwrap(),
-            peer: "127.0.0.1:5555".parse().unwrap(),
-        };
         Harness {
-            conn: Connection::tcp(portal, info, Arc::new(Flag::default()), now),
+            conn: Connection::tcp(portal, conn_info(), Arc::new(TerminateFlag::default()), now),
             now,
             cmdsn: 100,
             itt: 1,
@@ -97,7 +51,7 @@ impl Harness {
     /// An iSER connection whose connect request looked like `proposed`.
     fn new_iser_from(portal: Arc<Portal>, proposed: CmPeer) -> Harness {
         let mut h = Harness::new(portal.clone());
-        let control = Arc::new(Flag::default());
+        let control = Arc::new(TerminateFlag::default());
         h.conn = Connection::iser(portal, h.conn.info, control, h.now, 8192, proposed);
         h
     }
@@ -213,19 +167,6 @@ impl Harness {
 }
 
 /// LUN 0 of the test target: `size` bytes of RAM, 512-byte blocks, ready.
-fn ram_volume(size: u64) -> Arc<Volume> {
-    Arc::new(Volume::in_memory(
-        VolumeConfig {
-            target: IQN.into(),
-            lun: 0,
-            block_size: 512,
-            identity: Identity::generate(),
-            readiness: Readiness::Ready,
-        },
-        Arc::new(Store::new(size, HugePages::Off).unwrap()),
-    ))
-}
-
 fn keys_of(data: &[u8]) -> Vec<(String, String)> {
     text::decode(data)
         .unwrap()
@@ -239,7 +180,7 @@ fn key<'a>(keys: &'a [(String, String)], k: &str) -> Option<&'a str> {
 }
 
 fn logged_in() -> Harness {
-    let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+    let mut h = Harness::new(RamPortal::new(IQN).build());
     let r = h.login(&[
         ("InitialR2T", "No"),
         ("ImmediateData", "Yes"),
@@ -263,7 +204,7 @@ fn sense_of(r: &Rsp) -> Sense {
 
 #[test]
 fn login_in_one_round_trip_answers_every_key() {
-    let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+    let mut h = Harness::new(RamPortal::new(IQN).build());
     let r = h.login(&[
         ("HeaderDigest", "None,CRC32C"),
         ("DataDigest", "None"),
@@ -299,12 +240,11 @@ fn login_in_one_round_trip_answers_every_key() {
 #[test]
 fn login_errors_have_the_right_status() {
     let fails = |keys: &[(&str, &str)]| {
-        let mut h = Harness::new(portal_with(
-            Limits::default(),
-            None,
-            None,
-            Acl::Only(vec![AclEntry::any_address("iqn.other")]),
-        ));
+        let mut h = Harness::new(
+            RamPortal::new(IQN)
+                .acl(Acl::Only(vec![AclEntry::any_address("iqn.other")]))
+                .build(),
+        );
         let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
         let r = h.login_pdu(flags, keys);
         assert!(h.closed);
@@ -344,7 +284,7 @@ fn login_errors_have_the_right_status() {
         login_status::INITIATOR_ERROR
     );
     // Text without '='.
-    let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+    let mut h = Harness::new(RamPortal::new(IQN).build());
     let mut b = Bhs::new(Opcode::LoginRequest);
     b.set_immediate(true).set_flags(0x87);
     let r = h.send(&b, b"InitiatorName\0");
@@ -354,7 +294,7 @@ fn login_errors_have_the_right_status() {
 
 #[test]
 fn non_login_pdu_during_login_closes() {
-    let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+    let mut h = Harness::new(RamPortal::new(IQN).build());
     let (_, r) = h.command(&[0; 6], 0x80, 0, &[]);
     assert!(r.is_empty());
     assert!(h.closed);
@@ -369,12 +309,7 @@ fn chap_login(secret: &str, mutual: bool) -> (Harness, u16) {
         user: "target".into(),
         secret: "fedcba9876543210".into(),
     };
-    let mut h = Harness::new(portal_with(
-        Limits::default(),
-        Some(chap),
-        Some(m),
-        Acl::Any,
-    ));
+    let mut h = Harness::new(RamPortal::new(IQN).chap(chap).mutual_chap(m).build());
     let sec_to_op = login::TRANSIT | login::STAGE_OPERATIONAL;
     let r = h.login_pdu(
         0,
@@ -432,7 +367,7 @@ fn chap_cannot_be_skipped() {
         user: "alice".into(),
         secret: "0123456789abcdef".into(),
     };
-    let mut h = Harness::new(portal_with(Limits::default(), Some(chap), None, Acl::Any));
+    let mut h = Harness::new(RamPortal::new(IQN).chap(chap).build());
     let r = h.login(&[]);
     assert_eq!(r.bhs.login_status(), login_status::AUTH_FAILED);
     assert!(h.closed);
@@ -488,16 +423,15 @@ fn scsi_cmd_flags(write: bool, read: bool) -> u8 {
 
 #[test]
 fn r2t_path_solicits_every_byte() {
-    let mut h = Harness::new(portal_with(
-        Limits {
-            max_burst_len: 4096,
-            max_outstanding_r2t: 2,
-            ..Limits::default()
-        },
-        None,
-        None,
-        Acl::Any,
-    ));
+    let mut h = Harness::new(
+        RamPortal::new(IQN)
+            .limits(Limits {
+                max_burst_len: 4096,
+                max_outstanding_r2t: 2,
+                ..Limits::default()
+            })
+            .build(),
+    );
     h.login(&[
         ("InitialR2T", "Yes"),
         ("ImmediateData", "No"),
@@ -535,16 +469,13 @@ fn r2t_path_solicits_every_byte() {
 fn staging_is_bounded_across_sessions() {
     // LUN writes go straight to the LUN; only data the SCSI device must see
     // whole (here VERIFY with BYTCHK=1) is staged, from one daemon-wide budget.
-    let portal = portal_sized(
-        8 << 20,
-        Limits {
+    let portal = RamPortal::new(IQN)
+        .size(8 << 20)
+        .limits(Limits {
             staging_budget: 64 << 10,
             ..Limits::default()
-        },
-        None,
-        None,
-        Acl::Any,
-    );
+        })
+        .build();
     let mut a = Harness::new(portal.clone());
     a.login(&[("InitialR2T", "Yes"), ("ImmediateData", "Yes")]);
     let mut verify = write10(0, 64);
@@ -765,7 +696,7 @@ fn abort_task_on_a_waiting_write() {
 
 #[test]
 fn discovery_lists_targets_and_refuses_scsi() {
-    let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+    let mut h = Harness::new(RamPortal::new(IQN).build());
     let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
     let r = h.login_pdu(
         flags,
@@ -807,12 +738,12 @@ fn the_next_stage_counts_only_with_transit() {
         ("SessionType", "Normal"),
     ];
     let operational = login::STAGE_OPERATIONAL << 2;
-    let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+    let mut h = Harness::new(RamPortal::new(IQN).build());
     let r = h.login_pdu(operational | 2, &names);
     assert_eq!(r[0].bhs.login_status(), login_status::SUCCESS);
     assert_eq!(r[0].bhs.flags() & login::TRANSIT, 0);
     for nsg in [2, login::STAGE_OPERATIONAL, login::STAGE_SECURITY] {
-        let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+        let mut h = Harness::new(RamPortal::new(IQN).build());
         let r = h.login_pdu(login::TRANSIT | operational | nsg, &names);
         assert_eq!(
             r[0].bhs.login_status(),
@@ -915,16 +846,15 @@ fn data_in_queued_before_a_fatal_error_carries_the_real_bytes() {
 
 #[test]
 fn waiting_commands_are_bounded_by_the_window() {
-    let mut h = Harness::new(portal_sized(
-        8 << 20,
-        Limits {
-            cmd_window: 4,
-            ..Limits::default()
-        },
-        None,
-        None,
-        Acl::Any,
-    ));
+    let mut h = Harness::new(
+        RamPortal::new(IQN)
+            .size(8 << 20)
+            .limits(Limits {
+                cmd_window: 4,
+                ..Limits::default()
+            })
+            .build(),
+    );
     h.login(&[("InitialR2T", "Yes")]);
     let mut statuses = Vec::new();
     for i in 0..6u32 {
@@ -982,7 +912,7 @@ fn iser_login(extra: &[(&str, &str)]) -> (Harness, Vec<(String, String)>) {
 
 /// An iSER login whose connect request's private data looked like `proposed`.
 fn iser_login_from(proposed: CmPeer, extra: &[(&str, &str)]) -> (Harness, Vec<(String, String)>) {
-    let portal = portal_with(Limits::default(), None, None, Acl::Any);
+    let portal = RamPortal::new(IQN).build();
     let mut h = Harness::new_iser_from(portal, proposed);
     let mut keys = vec![
         ("InitiatorName", INI),

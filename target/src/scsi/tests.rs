@@ -320,15 +320,10 @@ fn absent_lun() {
 #[test]
 fn report_luns_encoding() {
     let mk = |lun| {
-        Arc::new(Volume::in_memory(
-            VolumeConfig {
-                target: "iqn.2026-11.org.test:t".into(),
-                lun,
-                block_size: 512,
-                identity: Identity::generate(),
-                readiness: Readiness::Ready,
-            },
-            Arc::new(Store::new(SIZE, HugePages::Off).unwrap()),
+        Arc::new(crate::testkit::ram_volume(
+            "iqn.2026-11.org.test:t",
+            lun,
+            SIZE,
         ))
     };
     let t = ScsiTarget::new(vec![mk(300), mk(1)]);

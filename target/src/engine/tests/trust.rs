@@ -18,7 +18,7 @@ fn lun_bytes(h: &Harness) -> Vec<u8> {
 }
 
 fn harness_with_limits(limits: Limits) -> Harness {
-    Harness::new(portal_sized(LUN_BYTES, limits, None, None, Acl::Any))
+    Harness::new(RamPortal::new(IQN).size(LUN_BYTES).limits(limits).build())
 }
 
 fn data_out(itt: u32, ttt: u32, offset: u32, datasn: u32, last: bool) -> Bhs {
@@ -369,22 +369,13 @@ fn chap_portal(discovery: bool) -> Arc<Portal> {
         user: "alice".into(),
         secret: "0123456789abcdef".into(),
     };
-    let mut portal = Portal::new(
-        vec![TargetDef {
-            name: IQN.into(),
-            alias: None,
-            scsi: Arc::new(ScsiTarget::new(vec![ram_volume(1 << 20)])),
-            acl: Acl::Any,
-            chap: Some(secret.clone()),
-            mutual_chap: None,
-        }],
-        Limits::default(),
-        vec!["127.0.0.1:3260".parse().unwrap()],
-    );
+    let portal = RamPortal::new(IQN).chap(secret.clone());
     if discovery {
-        portal.discovery_chap = Some(secret);
+        portal.discovery_chap(secret)
+    } else {
+        portal
     }
-    Arc::new(portal)
+    .build()
 }
 
 fn permutations<T: Clone>(items: &[T]) -> Vec<Vec<T>> {
@@ -461,13 +452,10 @@ fn chap_cannot_be_bypassed_by_key_order() {
 
 #[test]
 fn discovery_login_never_ends_a_normal_session() {
-    let portal = portal_with(
-        Limits::default(),
-        None,
-        None,
-        Acl::Only(vec![AclEntry::any_address(INI)]),
-    );
-    let victim_flag = Arc::new(Flag::default());
+    let portal = RamPortal::new(IQN)
+        .acl(Acl::Only(vec![AclEntry::any_address(INI)]))
+        .build();
+    let victim_flag = Arc::new(TerminateFlag::default());
     let mut victim = Harness::new(portal.clone());
     victim.conn = Connection::tcp(
         portal.clone(),
@@ -490,7 +478,7 @@ fn discovery_login_never_ends_a_normal_session() {
         ],
     );
     assert!(
-        !victim_flag.0.load(Ordering::SeqCst),
+        !victim_flag.terminated(),
         "defect 3: a discovery login terminated a normal session"
     );
     assert_eq!(
@@ -508,7 +496,7 @@ fn discovery_login_never_ends_a_normal_session() {
     // A normal login of the same I_T nexus does reinstate (RFC 7143 6.3.5).
     let mut again = Harness::new(portal);
     again.login(&[]);
-    assert!(victim_flag.0.load(Ordering::SeqCst), "reinstatement");
+    assert!(victim_flag.terminated(), "reinstatement");
 }
 
 // ---- liveness ----------------------------------------------------------------
@@ -547,7 +535,7 @@ fn acl_entries_bound_to_a_network_refuse_other_sources() {
     // The harness connects from 127.0.0.1.
     let status_for = |entry: &str| {
         let acl = Acl::Only(vec![entry.parse().unwrap()]);
-        let mut h = Harness::new(portal_with(Limits::default(), None, None, acl));
+        let mut h = Harness::new(RamPortal::new(IQN).acl(acl).build());
         let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
         let r = h.login_pdu(
             flags,
@@ -624,13 +612,7 @@ fn max_cmdsn_closes_while_commands_wait_for_data() {
 /// initiator that receives 512-byte segments queues one item, not 32768 PDUs.
 #[test]
 fn data_in_is_produced_as_the_driver_takes_it() {
-    let mut h = Harness::new(portal_sized(
-        32 << 20,
-        Limits::default(),
-        None,
-        None,
-        Acl::Any,
-    ));
+    let mut h = Harness::new(RamPortal::new(IQN).size(32 << 20).build());
     h.login(&[("MaxRecvDataSegmentLength", "512")]);
     let itt = h.next_itt();
     let mut b = Bhs::new(Opcode::ScsiCommand);
@@ -689,7 +671,7 @@ const PR_PREEMPT_AND_ABORT: u8 = 5;
 /// arrives for them afterwards must not land, and none of them gets GOOD.
 #[test]
 fn preempt_and_abort_fences_the_preempted_writes_over_tcp() {
-    let portal = portal_sized(LUN_BYTES, Limits::default(), None, None, Acl::Any);
+    let portal = RamPortal::new(IQN).size(LUN_BYTES).build();
     let mut a = Harness::new(portal.clone());
     login_named(&mut a, "iqn.2026-11.org.ramslog:host-a", &[]);
     let mut b = Harness::new(portal.clone());
@@ -727,7 +709,7 @@ fn preempt_and_abort_fences_the_preempted_writes_over_tcp() {
 /// The iSER case: the RDMA READ completes after the preempt.
 #[test]
 fn preempt_and_abort_fences_the_preempted_writes_over_iser() {
-    let portal = portal_sized(LUN_BYTES, Limits::default(), None, None, Acl::Any);
+    let portal = RamPortal::new(IQN).size(LUN_BYTES).build();
     let mut a = Harness::new(portal.clone());
     login_named(&mut a, "iqn.2026-11.org.ramslog:host-a", &[]);
     let mut b = Harness::new_iser(portal.clone());
@@ -782,7 +764,7 @@ fn initiator_names_with_control_characters_are_refused() {
         "iqn.2026-11.evil:a\nb",
         "iqn.x y",
     ] {
-        let mut h = Harness::new(portal_with(Limits::default(), None, None, Acl::Any));
+        let mut h = Harness::new(RamPortal::new(IQN).build());
         let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
         let r = h.login_pdu(
             flags,
@@ -805,7 +787,7 @@ fn initiator_names_with_control_characters_are_refused() {
 /// take (which ended the connection).
 #[test]
 fn iser_parameter_data_beyond_the_bounce_buffer_is_refused() {
-    let portal = portal_sized(16 << 20, Limits::default(), None, None, Acl::Any);
+    let portal = RamPortal::new(IQN).size(16 << 20).build();
     let mut h = Harness::new_iser(portal);
     login_named(
         &mut h,
