@@ -20,6 +20,7 @@ use ramslog_target::{metrics, rdma, tcp, testkit};
 
 const BLOCKS: u32 = 8;
 const LUN_BLOCKS: u32 = 16384;
+const PAGE: usize = 4096;
 
 fn logged_in(iser: bool, metrics: bool) -> Connection {
     let (name, size) = ("iqn.2026-11.org.ramslog:bench", u64::from(LUN_BLOCKS) * 512);
@@ -43,7 +44,13 @@ fn logged_in(iser: bool, metrics: bool) -> Connection {
 
 /// The received bytes of one command: [iSER header +] BHS + immediate data.
 struct Wire {
-    bytes: Vec<u8>,
+    /// `len` bytes from `at`, which is page-aligned as a receive slot is: a
+    /// 4 KiB copy's speed depends on where its source sits in a page
+    /// (4K aliasing), so a heap-placed buffer would make the numbers depend
+    /// on allocation history.
+    storage: Vec<u8>,
+    at: usize,
+    len: usize,
     bhs_at: usize,
     cmdsn: u32,
 }
@@ -92,16 +99,26 @@ impl Wire {
         if write {
             bytes.resize(bytes.len() + (BLOCKS * 512) as usize, 0x5a);
         }
+        let mut storage = vec![0u8; bytes.len() + PAGE];
+        let at = storage.as_ptr().align_offset(PAGE);
+        storage[at..at + bytes.len()].copy_from_slice(&bytes);
         Wire {
-            bytes,
+            storage,
+            at,
+            len: bytes.len(),
             bhs_at,
             cmdsn: 0,
         }
     }
 
+    fn bytes(&self) -> &[u8] {
+        &self.storage[self.at..self.at + self.len]
+    }
+
     /// Give the next command its CmdSN, ITT and LBA, as an initiator would.
     fn next(&mut self) {
-        let b = &mut self.bytes[self.bhs_at..self.bhs_at + BHS_LEN];
+        let bhs_at = self.at + self.bhs_at;
+        let b = &mut self.storage[bhs_at..bhs_at + BHS_LEN];
         b[16..20].copy_from_slice(&self.cmdsn.to_be_bytes());
         b[24..28].copy_from_slice(&self.cmdsn.to_be_bytes());
         let lba = (self.cmdsn * BLOCKS) % (LUN_BLOCKS - BLOCKS);
@@ -120,10 +137,10 @@ fn status(p: &OutPdu) -> Option<u8> {
 /// One command the way the TCP driver handles it; returns its SCSI status.
 fn tcp_command(conn: &mut Connection, wire: &Wire, wbuf: &mut Vec<u8>) -> Option<u8> {
     let now = Instant::now();
-    let Ok(bhs) = Bhs::decode(&wire.bytes[..BHS_LEN]) else {
+    let Ok(bhs) = Bhs::decode(&wire.bytes()[..BHS_LEN]) else {
         panic!("bad BHS");
     };
-    conn.handle(now, Input::pdu(&bhs, &[], &wire.bytes[BHS_LEN..]));
+    conn.handle(now, Input::pdu(&bhs, &[], &wire.bytes()[BHS_LEN..]));
     wbuf.clear();
     let mut st = None;
     while let Some(a) = conn.poll_action() {
@@ -146,7 +163,7 @@ fn tcp_command(conn: &mut Connection, wire: &Wire, wbuf: &mut Vec<u8>) -> Option
 /// data is the HCA's work); returns its SCSI status.
 fn iser_command(conn: &mut Connection, wire: &Wire, slot: &mut [u8]) -> Option<u8> {
     let now = Instant::now();
-    let Ok(Message::Pdu(pdu)) = Message::parse(&wire.bytes, conn.max_rx_data_segment()) else {
+    let Ok(Message::Pdu(pdu)) = Message::parse(wire.bytes(), conn.max_rx_data_segment()) else {
         panic!("bad iSER message");
     };
     conn.handle(
