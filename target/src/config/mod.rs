@@ -107,7 +107,7 @@ pub struct RunArgs {
     /// Logical block size of the command-line target's LUN.
     #[arg(long, value_parser = ["512", "4096"])]
     pub block_size: Option<String>,
-    /// IQN of the command-line target (default: iqn.2026-11.org.ramslog:<hostname>).
+    /// IQN of the command-line target (default: `iqn.2026-11.org.ramslog:<hostname>`).
     #[arg(long)]
     pub target_name: Option<String>,
     /// Back LUN memory with 2 MiB huge pages: auto, require, off.
@@ -141,11 +141,11 @@ pub struct RunArgs {
     /// Run without a state directory: every start is a first start (unsafe as a ZFS log).
     #[arg(long, conflicts_with = "state_dir")]
     pub ephemeral: bool,
-    /// Control socket for `status`, `stop` and `accept-empty` (default: <state-dir>/control.sock;
+    /// Control socket for `status`, `stop` and `accept-empty` (default: `<state-dir>/control.sock`;
     /// with --ephemeral /run/ramslog/control.sock for root).
     #[arg(long)]
     pub control_socket: Option<PathBuf>,
-    /// Where LUN images go at a clean stop (default: <state-dir>/images; mode 0700).
+    /// Where LUN images go at a clean stop (default: `<state-dir>/images`; mode 0700).
     #[arg(long, conflicts_with = "ephemeral")]
     pub image_dir: Option<PathBuf>,
     /// Commands an initiator may have outstanding per session.

@@ -288,31 +288,34 @@ impl Session {
     ) {
         let seg = self.params.initiator_mrdsl.clamp(512, DATA_IN_SEGMENT_MAX);
         let burst = self.params.max_burst_len.max(seg);
-        if let DataSource::Store(base) = src {
-            let statsn = out.take_statsn();
-            let mut stream = DataInStream {
-                itt,
-                lun: lun.number(),
-                lun_wire: lun.to_wire(),
-                base,
-                xfer,
-                off: 0,
-                datasn: 0,
-                seg,
-                burst,
-                statsn,
-                exp_cmdsn: self.exp_cmdsn,
-                max_cmdsn: self.max_cmdsn(),
-                residual,
-                header_digest: self.params.header_digest,
-                data_digest: self.params.data_digest,
-                served: None,
-            };
-            stream.served = self.count_status(status::GOOD, None);
-            self.note_max_cmdsn(stream.max_cmdsn);
-            out.push_data_in(stream);
-            return;
-        }
+        let buffer = match src {
+            DataSource::Buffer(v) => v,
+            DataSource::Store(base) => {
+                let statsn = out.take_statsn();
+                let mut stream = DataInStream {
+                    itt,
+                    lun: lun.number(),
+                    lun_wire: lun.to_wire(),
+                    base,
+                    xfer,
+                    off: 0,
+                    datasn: 0,
+                    seg,
+                    burst,
+                    statsn,
+                    exp_cmdsn: self.exp_cmdsn,
+                    max_cmdsn: self.max_cmdsn(),
+                    residual,
+                    header_digest: self.params.header_digest,
+                    data_digest: self.params.data_digest,
+                    served: None,
+                };
+                stream.served = self.count_status(status::GOOD, None);
+                self.note_max_cmdsn(stream.max_cmdsn);
+                out.push_data_in(stream);
+                return;
+            }
+        };
         let mut off = 0u32;
         let mut datasn = 0u32;
         while off < xfer {
@@ -333,16 +336,7 @@ impl Session {
                 }),
             });
             self.stamp(&mut b);
-            let data = match src {
-                DataSource::Store(base) => OutData::Store {
-                    lun: lun.number(),
-                    offset: base + off as u64,
-                    len,
-                },
-                DataSource::Buffer(v) => {
-                    OutData::Owned(v[off as usize..(off + len) as usize].to_vec())
-                }
-            };
+            let data = OutData::Owned(buffer[off as usize..(off + len) as usize].to_vec());
             let mut pdu = self.pdu(b, data);
             if last {
                 pdu.served = self.count_status(status::GOOD, None);
