@@ -111,7 +111,7 @@ struct OutputArgs {
 
 #[derive(Args)]
 struct LatArgs {
-    /// iscsi://host[:port]/IQN/LUN or iser://host[:port]/IQN/LUN (not with --softroce).
+    /// `iscsi://host[:port]/IQN/LUN` or `iser://host[:port]/IQN/LUN` (not with --softroce).
     #[arg(required_unless_present = "softroce")]
     url: Option<String>,
     #[command(flatten)]

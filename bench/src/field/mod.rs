@@ -42,7 +42,7 @@ use scrape::*;
 
 #[derive(Args)]
 pub struct ReportArgs {
-    /// The ramslog LUN, iser://BOX[:PORT]/IQN/LUN (iscsi:// for TCP). Without
+    /// The ramslog LUN, `iser://BOX[:PORT]/IQN/LUN` (iscsi:// for TCP). Without
     /// it, only the target side is recorded (`--metrics`; for OmniOS hosts).
     url: Option<String>,
     /// A second target measured the same way, for comparison.
