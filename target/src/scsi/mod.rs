@@ -171,21 +171,35 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Check the initiator's Expected Data Transfer Length for commands where
-    /// a mismatch must fail instead of being a residual: COMPARE AND WRITE
-    /// and WRITE SAME (whose data-out is not "as much as you like"). For
-    /// every other command a mismatch is an ordinary over/underflow.
-    /// libiscsi's CompareAndWrite tests depend on this: CAW of 256 blocks
-    /// wraps the one-byte NUMBER OF LOGICAL BLOCKS to 0 and must still fail.
+    /// Check the initiator's Expected Data Transfer Length (of the write
+    /// direction: 0 when the W bit is clear) against what the CDB demands.
+    ///
+    /// - COMPARE AND WRITE and WRITE SAME (data-out that is not "as much as
+    ///   you like"): INVALID FIELD IN CDB. libiscsi's CompareAndWrite tests
+    ///   depend on this: CAW of 256 blocks wraps the one-byte NUMBER OF
+    ///   LOGICAL BLOCKS to 0 and must still fail.
+    /// - The other commands that write or compare blocks (WRITE, WRITE AND
+    ///   VERIFY, VERIFY with BYTCHK): INVALID FIELD IN COMMAND INFORMATION
+    ///   UNIT, under- or overflow, as LIO's `target_cmd_size_check`. Taking
+    ///   part of such a write and answering GOOD would acknowledge blocks
+    ///   that were never written.
+    /// - Parameter lists: a mismatch is an ordinary residual.
     pub fn check_expected_len(&self, edtl: u32) -> Result<(), SenseReason> {
-        if !self.exact_out || edtl == self.data_out_len {
+        if edtl == self.data_out_len {
             return Ok(());
         }
-        let byte = match self.op {
-            Op::CompareAndWrite { .. } => 13,
-            _ => 0,
-        };
-        Err(SenseReason::InvalidFieldInCdb(FieldPointer::cdb(byte)))
+        if self.exact_out {
+            let byte = match self.op {
+                Op::CompareAndWrite { .. } => 13,
+                _ => 0,
+            };
+            return Err(SenseReason::InvalidFieldInCdb(FieldPointer::cdb(byte)));
+        }
+        match self.op {
+            Op::Write { .. } | Op::WriteVerify { .. } => Err(SenseReason::InvalidFieldInCommandIu),
+            Op::Verify { bytchk, .. } if bytchk != 0 => Err(SenseReason::InvalidFieldInCommandIu),
+            _ => Ok(()),
+        }
     }
 
     /// True for READ(6/10/12/16).

@@ -56,8 +56,11 @@ impl Session {
             self.fail(out, itt, SenseReason::LuNotSupported, Residual::None);
             return;
         };
+        // RFC 7143 11.3.1: with neither R nor W set the EDTL must be 0, and
+        // data travels only with W.
         if (data.len() as u32) > edtl
-            || (!data.is_empty() && flags & scsi_cmd::WRITE == 0 && edtl == 0)
+            || (!data.is_empty() && flags & scsi_cmd::WRITE == 0)
+            || (flags & (scsi_cmd::READ | scsi_cmd::WRITE) == 0 && edtl != 0)
         {
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
@@ -107,16 +110,10 @@ impl Session {
             return;
         }
         let need = plan.data_out_len;
+        // Only a parameter list may arrive shorter than the CDB says
+        // (check_expected_len refused every other mismatch).
         let moved = need.min(edtl_out);
         let residual = Residual::between(edtl_out, need);
-        if moved > 0
-            && matches!(plan.out_placement, OutPlacement::Store { .. })
-            && moved % scsi.block_size(lun.number()) != 0
-        {
-            // The data would end inside a block: refuse rather than write part of one.
-            self.fail(out, itt, SenseReason::InvalidFieldInCommandIu, residual);
-            return;
-        }
         let unsol_end = if flags & 0x80 != 0 || self.params.initial_r2t {
             data.len() as u32
         } else {
