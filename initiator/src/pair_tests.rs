@@ -13,7 +13,7 @@ use ramslog_common::iscsi::frame::{self, Deframed, Digests, RxRules};
 use ramslog_common::iscsi::{scsi_cmd, Bhs, Opcode, RejectReason, RESERVED_TAG};
 use ramslog_common::scsi_wire::status;
 use ramslog_target::engine::{Action, Connection, Input};
-use ramslog_target::portal::Portal;
+use ramslog_target::portal::{Portal, SessionControl};
 use ramslog_target::{tcp, testkit};
 
 use crate::datain::DataInAssembler;
@@ -62,7 +62,7 @@ impl Pair {
             target: Connection::tcp(
                 portal,
                 testkit::conn_info(),
-                Arc::new(testkit::NoControl),
+                SessionControl::without_transport(),
                 now,
             ),
             now,

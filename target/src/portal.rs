@@ -8,9 +8,11 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+
+use tokio::sync::Notify;
 
 use crate::metrics::{LimitHit, PortalCounters};
 use crate::scsi::{NexusId, ScsiTarget};
@@ -196,9 +198,75 @@ pub struct TargetDef {
     pub mutual_chap: Option<ChapSecret>,
 }
 
-/// Terminates a session from outside its connection (reinstatement, shutdown).
-pub trait SessionControl: Send + Sync {
-    fn terminate(&self);
+/// How a connection is ended from outside (session reinstatement, shutdown)
+/// and how others learn that it is gone. The driver makes one per
+/// connection and hands it to its [`Permit`], which marks it released when
+/// dropped: after the engine ended and, on iSER, after the queue pair was
+/// destroyed, so no byte of that connection can land in LUN memory any more.
+pub struct SessionControl {
+    terminated: AtomicBool,
+    released: AtomicBool,
+    /// Wakes a driver that waits for termination (TCP's select).
+    wake: Notify,
+    /// Nothing moves bytes for it (tests, benchmarks): it is released as
+    /// soon as it is terminated.
+    transportless: bool,
+}
+
+impl SessionControl {
+    /// The control of a connection with a transport behind it.
+    pub fn new() -> Arc<SessionControl> {
+        Arc::new(SessionControl {
+            terminated: AtomicBool::new(false),
+            released: AtomicBool::new(false),
+            wake: Notify::new(),
+            transportless: false,
+        })
+    }
+
+    /// The control of an engine driven without a transport.
+    pub fn without_transport() -> Arc<SessionControl> {
+        Arc::new(SessionControl {
+            transportless: true,
+            ..Arc::into_inner(SessionControl::new()).expect("just made")
+        })
+    }
+
+    /// Ask the connection to end.
+    pub fn terminate(&self) {
+        self.terminated.store(true, Ordering::Release);
+        if self.transportless {
+            self.release();
+        }
+        self.wake.notify_one();
+    }
+
+    pub fn is_terminated(&self) -> bool {
+        self.terminated.load(Ordering::Acquire)
+    }
+
+    /// Resolves once [`Self::terminate`] was called (or at once if it was).
+    pub async fn terminated(&self) {
+        if !self.is_terminated() {
+            self.wake.notified().await;
+        }
+    }
+
+    /// Everything the connection held is released.
+    pub fn is_released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+
+    /// Its permit is gone (or, without a transport, it was terminated).
+    fn release(&self) {
+        self.released.store(true, Ordering::Release);
+    }
+
+    /// For tests that stand in for a driver: the connection is gone.
+    #[cfg(test)]
+    pub fn release_for_test(&self) {
+        self.release();
+    }
 }
 
 /// What identifies a session for reinstatement (RFC 7143 6.3.5): the
@@ -223,7 +291,7 @@ pub struct SessionInfo {
 
 struct SessionEntry {
     info: SessionInfo,
-    control: Arc<dyn SessionControl>,
+    control: Arc<SessionControl>,
 }
 
 #[derive(Default)]
@@ -343,7 +411,7 @@ impl Portal {
         key: SessionKey,
         discovery: bool,
         peer: SocketAddr,
-        control: Arc<dyn SessionControl>,
+        control: Arc<SessionControl>,
     ) -> Result<(u16, NexusId), OpenSessionError> {
         let mut s = self.sessions();
         // Both searches are bounded: at most one full turn of each space.
@@ -450,7 +518,7 @@ struct GateCounts {
     /// when their count reaches zero, so the map is bounded by `total`.
     by_source: HashMap<IpAddr, (u32, u32)>,
     /// Each live connection's way to be ended, by permit number.
-    controls: HashMap<u64, Arc<dyn SessionControl>>,
+    controls: HashMap<u64, Arc<SessionControl>>,
     next_permit: u64,
     /// Shutdown began: nothing is admitted any more.
     closed: bool,
@@ -562,7 +630,7 @@ pub struct Permit {
 impl Permit {
     /// The connection can be ended through `control` (at shutdown). A
     /// connection that registers after the gate closed is ended at once.
-    pub fn watch(&self, control: Arc<dyn SessionControl>) {
+    pub fn watch(&self, control: Arc<SessionControl>) {
         let closed = {
             let mut c = self.gate.counts();
             c.controls.insert(self.number, control.clone());
@@ -587,7 +655,9 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         let mut c = self.gate.counts();
-        c.controls.remove(&self.number);
+        if let Some(control) = c.controls.remove(&self.number) {
+            control.release();
+        }
         c.total = c.total.saturating_sub(1);
         if self.link == Link::Iser {
             c.iser = c.iser.saturating_sub(1);

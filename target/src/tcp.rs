@@ -5,7 +5,6 @@
 //! to the engine, and write everything the engine queued in one batch.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +12,6 @@ use ramslog_common::iscsi::frame::{self, DeframeError, Deframed, Digests, RxRule
 use ramslog_common::iscsi::BHS_LEN;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Notify;
 
 use crate::engine::{Action, ConnInfo, Connection, Input, OutData, OutPdu};
 use crate::metrics::{self, LimitHit, Served};
@@ -21,18 +19,6 @@ use crate::portal::{Link, Permit, Portal, Refusal, SessionControl};
 
 /// Largest AHS the 8-bit TotalAHSLength field allows.
 const MAX_AHS: usize = 255 * 4;
-
-struct TcpControl {
-    terminated: AtomicBool,
-    notify: Notify,
-}
-
-impl SessionControl for TcpControl {
-    fn terminate(&self) {
-        self.terminated.store(true, Ordering::Release);
-        self.notify.notify_one();
-    }
-}
 
 /// Accept connections forever.
 pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
@@ -77,10 +63,7 @@ async fn run_connection(
     stream.set_nodelay(true)?;
     let local = stream.local_addr()?;
     tracing::debug!(%peer, "connection accepted");
-    let control = Arc::new(TcpControl {
-        terminated: AtomicBool::new(false),
-        notify: Notify::new(),
-    });
+    let control = SessionControl::new();
     permit.watch(control.clone());
     let stall_limit = portal.limits.output_stall_timeout;
     let mut conn = Connection::tcp(
@@ -127,11 +110,11 @@ async fn run_connection(
                     }
                     conn.handle(now, Input::Timeout);
                 }
-                _ = control.notify.notified() => break Ok(()),
+                _ = control.terminated() => break Ok(()),
             }
             continue;
         }
-        if out.closing || control.terminated.load(Ordering::Acquire) {
+        if out.closing || control.is_terminated() {
             break Ok(());
         }
         let deadline = conn.poll_timeout();
@@ -156,7 +139,7 @@ async fn run_connection(
                 Err(e) => break Err(e),
             },
             _ = sleep_until(deadline) => conn.handle(Instant::now(), Input::Timeout),
-            _ = control.notify.notified() => break Ok(()),
+            _ = control.terminated() => break Ok(()),
         }
     };
     conn.shutdown();

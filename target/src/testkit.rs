@@ -3,7 +3,6 @@
 //! a connection logged in to it, with no transport. The daemon does not use
 //! this module.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,29 +17,6 @@ use crate::volume::{Volume, VolumeConfig};
 
 /// The address every testkit portal claims to listen on.
 pub const PORTAL_ADDRESS: &str = "127.0.0.1:3260";
-
-/// A session control nobody terminates.
-pub struct NoControl;
-
-impl SessionControl for NoControl {
-    fn terminate(&self) {}
-}
-
-/// A session control that remembers being asked to terminate the session.
-#[derive(Default)]
-pub struct TerminateFlag(AtomicBool);
-
-impl TerminateFlag {
-    pub fn terminated(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
-    }
-}
-
-impl SessionControl for TerminateFlag {
-    fn terminate(&self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-}
 
 /// The addresses of a testkit connection: the portal's, and an initiator's
 /// on loopback.
@@ -164,8 +140,15 @@ pub fn logged_in(
     let info = conn_info();
     let target = portal.targets[0].name.clone();
     let mut conn = match iser_recv_data_len {
-        Some(len) => Connection::iser(portal, info, Arc::new(NoControl), now, len, CmPeer::Unknown),
-        None => Connection::tcp(portal, info, Arc::new(NoControl), now),
+        Some(len) => Connection::iser(
+            portal,
+            info,
+            SessionControl::without_transport(),
+            now,
+            len,
+            CmPeer::Unknown,
+        ),
+        None => Connection::tcp(portal, info, SessionControl::without_transport(), now),
     };
     let mut data = Vec::new();
     text::encode_pair(

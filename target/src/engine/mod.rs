@@ -82,7 +82,7 @@ enum Phase {
 pub struct Connection {
     portal: Arc<Portal>,
     info: ConnInfo,
-    control: Arc<dyn SessionControl>,
+    control: Arc<SessionControl>,
     phase: Phase,
     actions: VecDeque<Queued>,
     timers: TimerTable,
@@ -101,7 +101,7 @@ impl Connection {
     pub fn tcp(
         portal: Arc<Portal>,
         info: ConnInfo,
-        control: Arc<dyn SessionControl>,
+        control: Arc<SessionControl>,
         now: Instant,
     ) -> Connection {
         let mrdsl = portal.limits.max_recv_data_segment_len;
@@ -116,7 +116,7 @@ impl Connection {
     pub fn iser(
         portal: Arc<Portal>,
         info: ConnInfo,
-        control: Arc<dyn SessionControl>,
+        control: Arc<SessionControl>,
         now: Instant,
         recv_data_len: u32,
         proposed: CmPeer,
@@ -128,7 +128,7 @@ impl Connection {
     fn with_login(
         portal: Arc<Portal>,
         info: ConnInfo,
-        control: Arc<dyn SessionControl>,
+        control: Arc<SessionControl>,
         now: Instant,
         transport: Transport,
         login: Login,

@@ -10,8 +10,9 @@ use ramslog_common::iser::CmPeer;
 use ramslog_common::scsi_wire::{sense_key, status, Sense};
 
 use super::*;
+use crate::portal::SessionControl;
 use crate::portal::{Acl, AclEntry, ChapSecret, Limits, Portal};
-use crate::testkit::{conn_info, RamPortal, TerminateFlag};
+use crate::testkit::{conn_info, RamPortal};
 
 const IQN: &str = "iqn.2026-11.org.ramslog:test";
 const INI: &str = "iqn.1994-05.com.example:ini";
@@ -35,7 +36,12 @@ impl Harness {
     fn new(portal: Arc<Portal>) -> Harness {
         let now = Instant::now();
         Harness {
-            conn: Connection::tcp(portal, conn_info(), Arc::new(TerminateFlag::default()), now),
+            conn: Connection::tcp(
+                portal,
+                conn_info(),
+                SessionControl::without_transport(),
+                now,
+            ),
             now,
             cmdsn: 100,
             itt: 1,
@@ -51,7 +57,7 @@ impl Harness {
     /// An iSER connection whose connect request looked like `proposed`.
     fn new_iser_from(portal: Arc<Portal>, proposed: CmPeer) -> Harness {
         let mut h = Harness::new(portal.clone());
-        let control = Arc::new(TerminateFlag::default());
+        let control = SessionControl::without_transport();
         h.conn = Connection::iser(portal, h.conn.info, control, h.now, 8192, proposed);
         h
     }

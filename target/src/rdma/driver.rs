@@ -84,7 +84,7 @@ impl Driver<'_> {
         &mut self,
         events: &EventChannel,
         comp: &CompletionChannel,
-        control: &IserControl,
+        control: &SessionControl,
         opts: IserOptions,
     ) -> Result<(), ConnError> {
         let mut wcs = [WorkCompletion::default(); 32];
@@ -121,7 +121,7 @@ impl Driver<'_> {
                     return Ok(());
                 }
             }
-            if self.peer_gone || control.terminated.load(Ordering::Acquire) {
+            if self.peer_gone || control.is_terminated() {
                 return Ok(());
             }
             if spin.poll_again(n) {

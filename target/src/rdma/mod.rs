@@ -17,7 +17,6 @@
 //! held and everything behind it waits: order is never traded for speed.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -280,16 +279,6 @@ fn prepare(
     Ok((res, events))
 }
 
-struct IserControl {
-    terminated: AtomicBool,
-}
-
-impl SessionControl for IserControl {
-    fn terminate(&self) {
-        self.terminated.store(true, Ordering::Release);
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 enum ConnError {
     #[error(transparent)]
@@ -376,9 +365,7 @@ fn run_connection(
         read_credits = credits,
         "iSER connection accepted"
     );
-    let control = Arc::new(IserControl {
-        terminated: AtomicBool::new(false),
-    });
+    let control = SessionControl::new();
     permit.watch(control.clone());
     let output_stall_timeout = portal.limits.output_stall_timeout;
     let conn = Connection::iser(

@@ -215,7 +215,7 @@ impl Session {
         portal: &Arc<Portal>,
         login: Login,
         info: ConnInfo,
-        control: Arc<dyn SessionControl>,
+        control: Arc<SessionControl>,
         cmdsn: u32,
     ) -> Result<Session, OpenSessionError> {
         let initiator_name = login.initiator_name.clone().unwrap_or_default();

@@ -455,7 +455,7 @@ fn discovery_login_never_ends_a_normal_session() {
     let portal = RamPortal::new(IQN)
         .acl(Acl::Only(vec![AclEntry::any_address(INI)]))
         .build();
-    let victim_flag = Arc::new(TerminateFlag::default());
+    let victim_flag = SessionControl::without_transport();
     let mut victim = Harness::new(portal.clone());
     victim.conn = Connection::tcp(
         portal.clone(),
@@ -478,7 +478,7 @@ fn discovery_login_never_ends_a_normal_session() {
         ],
     );
     assert!(
-        !victim_flag.terminated(),
+        !victim_flag.is_terminated(),
         "defect 3: a discovery login terminated a normal session"
     );
     assert_eq!(
@@ -496,7 +496,7 @@ fn discovery_login_never_ends_a_normal_session() {
     // A normal login of the same I_T nexus does reinstate (RFC 7143 6.3.5).
     let mut again = Harness::new(portal);
     again.login(&[]);
-    assert!(victim_flag.terminated(), "reinstatement");
+    assert!(victim_flag.is_terminated(), "reinstatement");
 }
 
 // ---- liveness ----------------------------------------------------------------
