@@ -1202,3 +1202,4 @@ fn iser_linux_full_feature_data_stays_within_128_bytes() {
 
 mod transfer_length;
 mod trust;
+mod reinstatement;
