@@ -302,6 +302,14 @@ struct Sessions {
     next_nexus: u32,
 }
 
+/// A session the portal registered.
+pub struct OpenedSession {
+    pub tsih: u16,
+    pub nexus: NexusId,
+    /// The sessions it reinstated, told to terminate.
+    pub replaced: Vec<Arc<SessionControl>>,
+}
+
 /// Why a session could not be opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum OpenSessionError {
@@ -405,14 +413,16 @@ impl Portal {
     /// normal session with the same initiator, ISID and target: the caller
     /// has already passed that target's ACL and CHAP checks, the same ones the
     /// old session passed. A discovery session never touches another session.
-    /// Returns the new TSIH and nexus id.
+    /// Returns the new TSIH and nexus id, and the controls of the sessions
+    /// it reinstated: the new login must not be answered before each of
+    /// them [is released](SessionControl::is_released).
     pub fn open_session(
         &self,
         key: SessionKey,
         discovery: bool,
         peer: SocketAddr,
         control: Arc<SessionControl>,
-    ) -> Result<(u16, NexusId), OpenSessionError> {
+    ) -> Result<OpenedSession, OpenSessionError> {
         let mut s = self.sessions();
         // Both searches are bounded: at most one full turn of each space.
         let mut tsih = None;
@@ -434,6 +444,7 @@ impl Portal {
                 break n;
             }
         };
+        let mut replaced = Vec::new();
         if !discovery {
             let old: Vec<u16> = s
                 .by_tsih
@@ -449,6 +460,7 @@ impl Portal {
                         "session reinstated: closing the old session with the same ISID"
                     );
                     old.control.terminate();
+                    replaced.push(old.control);
                 }
             }
         }
@@ -460,7 +472,11 @@ impl Portal {
             peer,
         };
         s.by_tsih.insert(tsih, SessionEntry { info, control });
-        Ok((tsih, nexus))
+        Ok(OpenedSession {
+            tsih,
+            nexus,
+            replaced,
+        })
     }
 
     /// Forget a session (a no-op if a reinstatement already replaced it and

@@ -21,11 +21,11 @@ mod tests;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ramslog_common::iscsi::frame::Digests;
 use ramslog_common::iscsi::{
-    self, Bhs, LoginResponse, Opcode, RejectReason, Residual, RESERVED_TAG,
+    self, login_status, Bhs, LoginResponse, Opcode, RejectReason, Residual, RESERVED_TAG,
 };
 use ramslog_common::iser::CmPeer;
 
@@ -49,10 +49,12 @@ enum Timer {
     NopInterval = 1,
     /// A ping is outstanding: drop the connection when this fires.
     NopResponse = 2,
+    /// Look again whether the sessions this login reinstated are gone.
+    Reinstatement = 3,
 }
 
 #[derive(Default)]
-struct TimerTable([Option<Instant>; 3]);
+struct TimerTable([Option<Instant>; 4]);
 
 impl TimerTable {
     fn set(&mut self, t: Timer, at: Instant) {
@@ -72,8 +74,19 @@ impl TimerTable {
     }
 }
 
+/// How often a reinstating login looks whether the old connections are gone.
+const REINSTATEMENT_RECHECK: Duration = Duration::from_millis(5);
+/// How long a reinstating login waits for them before it is refused with
+/// Service Unavailable: a TCP connection ends at once, an iSER one within
+/// its driver's sleep (100 ms) and the queue pair's destruction.
+pub const REINSTATEMENT_WAIT: Duration = Duration::from_secs(5);
+
 enum Phase {
     Login(Box<Login>),
+    /// The login succeeded and reinstated sessions whose connections have
+    /// not released everything yet: its response waits until they have, so
+    /// none of their writes can land after this session's.
+    Reinstating(Box<Reinstating>),
     FullFeature(Box<Session>),
     /// Sticky: nothing more is processed; queued PDUs can still be drained.
     Closed,
@@ -94,6 +107,15 @@ pub struct Connection {
     /// The session's LUs, kept past the session's end for queued Data-In.
     scsi: Option<Arc<ScsiTarget>>,
     transport: Transport,
+}
+
+struct Reinstating {
+    session: Session,
+    /// The login response, held.
+    rsp: Bhs,
+    text: Vec<u8>,
+    old: Vec<Arc<SessionControl>>,
+    give_up: Instant,
 }
 
 impl Connection {
@@ -213,7 +235,7 @@ impl Connection {
     pub fn max_rx_data_segment(&self) -> u32 {
         match &self.phase {
             // Login and text PDUs carry at most 8 KiB until negotiated otherwise.
-            Phase::Login(_) => 8192,
+            Phase::Login(_) | Phase::Reinstating(_) => 8192,
             Phase::FullFeature(s) => s.params.target_mrdsl,
             Phase::Closed => 0,
         }
@@ -316,6 +338,11 @@ impl Connection {
         match &mut self.phase {
             Phase::Closed => {}
             Phase::Login(_) => self.login_pdu(now, bhs, data),
+            Phase::Reinstating(_) => {
+                // Nothing may come before the login response.
+                tracing::info!(peer = %self.info.peer, "PDU {:#04x} before the login response; closing", bhs.raw_opcode());
+                self.fail_close();
+            }
             Phase::FullFeature(s) => {
                 let mut out = Out {
                     q: &mut self.actions,
@@ -332,6 +359,10 @@ impl Connection {
     }
 
     fn timeout(&mut self, now: Instant) {
+        if self.timers.expired(Timer::Reinstatement, now) {
+            self.timers.clear(Timer::Reinstatement);
+            self.reinstatement_check(now);
+        }
         if self.timers.expired(Timer::Login, now) {
             tracing::info!(peer = %self.info.peer, "login timed out");
             self.timers.clear(Timer::Login);
@@ -362,10 +393,58 @@ impl Connection {
 
     /// The transport is gone: release the session's resources. Idempotent.
     pub fn shutdown(&mut self) {
-        if let Phase::FullFeature(s) = std::mem::replace(&mut self.phase, Phase::Closed) {
-            s.end();
-        }
+        self.end_session();
         self.timers = TimerTable::default();
+    }
+
+    fn end_session(&mut self) {
+        match std::mem::replace(&mut self.phase, Phase::Closed) {
+            Phase::FullFeature(s) => s.end(),
+            Phase::Reinstating(r) => Box::new(r.session).end(),
+            Phase::Login(_) | Phase::Closed => {}
+        }
+    }
+
+    /// A reinstating login: answer it once every old connection is gone,
+    /// refuse it with Service Unavailable when they take too long.
+    fn reinstatement_check(&mut self, now: Instant) {
+        let Phase::Reinstating(r) = &self.phase else {
+            return;
+        };
+        if r.old.iter().all(|c| c.is_released()) {
+            let Phase::Reinstating(r) = std::mem::replace(&mut self.phase, Phase::Closed) else {
+                return;
+            };
+            let r = *r;
+            self.enter_full_feature(now, r.session, r.rsp, r.text);
+        } else if now >= r.give_up {
+            let mut rsp = r.rsp;
+            tracing::warn!(
+                peer = %self.info.peer,
+                "the reinstated session's connection did not end within {REINSTATEMENT_WAIT:?}: \
+                 refusing the new login with Service Unavailable"
+            );
+            self.portal
+                .counters
+                .login_refused(LoginRefusal::OutOfResources);
+            rsp.fail_login(login_status::SERVICE_UNAVAILABLE);
+            self.push_login_response(rsp, Vec::new());
+            self.fail_close();
+        } else {
+            self.timers
+                .set(Timer::Reinstatement, now + REINSTATEMENT_RECHECK);
+        }
+    }
+
+    fn enter_full_feature(&mut self, now: Instant, session: Session, rsp: Bhs, text: Vec<u8>) {
+        self.push_login_response(rsp, text);
+        self.rx_header_digest = session.params.header_digest;
+        self.rx_data_digest = session.params.data_digest;
+        self.scsi = session.scsi_target();
+        self.phase = Phase::FullFeature(Box::new(session));
+        self.timers.clear(Timer::Login);
+        self.timers
+            .set(Timer::NopInterval, now + self.portal.limits.nop_interval);
     }
 
     fn touch(&mut self, now: Instant) {
@@ -376,9 +455,7 @@ impl Connection {
     }
 
     fn fail_close(&mut self) {
-        if let Phase::FullFeature(s) = std::mem::replace(&mut self.phase, Phase::Closed) {
-            s.end();
-        }
+        self.end_session();
         self.timers = TimerTable::default();
         self.actions.push_back(Queued::Action(Action::Close));
     }
@@ -430,14 +507,14 @@ impl Connection {
                 let Phase::Login(login) = std::mem::replace(&mut self.phase, Phase::Closed) else {
                     return;
                 };
-                let session = match Session::start(
+                let (session, replaced) = match Session::start(
                     &self.portal,
                     *login,
                     self.info,
                     self.control.clone(),
                     cmdsn,
                 ) {
-                    Ok(s) => s,
+                    Ok(started) => started,
                     Err(e) => {
                         tracing::warn!(peer = %self.info.peer, "login refused: {e}");
                         self.portal
@@ -450,14 +527,24 @@ impl Connection {
                     }
                 };
                 rsp.set_tsih(session.tsih);
-                self.push_login_response(rsp, reply.text);
-                self.rx_header_digest = session.params.header_digest;
-                self.rx_data_digest = session.params.data_digest;
-                self.scsi = session.scsi_target();
-                self.phase = Phase::FullFeature(Box::new(session));
-                self.timers.clear(Timer::Login);
-                self.timers
-                    .set(Timer::NopInterval, now + self.portal.limits.nop_interval);
+                let old: Vec<_> = replaced.into_iter().filter(|c| !c.is_released()).collect();
+                if old.is_empty() {
+                    self.enter_full_feature(now, session, rsp, reply.text);
+                } else {
+                    tracing::info!(
+                        peer = %self.info.peer,
+                        "login reinstates a session: answering once its connection is gone"
+                    );
+                    self.phase = Phase::Reinstating(Box::new(Reinstating {
+                        session,
+                        rsp,
+                        text: reply.text,
+                        old,
+                        give_up: now + REINSTATEMENT_WAIT,
+                    }));
+                    self.timers
+                        .set(Timer::Reinstatement, now + REINSTATEMENT_RECHECK);
+                }
             }
         }
     }

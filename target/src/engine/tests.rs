@@ -1200,6 +1200,6 @@ fn iser_linux_full_feature_data_stays_within_128_bytes() {
     assert!(r[0].data.len() <= 128);
 }
 
+mod reinstatement;
 mod transfer_length;
 mod trust;
-mod reinstatement;

@@ -29,7 +29,7 @@ use super::{
     RemoteBuffers,
 };
 use crate::metrics::{self, CommandKind, LimitHit, Served, SessionMetrics};
-use crate::portal::{OpenSessionError, Portal, SessionControl, SessionKey};
+use crate::portal::{OpenSessionError, OpenedSession, Portal, SessionControl, SessionKey};
 use crate::scsi::{
     command_kind, DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason,
 };
@@ -217,7 +217,7 @@ impl Session {
         info: ConnInfo,
         control: Arc<SessionControl>,
         cmdsn: u32,
-    ) -> Result<Session, OpenSessionError> {
+    ) -> Result<(Session, Vec<Arc<SessionControl>>), OpenSessionError> {
         let initiator_name = login.initiator_name.clone().unwrap_or_default();
         // A discovery session belongs to no target, whatever TargetName it
         // named: it must never take a normal session's key.
@@ -232,7 +232,11 @@ impl Session {
             target: target_name.clone().unwrap_or_default(),
         };
         let discovery = login.kind == SessionKind::Discovery;
-        let (tsih, nexus) = portal.open_session(key, discovery, info.peer, control)?;
+        let OpenedSession {
+            tsih,
+            nexus,
+            replaced,
+        } = portal.open_session(key, discovery, info.peer, control)?;
         let scsi = target.map(|t| t.scsi.clone());
         let metrics = match &scsi {
             Some(scsi) => SessionMetrics::join(scsi.luns().cloned()),
@@ -256,7 +260,7 @@ impl Session {
         let mut params = login.params.clone();
         let data_path = DataPath::of(&params);
         data_path.settle(&mut params, login.kind);
-        Ok(Session {
+        let session = Session {
             portal: portal.clone(),
             tsih,
             params,
@@ -285,7 +289,8 @@ impl Session {
             metrics,
             counting: Counting::NONE,
             timed: portal.service_times,
-        })
+        };
+        Ok((session, replaced))
     }
 
     /// Release the session: the I_T nexus is lost.
