@@ -1,11 +1,11 @@
 //! One iSCSI/TCP connection: login, raw PDUs, sequence numbers.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use ramslog_common::iscsi::{Bhs, Opcode, RESERVED_TAG};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::TcpStream;
+use tokio::net::{TcpSocket, TcpStream};
 
 use crate::exchange::{LoginMachine, LoginStep, TextExchange};
 use crate::login::{random_isid, LoginOutcome, LoginParams, Negotiated};
@@ -48,7 +48,21 @@ pub(crate) struct Parts {
 
 impl Connection {
     pub async fn connect(addr: SocketAddr) -> std::io::Result<Connection> {
-        let s = TcpStream::connect(addr).await?;
+        Connection::over(TcpStream::connect(addr).await?, addr)
+    }
+
+    /// Connect from the local address `local` (a test playing many hosts
+    /// on the loopback network, 127.0.0.0/8).
+    pub async fn connect_from(local: IpAddr, addr: SocketAddr) -> std::io::Result<Connection> {
+        let socket = match local {
+            IpAddr::V4(_) => TcpSocket::new_v4()?,
+            IpAddr::V6(_) => TcpSocket::new_v6()?,
+        };
+        socket.bind(SocketAddr::new(local, 0))?;
+        Connection::over(socket.connect(addr).await?, addr)
+    }
+
+    fn over(s: TcpStream, addr: SocketAddr) -> std::io::Result<Connection> {
         s.set_nodelay(true)?;
         let (r, w) = s.into_split();
         Ok(Connection {

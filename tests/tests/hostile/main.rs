@@ -7,6 +7,7 @@
 //! start), sampled every 100 ms; each case records its figure in
 //! `build/hostile/memory.json`.
 
+mod admission;
 mod classes;
 mod flood;
 mod malformed;
