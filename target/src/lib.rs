@@ -3,9 +3,11 @@
 //! Layers, top to bottom (each only calls the ones below it):
 //! `tcp`, `rdma` (transport drivers) → `engine` (sans-IO iSCSI) → `scsi` (one SBC
 //! device) → `volume` (a LUN's memory, identity, readiness and persistence) →
-//! `store` (the memory itself). `config`, `portal`, `state` and
+//! `store` (the memory itself). `config`, `admission` (which connections
+//! are kept), `portal`, `state` and
 //! `control` form the control plane and stay off the I/O path.
 
+pub mod admission;
 pub mod clock;
 pub mod config;
 pub mod control;

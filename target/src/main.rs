@@ -405,7 +405,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
     }
     let mut tcp_listeners = Vec::new();
     for addr in &cfg.listen {
-        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        let listener = tcp::listen(*addr).map_err(|e| {
             format!("cannot listen on {addr}: {e} (is another target on that port? use --listen)")
         })?;
         tracing::info!(

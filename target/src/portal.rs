@@ -8,13 +8,12 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::sync::Notify;
-
-use crate::metrics::{LimitHit, PortalCounters};
+use crate::admission::{ConnectionGate, ConnectionLimits, SessionControl};
+use crate::metrics::PortalCounters;
 use crate::scsi::{NexusId, ScsiTarget};
 
 /// Values the target offers in login negotiation, and its queueing limits.
@@ -34,6 +33,11 @@ pub struct Limits {
     pub nop_timeout: Duration,
     /// How long a login may take from the first PDU to full feature phase.
     pub login_timeout: Duration,
+    /// How long a new connection may take to send its first PDU.
+    pub first_pdu_timeout: Duration,
+    /// A discovery session is asked to log out this long after its last
+    /// Text exchange (SendTargets), and closed soon after.
+    pub discovery_lifetime: Duration,
     /// Bytes of write data all sessions together may hold in staging
     /// buffers (parameter lists and compare data the SCSI device must see
     /// whole). Beyond it such commands get TASK SET FULL.
@@ -42,31 +46,6 @@ pub struct Limits {
     /// long is closed: its peer stopped reading.
     pub output_stall_timeout: Duration,
     pub connections: ConnectionLimits,
-}
-
-/// How many connections the portal keeps; beyond them a new one is closed
-/// at once (TCP) or rejected (iSER), with the reason in the log.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ConnectionLimits {
-    /// All connections, both transports.
-    pub total: u32,
-    /// Connections from one source address.
-    pub per_source: u32,
-    /// Connections from one source address that have not finished login.
-    pub pending_per_source: u32,
-    /// iSER connections: each pins registered buffers.
-    pub iser: u32,
-}
-
-impl Default for ConnectionLimits {
-    fn default() -> Self {
-        ConnectionLimits {
-            total: 256,
-            per_source: 16,
-            pending_per_source: 4,
-            iser: 32,
-        }
-    }
 }
 
 impl Default for Limits {
@@ -82,6 +61,8 @@ impl Default for Limits {
             nop_interval: Duration::from_secs(15),
             nop_timeout: Duration::from_secs(30),
             login_timeout: Duration::from_secs(30),
+            first_pdu_timeout: Duration::from_secs(5),
+            discovery_lifetime: Duration::from_secs(30),
             staging_budget: 128 << 20,
             output_stall_timeout: Duration::from_secs(30),
             connections: ConnectionLimits::default(),
@@ -196,77 +177,6 @@ pub struct TargetDef {
     pub chap: Option<ChapSecret>,
     /// Target answers the initiator's challenge with this (mutual CHAP).
     pub mutual_chap: Option<ChapSecret>,
-}
-
-/// How a connection is ended from outside (session reinstatement, shutdown)
-/// and how others learn that it is gone. The driver makes one per
-/// connection and hands it to its [`Permit`], which marks it released when
-/// dropped: after the engine ended and, on iSER, after the queue pair was
-/// destroyed, so no byte of that connection can land in LUN memory any more.
-pub struct SessionControl {
-    terminated: AtomicBool,
-    released: AtomicBool,
-    /// Wakes a driver that waits for termination (TCP's select).
-    wake: Notify,
-    /// Nothing moves bytes for it (tests, benchmarks): it is released as
-    /// soon as it is terminated.
-    transportless: bool,
-}
-
-impl SessionControl {
-    /// The control of a connection with a transport behind it.
-    pub fn new() -> Arc<SessionControl> {
-        Arc::new(SessionControl {
-            terminated: AtomicBool::new(false),
-            released: AtomicBool::new(false),
-            wake: Notify::new(),
-            transportless: false,
-        })
-    }
-
-    /// The control of an engine driven without a transport.
-    pub fn without_transport() -> Arc<SessionControl> {
-        Arc::new(SessionControl {
-            transportless: true,
-            ..Arc::into_inner(SessionControl::new()).expect("just made")
-        })
-    }
-
-    /// Ask the connection to end.
-    pub fn terminate(&self) {
-        self.terminated.store(true, Ordering::Release);
-        if self.transportless {
-            self.release();
-        }
-        self.wake.notify_one();
-    }
-
-    pub fn is_terminated(&self) -> bool {
-        self.terminated.load(Ordering::Acquire)
-    }
-
-    /// Resolves once [`Self::terminate`] was called (or at once if it was).
-    pub async fn terminated(&self) {
-        if !self.is_terminated() {
-            self.wake.notified().await;
-        }
-    }
-
-    /// Everything the connection held is released.
-    pub fn is_released(&self) -> bool {
-        self.released.load(Ordering::Acquire)
-    }
-
-    /// Its permit is gone (or, without a transport, it was terminated).
-    fn release(&self) {
-        self.released.store(true, Ordering::Release);
-    }
-
-    /// For tests that stand in for a driver: the connection is gone.
-    #[cfg(test)]
-    pub fn release_for_test(&self) {
-        self.release();
-    }
 }
 
 /// What identifies a session for reinstatement (RFC 7143 6.3.5): the
@@ -384,7 +294,7 @@ impl Portal {
             targets,
             staging: StagingBudget::new(limits.staging_budget),
             gate: gate.clone(),
-            counters: gate.counters.clone(),
+            counters: gate.counters().clone(),
             service_times: false,
             limits,
             discovery_chap: None,
@@ -501,234 +411,5 @@ impl Portal {
         for e in self.sessions().by_tsih.values() {
             e.control.terminate();
         }
-    }
-}
-
-/// Which transport a connection uses, for the connection limits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Link {
-    Tcp,
-    Iser,
-}
-
-/// Why a connection was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum Refusal {
-    #[error("{0} connections in total (the limit)")]
-    Total(u32),
-    #[error("{0} connections from this address (the limit)")]
-    PerSource(u32),
-    #[error("{0} connections from this address still logging in (the limit)")]
-    PendingPerSource(u32),
-    #[error("{0} iSER connections (the limit)")]
-    Iser(u32),
-    #[error("the target is shutting down")]
-    ShuttingDown,
-}
-
-#[derive(Default)]
-struct GateCounts {
-    total: u32,
-    iser: u32,
-    /// (connections, of which not yet logged in) per source; entries go
-    /// when their count reaches zero, so the map is bounded by `total`.
-    by_source: HashMap<IpAddr, (u32, u32)>,
-    /// Each live connection's way to be ended, by permit number.
-    controls: HashMap<u64, Arc<SessionControl>>,
-    next_permit: u64,
-    /// Shutdown began: nothing is admitted any more.
-    closed: bool,
-}
-
-/// Counts connections against [`ConnectionLimits`]. Touched at connect,
-/// login and close only.
-pub struct ConnectionGate {
-    limits: ConnectionLimits,
-    counts: Mutex<GateCounts>,
-    /// The portal's counters; refusals are counted here.
-    counters: Arc<PortalCounters>,
-}
-
-impl ConnectionGate {
-    pub fn new(limits: ConnectionLimits) -> ConnectionGate {
-        ConnectionGate {
-            limits,
-            counts: Mutex::new(GateCounts::default()),
-            counters: Arc::new(PortalCounters::default()),
-        }
-    }
-
-    fn counts(&self) -> MutexGuard<'_, GateCounts> {
-        self.counts.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Admit a new connection from `source`, or say which limit it hits.
-    pub fn admit(self: &Arc<Self>, source: IpAddr, link: Link) -> Result<Permit, Refusal> {
-        let result = self.admit_counted(source, link);
-        let hit = match &result {
-            Err(Refusal::Total(_)) => Some(LimitHit::Connections),
-            Err(Refusal::PerSource(_)) => Some(LimitHit::ConnectionsPerSource),
-            Err(Refusal::PendingPerSource(_)) => Some(LimitHit::PendingLoginsPerSource),
-            Err(Refusal::Iser(_)) => Some(LimitHit::IserConnections),
-            Err(Refusal::ShuttingDown) | Ok(_) => None,
-        };
-        if let Some(hit) = hit {
-            self.counters.limit_hit(hit);
-        }
-        result
-    }
-
-    fn admit_counted(self: &Arc<Self>, source: IpAddr, link: Link) -> Result<Permit, Refusal> {
-        let source = source.to_canonical();
-        let l = self.limits;
-        let mut c = self.counts();
-        let (from_source, pending) = c.by_source.get(&source).copied().unwrap_or((0, 0));
-        if c.closed {
-            return Err(Refusal::ShuttingDown);
-        }
-        if c.total >= l.total {
-            return Err(Refusal::Total(l.total));
-        }
-        if link == Link::Iser && c.iser >= l.iser {
-            return Err(Refusal::Iser(l.iser));
-        }
-        if from_source >= l.per_source {
-            return Err(Refusal::PerSource(l.per_source));
-        }
-        if pending >= l.pending_per_source {
-            return Err(Refusal::PendingPerSource(l.pending_per_source));
-        }
-        c.total += 1;
-        if link == Link::Iser {
-            c.iser += 1;
-        }
-        c.by_source.insert(source, (from_source + 1, pending + 1));
-        c.next_permit += 1;
-        Ok(Permit {
-            gate: self.clone(),
-            number: c.next_permit,
-            source,
-            link,
-            pending: true,
-        })
-    }
-
-    /// Shutdown: admit nothing more and end every connection, logged in or
-    /// not. Returns how many were told to end.
-    pub fn close(&self) -> usize {
-        let controls: Vec<_> = {
-            let mut c = self.counts();
-            c.closed = true;
-            c.controls.values().cloned().collect()
-        };
-        for control in &controls {
-            control.terminate();
-        }
-        controls.len()
-    }
-
-    /// Connections now counted: (total, iSER).
-    pub fn counts_now(&self) -> (u32, u32) {
-        let c = self.counts();
-        (c.total, c.iser)
-    }
-}
-
-/// One admitted connection; gives its place back when dropped.
-pub struct Permit {
-    gate: Arc<ConnectionGate>,
-    number: u64,
-    source: IpAddr,
-    link: Link,
-    pending: bool,
-}
-
-impl Permit {
-    /// The connection can be ended through `control` (at shutdown). A
-    /// connection that registers after the gate closed is ended at once.
-    pub fn watch(&self, control: Arc<SessionControl>) {
-        let closed = {
-            let mut c = self.gate.counts();
-            c.controls.insert(self.number, control.clone());
-            c.closed
-        };
-        if closed {
-            control.terminate();
-        }
-    }
-
-    /// The connection finished login: it no longer counts as pending.
-    pub fn logged_in(&mut self) {
-        if std::mem::replace(&mut self.pending, false) {
-            let mut c = self.gate.counts();
-            if let Some(e) = c.by_source.get_mut(&self.source) {
-                e.1 = e.1.saturating_sub(1);
-            }
-        }
-    }
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        let mut c = self.gate.counts();
-        if let Some(control) = c.controls.remove(&self.number) {
-            control.release();
-        }
-        c.total = c.total.saturating_sub(1);
-        if self.link == Link::Iser {
-            c.iser = c.iser.saturating_sub(1);
-        }
-        let gone = match c.by_source.get_mut(&self.source) {
-            Some(e) => {
-                e.0 = e.0.saturating_sub(1);
-                if self.pending {
-                    e.1 = e.1.saturating_sub(1);
-                }
-                e.0 == 0
-            }
-            None => false,
-        };
-        if gone {
-            c.by_source.remove(&self.source);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn connection_gate_counts_and_gives_back() {
-        let gate = Arc::new(ConnectionGate::new(ConnectionLimits {
-            total: 5,
-            per_source: 3,
-            pending_per_source: 2,
-            iser: 1,
-        }));
-        let a: IpAddr = "192.0.2.1".parse().unwrap();
-        let b: IpAddr = "192.0.2.2".parse().unwrap();
-        let mut p1 = gate.admit(a, Link::Tcp).unwrap();
-        let _p2 = gate.admit(a, Link::Tcp).unwrap();
-        assert_eq!(
-            gate.admit(a, Link::Tcp).err(),
-            Some(Refusal::PendingPerSource(2))
-        );
-        p1.logged_in();
-        let _p3 = gate.admit(a, Link::Tcp).unwrap();
-        assert_eq!(gate.admit(a, Link::Tcp).err(), Some(Refusal::PerSource(3)));
-        let _p4 = gate.admit(b, Link::Iser).unwrap();
-        assert_eq!(gate.admit(b, Link::Iser).err(), Some(Refusal::Iser(1)));
-        let _p5 = gate.admit(b, Link::Tcp).unwrap();
-        assert_eq!(gate.admit(b, Link::Tcp).err(), Some(Refusal::Total(5)));
-        drop(p1);
-        assert_eq!(gate.counts_now(), (4, 1));
-        // An IPv4-mapped IPv6 source is the same host: its two pending
-        // connections are still there.
-        let mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
-        assert_eq!(
-            gate.admit(mapped, Link::Tcp).err(),
-            Some(Refusal::PendingPerSource(2))
-        );
     }
 }

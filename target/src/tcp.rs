@@ -11,14 +11,34 @@ use std::time::{Duration, Instant};
 use ramslog_common::iscsi::frame::{self, DeframeError, Deframed, Digests, RxRules};
 use ramslog_common::iscsi::BHS_LEN;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
+use crate::admission::{Link, Permit, Refusal, SessionControl};
 use crate::engine::{Action, ConnInfo, Connection, Input, OutData, OutPdu};
 use crate::metrics::{self, LimitHit, Served};
-use crate::portal::{Link, Permit, Portal, Refusal, SessionControl};
+use crate::portal::Portal;
 
 /// Largest AHS the 8-bit TotalAHSLength field allows.
 const MAX_AHS: usize = 255 * 4;
+
+/// Connections the kernel queues before `accept` (it caps this at
+/// net.core.somaxconn, 4096 on Debian 12). A connect storm overflows a short
+/// queue, and the kernel then answers well-behaved initiators with resets
+/// before the admission pools ever see them.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listening socket on `addr`, as `TcpListener::bind` makes it but with
+/// a longer accept queue.
+pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
 
 /// Accept connections forever.
 pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
@@ -33,11 +53,16 @@ pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
                         continue;
                     }
                     Err(why) => {
-                        tracing::warn!(%peer, "connection refused: {why}");
+                        portal.gate.log_refusal(peer, why);
                         drop(stream);
                         continue;
                     }
                 };
+                if has_data_waiting(&stream) {
+                    // Its login is under way already: when the pending pool
+                    // must make room, silent connections go first.
+                    permit.heard_from();
+                }
                 let portal = portal.clone();
                 tokio::spawn(async move {
                     if let Err(e) = run_connection(stream, peer, portal, permit).await {
@@ -54,11 +79,22 @@ pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
     }
 }
 
+/// Whether the peer has sent bytes already (a look, nothing consumed).
+fn has_data_waiting(stream: &TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    let mut buf = tokio::io::ReadBuf::new(&mut byte);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    matches!(
+        stream.poll_peek(&mut cx, &mut buf),
+        std::task::Poll::Ready(Ok(n)) if n > 0
+    )
+}
+
 async fn run_connection(
     mut stream: TcpStream,
     peer: SocketAddr,
     portal: Arc<Portal>,
-    mut permit: Permit,
+    permit: Permit,
 ) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     let local = stream.local_addr()?;
@@ -124,9 +160,6 @@ async fn run_connection(
                 Ok(n) => {
                     rx.filled(n);
                     let result = process_pdus(&mut conn, &mut rx);
-                    if conn.is_logged_in() {
-                        permit.logged_in();
-                    }
                     if let Err(e) = result {
                         if !matches!(e, RxError::Closed) {
                             tracing::info!(%peer, "closing connection: {e}");

@@ -9,8 +9,9 @@ use std::time::Instant;
 use ramslog_common::iscsi::{login, text, Bhs, Opcode};
 use ramslog_common::iser::CmPeer;
 
+use crate::admission::SessionControl;
 use crate::engine::{ConnInfo, Connection, Input};
-use crate::portal::{Acl, ChapSecret, Limits, Portal, SessionControl, TargetDef};
+use crate::portal::{Acl, ChapSecret, Limits, Portal, TargetDef};
 use crate::scsi::{Identity, Readiness, ScsiTarget};
 use crate::store::{HugePages, Store};
 use crate::volume::{Volume, VolumeConfig};

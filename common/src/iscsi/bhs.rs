@@ -176,7 +176,7 @@ impl Bhs {
     fn u16_at(&self, off: usize) -> u16 {
         u16::from_be_bytes([self.0[off], self.0[off + 1]])
     }
-    fn set_u16_at(&mut self, off: usize, v: u16) {
+    pub(crate) fn set_u16_at(&mut self, off: usize, v: u16) {
         self.0[off..off + 2].copy_from_slice(&v.to_be_bytes());
     }
 

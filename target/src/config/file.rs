@@ -32,9 +32,15 @@ pub(super) struct FileConfig {
     pub nop_interval: Option<Spanned<u64>>,
     pub nop_timeout: Option<Spanned<u64>>,
     pub login_timeout: Option<Spanned<u64>>,
+    pub first_pdu_timeout: Option<Spanned<u64>>,
+    pub discovery_lifetime: Option<Spanned<u64>>,
     pub max_connections: Option<Spanned<u32>>,
     pub max_connections_per_host: Option<Spanned<u32>>,
     pub max_logins_per_host: Option<Spanned<u32>>,
+    pub max_pending_logins: Option<Spanned<u32>>,
+    pub max_pending_iser_logins: Option<Spanned<u32>>,
+    pub max_discovery_sessions: Option<Spanned<u32>>,
+    pub max_discovery_sessions_per_host: Option<Spanned<u32>>,
     pub max_iser_connections: Option<Spanned<u32>>,
     pub staging_budget: Option<Spanned<String>>,
     pub iser: Option<bool>,
@@ -193,6 +199,8 @@ fn problems(text: &str, file: &FileConfig, exposure: Exposure) -> Vec<Problem> {
         ("nop_interval", file.nop_interval.clone()),
         ("nop_timeout", file.nop_timeout.clone()),
         ("login_timeout", file.login_timeout.clone()),
+        ("first_pdu_timeout", file.first_pdu_timeout.clone()),
+        ("discovery_lifetime", file.discovery_lifetime.clone()),
         ("max_connections", file.max_connections.as_ref().map(widen)),
         (
             "max_connections_per_host",
@@ -201,6 +209,22 @@ fn problems(text: &str, file: &FileConfig, exposure: Exposure) -> Vec<Problem> {
         (
             "max_logins_per_host",
             file.max_logins_per_host.as_ref().map(widen),
+        ),
+        (
+            "max_pending_logins",
+            file.max_pending_logins.as_ref().map(widen),
+        ),
+        (
+            "max_pending_iser_logins",
+            file.max_pending_iser_logins.as_ref().map(widen),
+        ),
+        (
+            "max_discovery_sessions",
+            file.max_discovery_sessions.as_ref().map(widen),
+        ),
+        (
+            "max_discovery_sessions_per_host",
+            file.max_discovery_sessions_per_host.as_ref().map(widen),
         ),
         (
             "max_iser_connections",

@@ -160,16 +160,39 @@ pub struct RunArgs {
     /// Seconds a login may take before the connection is closed.
     #[arg(long, value_name = "SECS")]
     pub login_timeout: Option<u64>,
-    /// Connections the portal keeps in total, both transports (default 256).
+    /// Seconds a new connection may take to send its first PDU (default 5).
+    #[arg(long, value_name = "SECS")]
+    pub first_pdu_timeout: Option<u64>,
+    /// Seconds after its last SendTargets a discovery session is asked to
+    /// log out, and then closed (default 30).
+    #[arg(long, value_name = "SECS")]
+    pub discovery_lifetime: Option<u64>,
+    /// Logged-in connections (past ACL and CHAP) in total, both transports
+    /// (default 256). Connections still logging in and discovery sessions
+    /// have pools of their own and never count against it.
     #[arg(long, value_name = "N")]
     pub max_connections: Option<u32>,
-    /// Connections from one source address (default 16).
+    /// Logged-in connections from one source host (default 16).
     #[arg(long, value_name = "N")]
     pub max_connections_per_host: Option<u32>,
-    /// Connections from one source address still logging in (default 4).
+    /// Connections from one source host still logging in (default 4).
     #[arg(long, value_name = "N")]
     pub max_logins_per_host: Option<u32>,
-    /// iSER connections, each pinning registered buffers (default 32).
+    /// TCP connections still logging in, in total (default 64); beyond it
+    /// the oldest is closed to make room.
+    #[arg(long, value_name = "N")]
+    pub max_pending_logins: Option<u32>,
+    /// iSER connections still logging in, in total (default 8); beyond it
+    /// the oldest is closed to make room.
+    #[arg(long, value_name = "N")]
+    pub max_pending_iser_logins: Option<u32>,
+    /// Discovery sessions in total (default 16); beyond it the oldest is closed.
+    #[arg(long, value_name = "N")]
+    pub max_discovery_sessions: Option<u32>,
+    /// Discovery sessions from one source host (default 2).
+    #[arg(long, value_name = "N")]
+    pub max_discovery_sessions_per_host: Option<u32>,
+    /// Logged-in iSER connections, each pinning registered buffers (default 32).
     #[arg(long, value_name = "N")]
     pub max_iser_connections: Option<u32>,
     /// Memory for parameter data all sessions may hold at once (default 128M).
@@ -416,6 +439,20 @@ impl Config {
         )? {
             limits.login_timeout = Duration::from_secs(n);
         }
+        if let Some(n) = setting(
+            "first_pdu_timeout",
+            args.first_pdu_timeout,
+            spanned64(&file.first_pdu_timeout),
+        )? {
+            limits.first_pdu_timeout = Duration::from_secs(n);
+        }
+        if let Some(n) = setting(
+            "discovery_lifetime",
+            args.discovery_lifetime,
+            spanned64(&file.discovery_lifetime),
+        )? {
+            limits.discovery_lifetime = Duration::from_secs(n);
+        }
         let c = &mut limits.connections;
         let counts = [
             (
@@ -435,6 +472,30 @@ impl Config {
                 args.max_logins_per_host,
                 &file.max_logins_per_host,
                 &mut c.pending_per_source,
+            ),
+            (
+                "max_pending_logins",
+                args.max_pending_logins,
+                &file.max_pending_logins,
+                &mut c.pending,
+            ),
+            (
+                "max_pending_iser_logins",
+                args.max_pending_iser_logins,
+                &file.max_pending_iser_logins,
+                &mut c.pending_rdma,
+            ),
+            (
+                "max_discovery_sessions",
+                args.max_discovery_sessions,
+                &file.max_discovery_sessions,
+                &mut c.discovery,
+            ),
+            (
+                "max_discovery_sessions_per_host",
+                args.max_discovery_sessions_per_host,
+                &file.max_discovery_sessions_per_host,
+                &mut c.discovery_per_source,
             ),
             (
                 "max_iser_connections",
@@ -600,7 +661,8 @@ fn check_setting(key: &str, value: u64) -> Result<(), String> {
     let (min, max, unit) = match key {
         "cmd_window" => (1, 4096, ""),
         "nop_interval" => (1, 86_400, " seconds"),
-        "nop_timeout" | "login_timeout" => (1, 3600, " seconds"),
+        "nop_timeout" | "login_timeout" | "first_pdu_timeout" => (1, 3600, " seconds"),
+        "discovery_lifetime" => (1, 86_400, " seconds"),
         "staging_budget" => (1 << 20, u64::MAX, " bytes (1M)"),
         _ => (1, u64::from(u32::MAX), ""),
     };

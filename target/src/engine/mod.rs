@@ -34,8 +34,9 @@ pub use login::{LoginFailure, SessionKind};
 pub use params::{IserPeer, Params};
 pub use session::ISER_BUFFERED_READ_MAX;
 
-use crate::metrics::{LoginRefusal, Served};
-use crate::portal::{Portal, SessionControl};
+use crate::admission::{LoggedIn, SessionControl};
+use crate::metrics::{LimitHit, LoginRefusal, Served};
+use crate::portal::Portal;
 use crate::scsi::ScsiTarget;
 use login::{Login, Next};
 use session::Session;
@@ -51,10 +52,13 @@ enum Timer {
     NopResponse = 2,
     /// Look again whether the sessions this login reinstated are gone.
     Reinstatement = 3,
+    /// A discovery session's lifetime since its last Text exchange ran
+    /// out: ask for a logout, and close when that is not heeded.
+    DiscoveryIdle = 4,
 }
 
 #[derive(Default)]
-struct TimerTable([Option<Instant>; 4]);
+struct TimerTable([Option<Instant>; 5]);
 
 impl TimerTable {
     fn set(&mut self, t: Timer, at: Instant) {
@@ -80,6 +84,8 @@ const REINSTATEMENT_RECHECK: Duration = Duration::from_millis(5);
 /// Service Unavailable: a TCP connection ends at once, an iSER one within
 /// its driver's sleep (100 ms) and the queue pair's destruction.
 pub const REINSTATEMENT_WAIT: Duration = Duration::from_secs(5);
+/// How long a discovery session asked to log out has before it is closed.
+const DISCOVERY_LOGOUT_GRACE: Duration = Duration::from_secs(2);
 
 enum Phase {
     Login(Box<Login>),
@@ -107,6 +113,12 @@ pub struct Connection {
     /// The session's LUs, kept past the session's end for queued Data-In.
     scsi: Option<Arc<ScsiTarget>>,
     transport: Transport,
+    /// When the connection was made: the login timeout runs from here.
+    started: Instant,
+    /// The first PDU arrived (until then the first-PDU timeout applies).
+    heard_from: bool,
+    /// A discovery session was asked to log out.
+    logout_asked: bool,
 }
 
 struct Reinstating {
@@ -156,7 +168,11 @@ impl Connection {
         login: Login,
     ) -> Connection {
         let mut timers = TimerTable::default();
-        timers.set(Timer::Login, now + portal.limits.login_timeout);
+        let first_pdu = portal
+            .limits
+            .first_pdu_timeout
+            .min(portal.limits.login_timeout);
+        timers.set(Timer::Login, now + first_pdu);
         Connection {
             portal,
             info,
@@ -170,6 +186,9 @@ impl Connection {
             rx_data_digest: false,
             scsi: None,
             transport,
+            started: now,
+            heard_from: false,
+            logout_asked: false,
         }
     }
 
@@ -244,6 +263,11 @@ impl Connection {
     /// The login finished: the connection is in full feature phase.
     pub fn is_logged_in(&self) -> bool {
         matches!(self.phase, Phase::FullFeature(_))
+    }
+
+    /// In full feature phase of a normal session (one that moves data).
+    pub fn is_normal_session(&self) -> bool {
+        matches!(&self.phase, Phase::FullFeature(s) if s.kind() == SessionKind::Normal)
     }
 
     pub fn is_closed(&self) -> bool {
@@ -335,6 +359,16 @@ impl Connection {
 
     fn pdu(&mut self, now: Instant, bhs: &Bhs, ahs: &[u8], data: &[u8], buffers: &RemoteBuffers) {
         self.touch(now);
+        if !std::mem::replace(&mut self.heard_from, true) {
+            self.portal.gate.heard_from(&self.control);
+            if self.timers.is_set(Timer::Login) {
+                // The first PDU came in time: the whole login now has its own timeout.
+                self.timers.set(
+                    Timer::Login,
+                    self.started + self.portal.limits.login_timeout,
+                );
+            }
+        }
         match &mut self.phase {
             Phase::Closed => {}
             Phase::Login(_) => self.login_pdu(now, bhs, data),
@@ -348,6 +382,15 @@ impl Connection {
                     q: &mut self.actions,
                     statsn: &mut self.statsn,
                 };
+                if s.kind() == SessionKind::Discovery
+                    && bhs.opcode() == Some(Opcode::TextRequest)
+                    && !self.logout_asked
+                {
+                    self.timers.set(
+                        Timer::DiscoveryIdle,
+                        now + self.portal.limits.discovery_lifetime,
+                    );
+                }
                 match s.handle_pdu(now, bhs, ahs, data, buffers, &mut out) {
                     session::Flow::Continue => {}
                     // touch() above re-armed the idle interval.
@@ -364,9 +407,18 @@ impl Connection {
             self.reinstatement_check(now);
         }
         if self.timers.expired(Timer::Login, now) {
-            tracing::info!(peer = %self.info.peer, "login timed out");
+            if self.heard_from {
+                tracing::info!(peer = %self.info.peer, "login timed out");
+            } else {
+                tracing::debug!(peer = %self.info.peer, "no PDU within the first-PDU timeout; closing");
+            }
+            self.portal.counters.limit_hit(LimitHit::IdleLogins);
             self.timers.clear(Timer::Login);
             self.fail_close();
+        }
+        if self.timers.expired(Timer::DiscoveryIdle, now) {
+            self.timers.clear(Timer::DiscoveryIdle);
+            self.discovery_idle(now);
         }
         if self.timers.expired(Timer::NopResponse, now) {
             tracing::warn!(peer = %self.info.peer, "initiator did not answer the NOP-In ping; closing the connection");
@@ -436,7 +488,35 @@ impl Connection {
         }
     }
 
+    /// A discovery session's lifetime ran out: ask for a logout, then,
+    /// when the initiator does not heed it, close.
+    fn discovery_idle(&mut self, now: Instant) {
+        let Phase::FullFeature(s) = &mut self.phase else {
+            return;
+        };
+        if self.logout_asked {
+            tracing::info!(peer = %self.info.peer, "discovery session outlived its lifetime; closing");
+            self.portal.counters.limit_hit(LimitHit::IdleLogins);
+            self.fail_close();
+            return;
+        }
+        self.logout_asked = true;
+        let mut out = Out {
+            q: &mut self.actions,
+            statsn: &mut self.statsn,
+        };
+        s.ask_logout(&mut out, DISCOVERY_LOGOUT_GRACE.as_secs() as u16);
+        self.timers
+            .set(Timer::DiscoveryIdle, now + DISCOVERY_LOGOUT_GRACE);
+    }
+
     fn enter_full_feature(&mut self, now: Instant, session: Session, rsp: Bhs, text: Vec<u8>) {
+        if session.kind() == SessionKind::Discovery {
+            self.timers.set(
+                Timer::DiscoveryIdle,
+                now + self.portal.limits.discovery_lifetime,
+            );
+        }
         self.push_login_response(rsp, text);
         self.rx_header_digest = session.params.header_digest;
         self.rx_data_digest = session.params.data_digest;
@@ -507,6 +587,22 @@ impl Connection {
                 let Phase::Login(login) = std::mem::replace(&mut self.phase, Phase::Closed) else {
                     return;
                 };
+                // Its pool first: a login the pools have no room for must
+                // not reinstate (end) the session it names.
+                let pool = match login.kind {
+                    SessionKind::Discovery => LoggedIn::Discovery,
+                    SessionKind::Normal => LoggedIn::Admitted,
+                };
+                if let Err(why) = self.portal.gate.logged_in(&self.control, pool) {
+                    self.portal.gate.log_refusal(self.info.peer, why);
+                    self.portal
+                        .counters
+                        .login_refused(LoginRefusal::OutOfResources);
+                    rsp.fail_login(LoginFailure::OutOfResources.status());
+                    self.push_login_response(rsp, Vec::new());
+                    self.fail_close();
+                    return;
+                }
                 let (session, replaced) = match Session::start(
                     &self.portal,
                     *login,

@@ -10,7 +10,7 @@ use ramslog_common::iser::CmPeer;
 use ramslog_common::scsi_wire::{sense_key, status, Sense};
 
 use super::*;
-use crate::portal::SessionControl;
+use crate::admission::SessionControl;
 use crate::portal::{Acl, AclEntry, ChapSecret, Limits, Portal};
 use crate::testkit::{conn_info, RamPortal};
 
@@ -1200,6 +1200,7 @@ fn iser_linux_full_feature_data_stays_within_128_bytes() {
     assert!(r[0].data.len() <= 128);
 }
 
+mod lifetimes;
 mod reinstatement;
 mod transfer_length;
 mod trust;

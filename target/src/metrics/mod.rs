@@ -435,9 +435,18 @@ pub enum LimitHit {
     CommandWindow = 5,
     /// A peer read nothing for the output stall limit: it was dropped.
     OutputStall = 6,
+    /// Connections still logging in, in total: the oldest was evicted.
+    PendingLogins = 7,
+    /// Discovery sessions in total: the oldest was evicted.
+    DiscoverySessions = 8,
+    /// Discovery sessions from one address: a login was refused.
+    DiscoverySessionsPerSource = 9,
+    /// A connection sent no PDU in time, or a discovery session outlived
+    /// its lifetime: it was closed.
+    IdleLogins = 10,
 }
 
-const LIMIT_HITS: usize = 7;
+const LIMIT_HITS: usize = 11;
 
 impl LimitHit {
     pub const ALL: [LimitHit; LIMIT_HITS] = [
@@ -448,6 +457,10 @@ impl LimitHit {
         LimitHit::StagingBudget,
         LimitHit::CommandWindow,
         LimitHit::OutputStall,
+        LimitHit::PendingLogins,
+        LimitHit::DiscoverySessions,
+        LimitHit::DiscoverySessionsPerSource,
+        LimitHit::IdleLogins,
     ];
 
     pub fn label(self) -> &'static str {
@@ -459,6 +472,10 @@ impl LimitHit {
             LimitHit::StagingBudget => "staging_budget",
             LimitHit::CommandWindow => "command_window",
             LimitHit::OutputStall => "output_stall",
+            LimitHit::PendingLogins => "pending_logins",
+            LimitHit::DiscoverySessions => "discovery_sessions",
+            LimitHit::DiscoverySessionsPerSource => "discovery_sessions_per_source",
+            LimitHit::IdleLogins => "idle_logins",
         }
     }
 }

@@ -71,8 +71,9 @@ pub(super) struct Driver<'a> {
     pub(super) closing: Option<Instant>,
     pub(super) peer_gone: bool,
     pub(super) hello_credits: u16,
-    /// Its place among the portal's connections.
-    pub(super) permit: Permit,
+    /// Its place among the daemon's connections, given back when the
+    /// driver is dropped: after the queue pair was destroyed.
+    pub(super) _permit: Permit,
     /// Since when an action waits for a send slot or credit.
     pub(super) blocked_since: Option<Instant>,
     /// A send that makes no progress this long ends the connection.
@@ -332,8 +333,9 @@ impl Driver<'_> {
                 },
             },
         );
-        if self.conn.is_logged_in() && self.large.is_none() {
-            self.permit.logged_in();
+        if self.conn.is_normal_session() && self.large.is_none() {
+            // Only a normal session moves data: a discovery session or a
+            // peer still logging in pins the receive and send slots alone.
             self.large = Some(LargeBuffers::new(self.pd)?);
             if self.conn.iser_peer() == Some(IserPeer::Illumos) {
                 // The connect request looked like Linux but the login did

@@ -30,13 +30,14 @@ use ramslog_common::verbs::{
     WcOpcode, WorkCompletion, WrId,
 };
 
+use crate::admission::{Link, Permit, SessionControl};
 use crate::clock::CoarseClock;
 use crate::engine::{
     Action, ConnInfo, Connection, Input, IserPeer, OutData, OutPdu, ReadDest, RemoteBuffers,
     ISER_BUFFERED_READ_MAX,
 };
 use crate::metrics::{self, LimitHit};
-use crate::portal::{Link, Permit, Portal, SessionControl};
+use crate::portal::Portal;
 use crate::store::RdmaRegion;
 
 /// Data segment room of each receive buffer: our TargetRecvDataSegmentLength
@@ -213,10 +214,11 @@ fn listen_loop(
         let Some(id) = new_id else { continue };
         let peer = id.peer_addr();
         let source = peer.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |p| p.ip());
-        let permit = match portal.gate.admit(source, Link::Iser) {
+        let permit = match portal.gate.admit(source, Link::Rdma) {
             Ok(p) => p,
             Err(why) => {
-                tracing::warn!(?peer, "iSER: connection refused: {why}");
+                let shown = peer.map_or_else(|| "?".to_string(), |p| p.to_string());
+                portal.gate.log_refusal(format_args!("iSER {shown}"), why);
                 let _ = id.reject(&[]);
                 continue;
             }
@@ -403,7 +405,7 @@ fn run_connection(
         closing: None,
         peer_gone: false,
         hello_credits: credits as u16,
-        permit,
+        _permit: permit,
         blocked_since: None,
         output_stall: output_stall_timeout,
     };

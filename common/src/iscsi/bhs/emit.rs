@@ -197,6 +197,17 @@ impl Bhs {
         b
     }
 
+    /// An Asynchronous Message (RFC 7143 11.9) with AsyncEvent 1: the
+    /// target requests a logout within `seconds` (Parameter3).
+    #[inline]
+    pub fn async_logout_request(seconds: u16) -> Bhs {
+        let mut b = Bhs::new(Opcode::AsyncMessage);
+        b.set_final(true).set_itt(RESERVED_TAG);
+        b.0[36] = 1;
+        b.set_u16_at(42, seconds);
+        b
+    }
+
     /// A NOP-In (RFC 7143 11.19): an answer to a NOP-Out (its ITT, TTT
     /// reserved) or a ping of the target's own (ITT reserved, a fresh TTT).
     #[inline]

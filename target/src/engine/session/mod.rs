@@ -28,8 +28,9 @@ use super::{
     is_reserved, rejected_header, Action, ConnInfo, DataInStream, Out, OutData, OutPdu, ReadDest,
     RemoteBuffers,
 };
+use crate::admission::SessionControl;
 use crate::metrics::{self, CommandKind, LimitHit, Served, SessionMetrics};
-use crate::portal::{OpenSessionError, OpenedSession, Portal, SessionControl, SessionKey};
+use crate::portal::{OpenSessionError, OpenedSession, Portal, SessionKey};
 use crate::scsi::{
     command_kind, DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason,
 };
@@ -389,6 +390,19 @@ impl Session {
     pub fn data_digest_error(&mut self, bhs: &Bhs, out: &mut Out) {
         // ERL 0: the data is discarded and the initiator recovers the task.
         self.reject(out, bhs, RejectReason::DataDigestError);
+    }
+
+    pub fn kind(&self) -> SessionKind {
+        self.kind
+    }
+
+    /// Ask the initiator to log out within `seconds` (an Async Message).
+    pub fn ask_logout(&mut self, out: &mut Out, seconds: u16) {
+        let mut b = Bhs::async_logout_request(seconds);
+        b.set_statsn(out.take_statsn());
+        self.stamp(&mut b);
+        let pdu = self.pdu(b, OutData::None);
+        out.push(pdu);
     }
 
     pub fn send_ping(&mut self, out: &mut Out) {
