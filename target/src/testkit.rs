@@ -177,3 +177,147 @@ pub fn logged_in(
     assert_eq!(status, Some(0), "the test login must succeed");
     conn
 }
+
+/// An RDMA adapter in simulation, for the engine's iSER tests: it keeps
+/// the initiator's registered buffers, posts the engine's RDMA READs within
+/// a number of READ credits (holding the rest in order, as the driver
+/// does), and when a READ completes copies the initiator's bytes into LUN
+/// memory, as a real adapter's DMA does, before it tells the engine.
+pub struct SimulatedHca {
+    credits: usize,
+    /// The initiator's registered buffers: stag → (address, bytes).
+    host: std::collections::HashMap<u32, (u64, Vec<u8>)>,
+    held: std::collections::VecDeque<PostedRead>,
+    posted: std::collections::VecDeque<PostedRead>,
+}
+
+/// An RDMA READ the adapter holds or has posted.
+#[derive(Debug, Clone, Copy)]
+pub struct PostedRead {
+    pub tag: u32,
+    pub stag: u32,
+    pub remote_addr: u64,
+    pub len: u32,
+    pub dest: crate::engine::ReadDest,
+}
+
+impl SimulatedHca {
+    /// An adapter that keeps at most `credits` RDMA READs in flight.
+    pub fn new(credits: usize) -> SimulatedHca {
+        SimulatedHca {
+            credits,
+            host: std::collections::HashMap::new(),
+            held: std::collections::VecDeque::new(),
+            posted: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// The initiator registered `bytes` at `va` under `stag`.
+    pub fn register(&mut self, stag: u32, va: u64, bytes: Vec<u8>) {
+        self.host.insert(stag, (va, bytes));
+    }
+
+    /// READs posted and not completed.
+    pub fn in_flight(&self) -> usize {
+        self.posted.len()
+    }
+
+    /// READs waiting for a credit.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Take every action the engine queued, as the driver does: RDMA READs
+    /// are posted or held; everything else is returned in order.
+    pub fn drain(&mut self, conn: &mut Connection) -> Vec<crate::engine::Action> {
+        let mut actions = Vec::new();
+        while let Some(a) = conn.poll_action() {
+            actions.push(a);
+        }
+        self.take(conn, actions)
+    }
+
+    /// Take `actions` the engine produced (already polled from `conn`):
+    /// RDMA READs are posted or held; everything else is returned in order.
+    pub fn take(
+        &mut self,
+        conn: &Connection,
+        actions: impl IntoIterator<Item = crate::engine::Action>,
+    ) -> Vec<crate::engine::Action> {
+        let mut other = Vec::new();
+        for a in actions {
+            match a {
+                crate::engine::Action::RdmaRead {
+                    tag,
+                    stag,
+                    remote_addr,
+                    len,
+                    dest,
+                } => self.held.push_back(PostedRead {
+                    tag,
+                    stag,
+                    remote_addr,
+                    len,
+                    dest,
+                }),
+                a => other.push(a),
+            }
+        }
+        self.post_held(conn);
+        other
+    }
+
+    fn post_held(&mut self, _conn: &Connection) {
+        while self.posted.len() < self.credits {
+            let Some(read) = self.held.pop_front() else {
+                return;
+            };
+            self.posted.push_back(read);
+        }
+    }
+
+    /// The oldest posted READ completes: its bytes land, the engine hears
+    /// of it, and a held READ takes its credit. False when none was posted.
+    pub fn complete_one(&mut self, conn: &mut Connection, now: Instant) -> bool {
+        let Some(read) = self.posted.pop_front() else {
+            return false;
+        };
+        let bytes = self
+            .host
+            .get(&read.stag)
+            .and_then(|(va, b)| {
+                let start = usize::try_from(read.remote_addr.checked_sub(*va)?).ok()?;
+                b.get(start..start + read.len as usize)
+            })
+            .map(<[u8]>::to_vec)
+            .expect("the initiator registered the buffer the READ names");
+        let data = match read.dest {
+            crate::engine::ReadDest::Store { lun, offset } => {
+                let scsi = conn.scsi_target().expect("a session").clone();
+                let lu = scsi.lu(lun).expect("the LUN");
+                lu.volume()
+                    .store()
+                    .write(offset, &bytes)
+                    .expect("in the LUN");
+                Vec::new()
+            }
+            crate::engine::ReadDest::Buffer => bytes,
+        };
+        conn.handle(
+            now,
+            Input::RdmaReadDone {
+                tag: read.tag,
+                data: &data,
+            },
+        );
+        self.post_held(conn);
+        true
+    }
+
+    /// The queue pair is destroyed: every posted READ is flushed and none
+    /// of their bytes lands.
+    pub fn destroy(&mut self) {
+        self.posted.clear();
+        self.held.clear();
+    }
+}

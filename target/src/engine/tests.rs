@@ -1200,6 +1200,7 @@ fn iser_linux_full_feature_data_stays_within_128_bytes() {
     assert!(r[0].data.len() <= 128);
 }
 
+mod abort_fencing;
 mod lifetimes;
 mod reinstatement;
 mod transfer_length;

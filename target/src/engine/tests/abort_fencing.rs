@@ -1,0 +1,289 @@
+//! Aborted writes never land: a task management function or PREEMPT AND
+//! ABORT is answered only once no task it aborted can place another byte.
+//! Over iSER the bytes are placed by the adapter's RDMA READ, so these tests
+//! run the engine against `testkit::SimulatedHca`, which copies the host's
+//! bytes into LUN memory when a READ completes.
+
+use super::*;
+use crate::testkit::SimulatedHca;
+
+const LUN_BYTES: u64 = 1 << 20;
+/// The illumos initiator offers four RDMA READ credits: further READs wait.
+const ILLUMOS_CREDITS: usize = 4;
+const HOST_A: &str = "iqn.2026-11.org.ramslog:host-a";
+const HOST_B: &str = "iqn.2026-11.org.ramslog:host-b";
+/// The region host A writes 0xAA to, and host B then 0xBB.
+const REGION_LBA: u32 = 64;
+const WRITES: u32 = 6;
+const BLOCKS: u16 = 8;
+
+fn lun_range(h: &Harness, lba: u32, blocks: u32) -> Vec<u8> {
+    let mut v = vec![0u8; blocks as usize * 512];
+    assert!(h.conn.read_store(0, u64::from(lba) * 512, &mut v));
+    v
+}
+
+fn login_as(h: &mut Harness, name: &str, extra: &[(&str, &str)]) {
+    let mut keys = vec![
+        ("InitiatorName", name),
+        ("TargetName", IQN),
+        ("SessionType", "Normal"),
+    ];
+    keys.extend_from_slice(extra);
+    let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
+    let r = h.login_pdu(flags, &keys);
+    assert_eq!(r[0].bhs.login_status(), login_status::SUCCESS);
+    h.clear_unit_attention();
+}
+
+/// PERSISTENT RESERVE OUT with its parameter list as immediate data (TCP).
+fn pr_out_pdu(h: &mut Harness, service_action: u8, key: u64, sa_key: u64) -> Vec<Rsp> {
+    let mut cdb = [0u8; 10];
+    cdb[0] = 0x5f;
+    cdb[1] = service_action;
+    cdb[2] = 0x01; // LU scope, WRITE EXCLUSIVE
+    cdb[8] = 24;
+    let mut params = [0u8; 24];
+    params[0..8].copy_from_slice(&key.to_be_bytes());
+    params[8..16].copy_from_slice(&sa_key.to_be_bytes());
+    h.command(&cdb, 0x81 | 0x20, 24, &params).1
+}
+
+fn status_of(r: &[Rsp]) -> Option<u8> {
+    r.iter()
+        .find(|p| p.bhs.opcode() == Some(Opcode::ScsiResponse))
+        .map(|p| p.bhs.scsi_status())
+}
+
+/// A PERSISTENT RESERVE OUT of host A, whose parameter list the illumos
+/// profile fetches by RDMA READ.
+fn a_pr_out(a: &mut Harness, hca: &mut SimulatedHca, sa: u8, key: u64, sa_key: u64) -> u8 {
+    let mut cdb = [0u8; 10];
+    cdb[0] = 0x5f;
+    cdb[1] = sa;
+    cdb[2] = 0x01;
+    cdb[8] = 24;
+    let mut params = [0u8; 24];
+    params[0..8].copy_from_slice(&key.to_be_bytes());
+    params[8..16].copy_from_slice(&sa_key.to_be_bytes());
+    let stag = 0x50 + u32::from(sa);
+    hca.register(stag, 0x5000, params.to_vec());
+    let (_, r) = a.iser_command(&cdb, 0xa1, 24, &[], iser_buf_at(stag, 0x5000), None);
+    assert!(r.is_empty(), "the parameter list is fetched first");
+    to_adapter(a, hca);
+    assert!(hca.complete_one(&mut a.conn, a.now));
+    status_of(&a.drain()).expect("a status")
+}
+
+/// Host A over iSER with the illumos limits (its connection controlled by
+/// `a_control`); the SimulatedHca plays its adapter. A registers 0xaa and
+/// holds the reservation (WRITE EXCLUSIVE); host B over TCP registers 0xbb:
+/// the fence_scsi arrangement before B preempts A.
+fn two_hosts(a_control: Arc<SessionControl>) -> (Harness, SimulatedHca, Harness) {
+    let portal = RamPortal::new(IQN).size(LUN_BYTES).build();
+    let mut a = Harness::new_iser_from(portal.clone(), CmPeer::Illumos);
+    a.conn = Connection::iser(
+        portal.clone(),
+        a.conn.info,
+        a_control,
+        a.now,
+        8192,
+        CmPeer::Illumos,
+    );
+    login_as(&mut a, HOST_A, &[]);
+    let mut b = Harness::new(portal);
+    login_as(
+        &mut b,
+        HOST_B,
+        &[("ImmediateData", "Yes"), ("InitialR2T", "No")],
+    );
+    let mut hca = SimulatedHca::new(ILLUMOS_CREDITS);
+    assert_eq!(a_pr_out(&mut a, &mut hca, 0, 0, 0xaa), status::GOOD);
+    assert_eq!(a_pr_out(&mut a, &mut hca, 1, 0xaa, 0), status::GOOD);
+    assert_eq!(
+        status_of(&pr_out_pdu(&mut b, 0, 0, 0xbb)),
+        Some(status::GOOD)
+    );
+    (a, hca, b)
+}
+
+/// Hand the RDMA actions the harness collected to the adapter.
+fn to_adapter(h: &mut Harness, hca: &mut SimulatedHca) {
+    let actions: Vec<Action> = h.rdma.drain(..).map(|(_, a)| a).collect();
+    let _ = hca.take(&h.conn, actions);
+}
+
+fn iser_buf_at(stag: u32, va: u64) -> Option<ramslog_common::iser::RemoteBuffer> {
+    Some(ramslog_common::iser::RemoteBuffer { stag, va })
+}
+
+/// A sends six 4 KiB writes of 0xAA: four RDMA READs go in flight, two
+/// wait for a credit.
+fn a_writes(a: &mut Harness, hca: &mut SimulatedHca) {
+    for i in 0..WRITES {
+        let stag = 0x100 + i;
+        let va = 0x10_0000 * u64::from(i + 1);
+        hca.register(stag, va, vec![0xaa; usize::from(BLOCKS) * 512]);
+        let lba = REGION_LBA + i * u32::from(BLOCKS);
+        let (_, r) = a.iser_command(
+            &write10(lba, BLOCKS),
+            0xa1,
+            u32::from(BLOCKS) * 512,
+            &[],
+            iser_buf_at(stag, va),
+            None,
+        );
+        assert!(r.is_empty(), "the write waits for its data");
+        to_adapter(a, hca);
+    }
+    assert_eq!((hca.in_flight(), hca.held()), (4, 2));
+}
+
+/// B's PREEMPT AND ABORT of A, then B's WRITE of 0xBB over the region.
+fn b_preempts_and_overwrites(b: &mut Harness) -> Vec<Rsp> {
+    pr_out_pdu(b, 5, 0xbb, 0xaa)
+}
+
+fn b_writes_region(b: &mut Harness) {
+    let bytes = WRITES * u32::from(BLOCKS) * 512;
+    // Immediate data carries the first 8 KiB; the rest comes by R2T.
+    let itt = b.next_itt();
+    let mut cmd = Bhs::new(Opcode::ScsiCommand);
+    cmd.set_flags(0xa1)
+        .set_itt(itt)
+        .set_expected_data_len(bytes)
+        .set_cmdsn(b.cmdsn);
+    b.cmdsn += 1;
+    cmd.set_cdb(&write10(REGION_LBA, (WRITES * u32::from(BLOCKS)) as u16));
+    let data = vec![0xbb; bytes as usize];
+    let mut r = b.send(&cmd, &data[..8192]);
+    loop {
+        if let Some(p) = r
+            .iter()
+            .find(|p| p.bhs.opcode() == Some(Opcode::ScsiResponse))
+        {
+            assert_eq!(p.bhs.scsi_status(), status::GOOD, "B's write");
+            return;
+        }
+        let r2t = r
+            .iter()
+            .find(|p| p.bhs.opcode() == Some(Opcode::ReadyToTransfer))
+            .expect("an R2T for the rest");
+        let (off, len) = (r2t.bhs.buffer_offset(), r2t.bhs.residual());
+        let mut d = Bhs::new(Opcode::DataOut);
+        d.set_final(true)
+            .set_itt(itt)
+            .set_ttt(r2t.bhs.ttt())
+            .set_buffer_offset(off);
+        r = b.send(&d, &data[off as usize..(off + len) as usize]);
+    }
+}
+
+#[test]
+#[should_panic(
+    expected = "PREEMPT AND ABORT answered while four of the aborted host's RDMA READs are in flight"
+)]
+fn preempt_and_abort_over_iser_is_answered_only_when_the_aborted_reads_cannot_land() {
+    let (mut a, mut hca, mut b) = two_hosts(SessionControl::new());
+    a_writes(&mut a, &mut hca);
+    let r = b_preempts_and_overwrites(&mut b);
+    assert_eq!(
+        status_of(&r),
+        None,
+        "PREEMPT AND ABORT answered while four of the aborted host's RDMA READs are in flight"
+    );
+    // A's adapter finishes what it had posted: those bytes land, before
+    // the answer. The two held READs are never posted.
+    while hca.complete_one(&mut a.conn, a.now) {}
+    assert!(
+        a.drain()
+            .iter()
+            .all(|p| p.bhs.opcode() != Some(Opcode::ScsiResponse)),
+        "an aborted write got a status"
+    );
+    assert_eq!(hca.held(), 0);
+    b.now += Duration::from_millis(1);
+    b.conn.handle(b.now, Input::Timeout);
+    assert_eq!(status_of(&b.drain()), Some(status::GOOD), "answered now");
+    b_writes_region(&mut b);
+    let region = lun_range(&b, REGION_LBA, WRITES * u32::from(BLOCKS));
+    assert!(
+        region.iter().all(|x| *x == 0xbb),
+        "an aborted write of the preempted host landed over the new holder's data"
+    );
+}
+
+#[test]
+#[should_panic(expected = "answered while the hung host's RDMA READs are in flight")]
+fn a_hung_hosts_transfers_are_cut_off_before_the_preempt_is_answered() {
+    let a_control = SessionControl::new();
+    let (mut a, mut hca, mut b) = two_hosts(a_control.clone());
+    a_writes(&mut a, &mut hca);
+    let start = b.now;
+    let r = b_preempts_and_overwrites(&mut b);
+    assert_eq!(
+        status_of(&r),
+        None,
+        "PREEMPT AND ABORT answered while the hung host's RDMA READs are in flight"
+    );
+    // A completes nothing (a partitioned host). No plain timeout answers.
+    for ms in [500u64, 1000, 1900] {
+        b.now = start + Duration::from_millis(ms);
+        b.conn.handle(b.now, Input::Timeout);
+        assert_eq!(status_of(&b.drain()), None, "answered on a plain timeout");
+    }
+    assert!(!a_control.is_terminated());
+    // Past the cut-off the engine ends A's connection...
+    b.now = start + Duration::from_secs(2);
+    b.conn.handle(b.now, Input::Timeout);
+    assert_eq!(
+        status_of(&b.drain()),
+        None,
+        "answered before A's connection is gone"
+    );
+    assert!(
+        a_control.is_terminated(),
+        "the hung host's connection is ended"
+    );
+    // ...whose queue pair is destroyed, its posted READs flushed: none of
+    // their bytes lands. Then its permit goes, and B is answered.
+    hca.destroy();
+    a.conn.shutdown();
+    a_control.release_for_test();
+    b.now += Duration::from_millis(1);
+    b.conn.handle(b.now, Input::Timeout);
+    assert_eq!(status_of(&b.drain()), Some(status::GOOD));
+    b_writes_region(&mut b);
+    assert!(lun_range(&b, REGION_LBA, WRITES * u32::from(BLOCKS))
+        .iter()
+        .all(|x| *x == 0xbb));
+}
+
+#[test]
+#[should_panic(expected = "ABORT TASK answered while the task's RDMA READ is in flight")]
+fn abort_task_of_a_write_whose_read_is_in_flight_waits_for_it() {
+    let (mut a, mut hca, _b) = two_hosts(SessionControl::new());
+    let first_write = a.itt + 1;
+    a_writes(&mut a, &mut hca);
+    // A aborts its own first write, whose READ is in flight.
+    let mut t = Bhs::new(Opcode::TaskMgmtRequest);
+    t.set_immediate(true)
+        .set_final(true)
+        .set_flags(0x80 | tmf::ABORT_TASK)
+        .set_itt(a.next_itt())
+        .set_ttt(first_write)
+        .set_cmdsn(a.cmdsn);
+    let r = a.send(&t, &[]);
+    assert!(
+        r.iter()
+            .all(|p| p.bhs.opcode() != Some(Opcode::TaskMgmtResponse)),
+        "ABORT TASK answered while the task's RDMA READ is in flight"
+    );
+    while hca.complete_one(&mut a.conn, a.now) {}
+    let r = a.drain();
+    assert!(
+        r.iter()
+            .any(|p| p.bhs.opcode() == Some(Opcode::TaskMgmtResponse)),
+        "answered once the READ completed"
+    );
+}
