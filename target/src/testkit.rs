@@ -183,12 +183,17 @@ pub fn logged_in(
 /// a number of READ credits (holding the rest in order, as the driver
 /// does), and when a READ completes copies the initiator's bytes into LUN
 /// memory, as a real adapter's DMA does, before it tells the engine.
+/// Like the driver it counts each READ into the LUN in the session's
+/// transfers while posted, and asks the engine before posting a held one.
 pub struct SimulatedHca {
     credits: usize,
     /// The initiator's registered buffers: stag → (address, bytes).
     host: std::collections::HashMap<u32, (u64, Vec<u8>)>,
     held: std::collections::VecDeque<PostedRead>,
     posted: std::collections::VecDeque<PostedRead>,
+    /// The session's transfers, learnt at login as the driver does: they
+    /// outlive the session.
+    transfers: Option<Arc<crate::scsi::Transfers>>,
 }
 
 /// An RDMA READ the adapter holds or has posted.
@@ -209,6 +214,7 @@ impl SimulatedHca {
             host: std::collections::HashMap::new(),
             held: std::collections::VecDeque::new(),
             posted: std::collections::VecDeque::new(),
+            transfers: None,
         }
     }
 
@@ -244,6 +250,9 @@ impl SimulatedHca {
         conn: &Connection,
         actions: impl IntoIterator<Item = crate::engine::Action>,
     ) -> Vec<crate::engine::Action> {
+        if self.transfers.is_none() {
+            self.transfers = conn.transfers();
+        }
         let mut other = Vec::new();
         for a in actions {
             match a {
@@ -267,11 +276,23 @@ impl SimulatedHca {
         other
     }
 
-    fn post_held(&mut self, _conn: &Connection) {
+    fn post_held(&mut self, conn: &Connection) {
         while self.posted.len() < self.credits {
             let Some(read) = self.held.pop_front() else {
                 return;
             };
+            let into_lun = matches!(read.dest, crate::engine::ReadDest::Store { .. });
+            if into_lun {
+                if let Some(t) = &self.transfers {
+                    t.begin();
+                }
+            }
+            if !conn.may_post_rdma_read(read.tag) {
+                if let (true, Some(t)) = (into_lun, &self.transfers) {
+                    t.end();
+                }
+                continue;
+            }
             self.posted.push_back(read);
         }
     }
@@ -299,6 +320,9 @@ impl SimulatedHca {
                     .store()
                     .write(offset, &bytes)
                     .expect("in the LUN");
+                if let Some(t) = &self.transfers {
+                    t.end();
+                }
                 Vec::new()
             }
             crate::engine::ReadDest::Buffer => bytes,
@@ -317,7 +341,11 @@ impl SimulatedHca {
     /// The queue pair is destroyed: every posted READ is flushed and none
     /// of their bytes lands.
     pub fn destroy(&mut self) {
-        self.posted.clear();
+        for read in self.posted.drain(..) {
+            if let (crate::engine::ReadDest::Store { .. }, Some(t)) = (read.dest, &self.transfers) {
+                t.end();
+            }
+        }
         self.held.clear();
     }
 }

@@ -32,12 +32,12 @@ use ramslog_common::iser::CmPeer;
 pub use io::{Action, ConnInfo, Input, OutData, OutPdu, ReadDest, RemoteBuffers, Transport};
 pub use login::{LoginFailure, SessionKind};
 pub use params::{IserPeer, Params};
-pub use session::ISER_BUFFERED_READ_MAX;
+pub use session::{ABORT_CUT_OFF, ISER_BUFFERED_READ_MAX};
 
 use crate::admission::{LoggedIn, SessionControl};
 use crate::metrics::{LimitHit, LoginRefusal, Served};
 use crate::portal::Portal;
-use crate::scsi::ScsiTarget;
+use crate::scsi::{ScsiTarget, Transfers};
 use login::{Login, Next};
 use session::Session;
 
@@ -55,10 +55,13 @@ enum Timer {
     /// A discovery session's lifetime since its last Text exchange ran
     /// out: ask for a logout, and close when that is not heeded.
     DiscoveryIdle = 4,
+    /// Look again whether the transfers a held abort answer waits for
+    /// are settled.
+    Deferred = 5,
 }
 
 #[derive(Default)]
-struct TimerTable([Option<Instant>; 5]);
+struct TimerTable([Option<Instant>; 6]);
 
 impl TimerTable {
     fn set(&mut self, t: Timer, at: Instant) {
@@ -237,7 +240,42 @@ impl Connection {
                 q: &mut self.actions,
                 statsn: &mut self.statsn,
             };
-            s.rdma_read_done(tag, data, &mut out);
+            s.rdma_read_done(now, tag, data, &mut out);
+        }
+        self.poll_deferred(now);
+    }
+
+    /// Send the abort answers whose transfers settled; keep looking for
+    /// the rest.
+    fn poll_deferred(&mut self, now: Instant) {
+        if let Phase::FullFeature(s) = &mut self.phase {
+            let mut out = Out {
+                q: &mut self.actions,
+                statsn: &mut self.statsn,
+            };
+            match s.release_deferred(now, &mut out) {
+                Some(at) => self.timers.set(Timer::Deferred, at),
+                None => self.timers.clear(Timer::Deferred),
+            }
+        }
+    }
+
+    /// iSER: whether the RDMA READ `tag` may still be posted (its task
+    /// stands, not aborted). The driver raises [`Self::transfers`] first.
+    pub fn may_post_rdma_read(&self, tag: u32) -> bool {
+        match &self.phase {
+            Phase::FullFeature(s) => s.may_post_rdma_read(tag),
+            _ => false,
+        }
+    }
+
+    /// The logged-in session's transfers into LUN memory, which the driver
+    /// counts its RDMA READs in (they outlive the session: the driver
+    /// lowers them after its queue pair is destroyed).
+    pub fn transfers(&self) -> Option<Arc<Transfers>> {
+        match &self.phase {
+            Phase::FullFeature(s) => Some(s.transfers().clone()),
+            _ => None,
         }
     }
 
@@ -397,6 +435,7 @@ impl Connection {
                     session::Flow::PingAnswered => self.timers.clear(Timer::NopResponse),
                     session::Flow::Close => self.fail_close(),
                 }
+                self.poll_deferred(now);
             }
         }
     }
@@ -415,6 +454,9 @@ impl Connection {
             self.portal.counters.limit_hit(LimitHit::IdleLogins);
             self.timers.clear(Timer::Login);
             self.fail_close();
+        }
+        if self.timers.expired(Timer::Deferred, now) {
+            self.poll_deferred(now);
         }
         if self.timers.expired(Timer::DiscoveryIdle, now) {
             self.timers.clear(Timer::DiscoveryIdle);

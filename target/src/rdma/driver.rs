@@ -78,9 +78,22 @@ pub(super) struct Driver<'a> {
     pub(super) blocked_since: Option<Instant>,
     /// A send that makes no progress this long ends the connection.
     pub(super) output_stall: Duration,
+    /// The session's transfers into LUN memory: raised for every RDMA READ
+    /// into the LUN while it is posted (see `scsi::Transfers`).
+    pub(super) transfers: Option<Arc<Transfers>>,
 }
 
 impl Driver<'_> {
+    /// RDMA READs into LUN memory still posted: once the queue pair is
+    /// destroyed they can no longer land, and their count is lowered.
+    pub(super) fn reads_into_lun(&self) -> usize {
+        self.reads
+            .iter()
+            .flatten()
+            .filter(|r| r.bounce.is_none())
+            .count()
+    }
+
     pub(super) fn run(
         &mut self,
         events: &EventChannel,
@@ -248,6 +261,12 @@ impl Driver<'_> {
                     ));
                 };
                 self.reads_in_flight -= 1;
+                if read.bounce.is_none() {
+                    // The bytes are in LUN memory: the transfer is over.
+                    if let Some(t) = &self.transfers {
+                        t.end();
+                    }
+                }
                 match read.bounce {
                     Some(b) => {
                         let start = b as usize * BOUNCE_SLOT_LEN;
@@ -337,6 +356,7 @@ impl Driver<'_> {
             // Only a normal session moves data: a discovery session or a
             // peer still logging in pins the receive and send slots alone.
             self.large = Some(LargeBuffers::new(self.pd)?);
+            self.transfers = self.conn.transfers();
             if self.conn.iser_peer() == Some(IserPeer::Illumos) {
                 // The connect request looked like Linux but the login did
                 // not: a peer we cannot place gets what illumos can take.
@@ -549,8 +569,32 @@ impl Driver<'_> {
         let Some(read_slot) = self.reads.iter().position(Option::is_none) else {
             return Ok(Posted::Blocked(blocked));
         };
+        let into_lun = matches!(dest, ReadDest::Store { .. });
+        if into_lun {
+            // Raised before asking, so an abort either sees this READ or
+            // this READ sees the abort.
+            if let Some(t) = &self.transfers {
+                t.begin();
+            }
+        }
+        if !self.conn.may_post_rdma_read(tag) {
+            // Its task was aborted (or ended) while the READ waited: it
+            // must not place a byte.
+            if let (true, Some(t)) = (into_lun, &self.transfers) {
+                t.end();
+            }
+            return Ok(Posted::Done);
+        }
         let (sge, bounce) = match dest {
-            ReadDest::Store { lun, offset } => (self.lun_sge(lun, offset, len)?, None),
+            ReadDest::Store { lun, offset } => match self.lun_sge(lun, offset, len) {
+                Ok(sge) => (sge, None),
+                Err(e) => {
+                    if let Some(t) = &self.transfers {
+                        t.end();
+                    }
+                    return Err(e);
+                }
+            },
             ReadDest::Buffer => {
                 if len as usize > BOUNCE_SLOT_LEN {
                     return Err(ConnError::Protocol(format!(
@@ -568,6 +612,9 @@ impl Driver<'_> {
                 (sge, Some(b))
             }
         };
+        // Recorded before posting: a failed post leaves it to the teardown,
+        // which lowers the count once the queue pair is gone.
+        self.reads[read_slot] = Some(PendingRead { tag, len, bounce });
         self.post(
             WrId::new(wr::READ, read_slot as u32),
             SendOp::RdmaRead {
@@ -576,7 +623,6 @@ impl Driver<'_> {
             },
             sge,
         )?;
-        self.reads[read_slot] = Some(PendingRead { tag, len, bounce });
         self.reads_in_flight += 1;
         Ok(Posted::Done)
     }

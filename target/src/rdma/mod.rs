@@ -38,6 +38,7 @@ use crate::engine::{
 };
 use crate::metrics::{self, LimitHit};
 use crate::portal::Portal;
+use crate::scsi::Transfers;
 use crate::store::RdmaRegion;
 
 /// Data segment room of each receive buffer: our TargetRecvDataSegmentLength
@@ -408,9 +409,12 @@ fn run_connection(
         _permit: permit,
         blocked_since: None,
         output_stall: output_stall_timeout,
+        transfers: None,
     };
     let result = driver.run(&events, &comp, &control, opts);
     driver.conn.shutdown();
+    let unfinished_reads = driver.reads_into_lun();
+    let transfers = driver.transfers.take();
     let peer_gone = driver.peer_gone;
     // Kept past the QP's end, like `recv`.
     let buffers = (driver.send, driver.large);
@@ -421,6 +425,11 @@ fn run_connection(
     // The QP goes first, then the buffers its requests named: the adapter
     // may still be writing into a posted receive until the QP is gone.
     id.destroy_qp();
+    if let Some(t) = transfers {
+        for _ in 0..unfinished_reads {
+            t.end();
+        }
+    }
     drop(buffers);
     drop(recv);
     drop(id);

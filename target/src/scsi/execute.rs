@@ -236,7 +236,7 @@ impl ScsiTarget {
                         .filter(|(_, code)| *code == sense::ua::REGISTRATIONS_PREEMPTED)
                         .map(|(p, _)| p.clone())
                         .collect();
-                    lu.abort_tasks(&mut st, |id, entry| {
+                    lu.abort_tasks(&mut st, nexus, |id, entry| {
                         id != nexus && preempted.contains(&entry.port)
                     });
                 }

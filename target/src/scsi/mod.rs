@@ -25,6 +25,7 @@ mod pr;
 mod sense;
 #[cfg(test)]
 mod tests;
+mod transfers;
 mod vocab;
 
 use std::collections::HashMap;
@@ -60,17 +61,20 @@ pub fn command_kind(opcode: u8) -> CommandKind {
     }
 }
 pub use sense::SenseReason;
+pub use transfers::{CopyGuard, Transfers};
 
 /// One I_T nexus (an iSCSI session).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NexusId(pub u32);
 
 /// A newly logged-in session, as the SCSI layer needs to know it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct Nexus {
     pub id: NexusId,
     pub initiator_name: String,
     pub isid: [u8; 6],
+    /// Its transfers into LUN memory: what an abort must wait for.
+    pub transfers: Arc<Transfers>,
 }
 
 impl Nexus {
@@ -211,6 +215,12 @@ impl Plan {
     pub fn is_write(&self) -> bool {
         matches!(self.op, Op::Write { .. })
     }
+
+    /// PERSISTENT RESERVE OUT, PREEMPT AND ABORT: its status waits for the
+    /// aborted tasks' transfers.
+    pub fn aborts_tasks(&self) -> bool {
+        matches!(self.op, Op::PrOut { sa, .. } if sa == PR_OUT_PREEMPT_AND_ABORT)
+    }
 }
 
 struct NexusEntry {
@@ -221,6 +231,10 @@ struct NexusEntry {
     /// another nexus (PREEMPT AND ABORT, LOGICAL UNIT RESET): commands that
     /// arrived before it must not complete.
     aborted_at: u64,
+    transfers: Arc<Transfers>,
+    /// The transfers of the nexuses this one aborted, which its answer
+    /// must wait for (taken by [`ScsiTarget::take_aborted_transfers`]).
+    aborted_by_it: Vec<Arc<Transfers>>,
 }
 
 struct LuState {
@@ -331,17 +345,29 @@ impl LogicalUnit {
 
     /// Abort the tasks of the nexuses `which` selects: commands that arrived
     /// before now will see it through [`ScsiTarget::is_aborted`].
-    fn abort_tasks(&self, st: &mut LuState, which: impl Fn(NexusId, &NexusEntry) -> bool) {
-        let epoch = self.abort_epoch.load(Ordering::Acquire) + 1;
-        let mut any = false;
+    /// The aborted nexuses' transfers are recorded for `by`, whose answer
+    /// waits for them.
+    fn abort_tasks(
+        &self,
+        st: &mut LuState,
+        by: NexusId,
+        which: impl Fn(NexusId, &NexusEntry) -> bool,
+    ) {
+        let epoch = self.abort_epoch.load(Ordering::SeqCst) + 1;
+        let mut aborted = Vec::new();
         for (id, entry) in st.nexuses.iter_mut() {
             if which(*id, entry) {
                 entry.aborted_at = epoch;
-                any = true;
+                aborted.push(entry.transfers.clone());
             }
         }
-        if any {
-            self.abort_epoch.store(epoch, Ordering::Release);
+        if !aborted.is_empty() {
+            // SeqCst: a placement that raised its count before this store is
+            // waited for; one that raises it after sees the abort.
+            self.abort_epoch.store(epoch, Ordering::SeqCst);
+            if let Some(me) = st.nexuses.get_mut(&by) {
+                me.aborted_by_it.extend(aborted);
+            }
         }
     }
 
@@ -456,6 +482,8 @@ impl ScsiTarget {
                     port: port.clone(),
                     uas: vec![sense::ua::POWER_ON_RESET],
                     aborted_at: 0,
+                    transfers: nexus.transfers.clone(),
+                    aborted_by_it: Vec::new(),
                 },
             );
             lu.refresh(&st);
@@ -493,7 +521,7 @@ impl ScsiTarget {
             st.spc2 = None;
             // Every task set of the LU is aborted (SAM-5 6.3); the issuing
             // session aborts its own tasks itself.
-            lu.abort_tasks(&mut st, |id, _| id != by);
+            lu.abort_tasks(&mut st, by, |id, _| id != by);
             st.raise_all(sense::ua::BUS_DEVICE_RESET);
             lu.refresh(&st);
         }
@@ -518,6 +546,20 @@ impl ScsiTarget {
         Some(self.lu(lun)?.volume.identity())
     }
 
+    /// The transfers of every nexus that `by` aborted tasks of since the
+    /// last call: its answer (TMF response, PREEMPT AND ABORT's status) waits
+    /// until each is [settled](Transfers::settled).
+    pub fn take_aborted_transfers(&self, by: NexusId) -> Vec<Arc<Transfers>> {
+        let mut all = Vec::new();
+        for lu in &self.lus {
+            let mut st = lu.lock();
+            if let Some(me) = st.nexuses.get_mut(&by) {
+                all.append(&mut me.aborted_by_it);
+            }
+        }
+        all
+    }
+
     /// Whether the command of `plan` was aborted from outside its session
     /// (PREEMPT AND ABORT, a reset by another nexus) after it arrived: it
     /// must then place no more data and complete with no status.
@@ -525,7 +567,7 @@ impl ScsiTarget {
         let Some(lu) = self.lu(plan.lun) else {
             return false;
         };
-        if lu.abort_epoch.load(Ordering::Acquire) == plan.abort_epoch {
+        if lu.abort_epoch.load(Ordering::SeqCst) == plan.abort_epoch {
             return false;
         }
         lu.lock()

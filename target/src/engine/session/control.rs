@@ -48,8 +48,28 @@ impl Session {
             tmf::TASK_REASSIGN => tmf::RSP_NO_REASSIGN,
             _ => tmf::RSP_NOT_SUPPORTED,
         };
-        let b = Bhs::tmf_response(bhs.itt(), response);
-        self.push_status(out, b, OutData::None);
+        // Function Complete for an abort means its tasks place nothing more:
+        // it waits for their transfers, this session's and those of the
+        // sessions a reset aborted.
+        let aborted = response == tmf::RSP_COMPLETE
+            && matches!(
+                function,
+                tmf::ABORT_TASK
+                    | tmf::ABORT_TASK_SET
+                    | tmf::CLEAR_TASK_SET
+                    | tmf::LOGICAL_UNIT_RESET
+                    | tmf::TARGET_WARM_RESET
+            );
+        let waits = if aborted {
+            self.aborted_transfers(true)
+        } else {
+            Vec::new()
+        };
+        let answer = Answer::Tmf {
+            itt: bhs.itt(),
+            response,
+        };
+        self.answer_after(out, answer, waits);
     }
 
     pub(super) fn abort_tasks(&mut self, pred: impl Fn(&Task) -> bool) {

@@ -1,6 +1,7 @@
 //! Full feature phase: SCSI commands and their data, NOP, task management,
 //! text (SendTargets), logout.
 
+mod aborts;
 mod command;
 mod control;
 mod datapath;
@@ -11,7 +12,7 @@ use datapath::{DataPath, Fetch, RdmaReadInFlight};
 use std::cell::Cell;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ramslog_common::iscsi::{
     self, parse_ahs, scsi_cmd, text, tmf, Bhs, Opcode, RejectReason, Residual, AHS_EXTENDED_CDB,
@@ -32,8 +33,10 @@ use crate::admission::SessionControl;
 use crate::metrics::{self, CommandKind, LimitHit, Served, SessionMetrics};
 use crate::portal::{OpenSessionError, OpenedSession, Portal, SessionKey};
 use crate::scsi::{
-    command_kind, DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason,
+    command_kind, DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason, Transfers,
 };
+pub use aborts::ABORT_CUT_OFF;
+use aborts::{Answer, Deferred};
 
 /// Largest RDMA READ into the iSER driver's own buffer (parameter lists and
 /// compare data the SCSI device must see whole): the driver's bounce slots.
@@ -209,6 +212,12 @@ pub(super) struct Session {
     counting: Counting,
     /// Service times are measured (`Portal::service_times`).
     timed: bool,
+    /// Its transfers into LUN memory (see `scsi::Transfers`).
+    transfers: Arc<Transfers>,
+    /// Abort answers waiting for transfers, oldest first.
+    deferred: Vec<Deferred>,
+    /// The time of the input being handled.
+    now: Instant,
 }
 
 impl Session {
@@ -237,7 +246,8 @@ impl Session {
             tsih,
             nexus,
             replaced,
-        } = portal.open_session(key, discovery, info.peer, control)?;
+        } = portal.open_session(key, discovery, info.peer, control.clone())?;
+        let transfers = Transfers::new(control);
         let scsi = target.map(|t| t.scsi.clone());
         let metrics = match &scsi {
             Some(scsi) => SessionMetrics::join(scsi.luns().cloned()),
@@ -248,6 +258,7 @@ impl Session {
                 id: nexus,
                 initiator_name: initiator_name.clone(),
                 isid: login.isid(),
+                transfers: transfers.clone(),
             });
         }
         tracing::info!(
@@ -290,6 +301,9 @@ impl Session {
             metrics,
             counting: Counting::NONE,
             timed: portal.service_times,
+            transfers,
+            deferred: Vec::new(),
+            now: Instant::now(),
         };
         Ok((session, replaced))
     }
@@ -426,13 +440,14 @@ impl Session {
 
     pub fn handle_pdu(
         &mut self,
-        _now: Instant,
+        now: Instant,
         bhs: &Bhs,
         ahs: &[u8],
         data: &[u8],
         buffers: &RemoteBuffers,
         out: &mut Out,
     ) -> Flow {
+        self.now = now;
         let Some(op) = bhs.opcode().filter(|o| o.is_initiator_opcode()) else {
             self.reject(out, bhs, RejectReason::CommandNotSupported);
             return Flow::Continue;

@@ -52,16 +52,23 @@ impl Session {
             // they arrive (iSER's RDMA READ does the same). A write that is
             // never answered GOOD may leave its blocks partly written, as on
             // any disk; GOOD comes only when every byte is in place.
-            OutPlacement::Store { offset: base } => self
-                .scsi
-                .as_ref()
-                .and_then(|s| s.lu(task.lun.number()))
-                .is_some_and(|lu| {
+            OutPlacement::Store { offset: base } => {
+                let Some(scsi) = self.scsi.as_ref() else {
+                    return false;
+                };
+                // Counted before the abort check, so an abort racing this
+                // copy on another connection waits for it (scsi::Transfers).
+                let _copying = self.transfers.copying();
+                if scsi.is_aborted(self.nexus, &task.plan) {
+                    return false;
+                }
+                scsi.lu(task.lun.number()).is_some_and(|lu| {
                     lu.volume()
                         .store()
                         .write(base + u64::from(offset), useful)
                         .is_ok()
-                }),
+                })
+            }
             OutPlacement::Buffer => match task.buf.get_mut(offset as usize..end as usize) {
                 Some(dst) => {
                     dst.copy_from_slice(useful);
@@ -75,7 +82,8 @@ impl Session {
 
     /// iSER: an RDMA READ finished. A task aborted meanwhile is gone, and its
     /// late data is dropped.
-    pub fn rdma_read_done(&mut self, tag: u32, data: &[u8], out: &mut Out) {
+    pub fn rdma_read_done(&mut self, now: Instant, tag: u32, data: &[u8], out: &mut Out) {
+        self.now = now;
         let Some(idx) = self.tasks.iter().position(|t| t.fetch.reading(tag)) else {
             return;
         };
@@ -208,9 +216,19 @@ impl Session {
         };
         let result = scsi.execute(self.nexus, &task.plan, data, &mut self.data_in);
         self.counting.bytes = task.moved;
-        let itt = task.itt;
+        let (itt, aborts) = (task.itt, task.plan.aborts_tasks());
         self.finish_task(task);
         match result {
+            Ok(_) if aborts => {
+                let waits = self.aborted_transfers(false);
+                let counting = self.counting;
+                let answer = Answer::Good {
+                    itt,
+                    residual,
+                    counting,
+                };
+                self.answer_after(out, answer, waits);
+            }
             Ok(_) => self.respond(out, itt, status::GOOD, None, residual),
             Err(reason) => self.fail(out, itt, reason, residual),
         }

@@ -180,9 +180,6 @@ fn b_writes_region(b: &mut Harness) {
 }
 
 #[test]
-#[should_panic(
-    expected = "PREEMPT AND ABORT answered while four of the aborted host's RDMA READs are in flight"
-)]
 fn preempt_and_abort_over_iser_is_answered_only_when_the_aborted_reads_cannot_land() {
     let (mut a, mut hca, mut b) = two_hosts(SessionControl::new());
     a_writes(&mut a, &mut hca);
@@ -214,7 +211,6 @@ fn preempt_and_abort_over_iser_is_answered_only_when_the_aborted_reads_cannot_la
 }
 
 #[test]
-#[should_panic(expected = "answered while the hung host's RDMA READs are in flight")]
 fn a_hung_hosts_transfers_are_cut_off_before_the_preempt_is_answered() {
     let a_control = SessionControl::new();
     let (mut a, mut hca, mut b) = two_hosts(a_control.clone());
@@ -234,7 +230,7 @@ fn a_hung_hosts_transfers_are_cut_off_before_the_preempt_is_answered() {
     }
     assert!(!a_control.is_terminated());
     // Past the cut-off the engine ends A's connection...
-    b.now = start + Duration::from_secs(2);
+    b.now = start + ABORT_CUT_OFF;
     b.conn.handle(b.now, Input::Timeout);
     assert_eq!(
         status_of(&b.drain()),
@@ -260,7 +256,6 @@ fn a_hung_hosts_transfers_are_cut_off_before_the_preempt_is_answered() {
 }
 
 #[test]
-#[should_panic(expected = "ABORT TASK answered while the task's RDMA READ is in flight")]
 fn abort_task_of_a_write_whose_read_is_in_flight_waits_for_it() {
     let (mut a, mut hca, _b) = two_hosts(SessionControl::new());
     let first_write = a.itt + 1;
