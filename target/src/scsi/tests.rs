@@ -1161,3 +1161,25 @@ fn the_vocabulary_imports_nothing_from_the_crate() {
         );
     }
 }
+
+/// accept-empty aborts the writes of the old identity still under way:
+/// none of their data may land on the empty device.
+#[test]
+#[should_panic(expected = "an old-identity write survived accept-empty")]
+fn accept_empty_aborts_the_old_identitys_writes() {
+    let t = target_with(512, Readiness::Ready);
+    let n = nexus(1);
+    t.attach(&n);
+    let n = n.id;
+    let _ = run(&t, n, 0, &[0; 6], &[]);
+    let plan = t
+        .prepare(n, 0, &rw10(0x2a, 0, 1))
+        .expect("a write, under way");
+    t.lu(0).expect("LU").volume().set_not_ready("lost".into());
+    t.accept_empty(0, Identity::generate())
+        .expect("accept-empty");
+    assert!(
+        t.is_aborted(n, &plan),
+        "an old-identity write survived accept-empty"
+    );
+}

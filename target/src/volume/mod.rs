@@ -565,6 +565,66 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir2);
     }
 
+    fn not_ready(v: &Volume) {
+        v.set_not_ready("the test lost its content".into());
+    }
+
+    /// Two accept-empty requests for one NOT READY LUN: the second, queued
+    /// behind the first, finds the LUN READY and must not wipe what was
+    /// written in between.
+    #[test]
+    #[should_panic(expected = "a second accept-empty wiped a READY LUN")]
+    fn a_second_accept_empty_finds_the_lun_ready_and_changes_nothing() {
+        let (dir, v) = persistent_volume("accept-twice");
+        not_ready(&v);
+        v.accept_empty(Identity::generate())
+            .expect("first accept-empty");
+        v.store().write(0, &[0x5a; 4096]).expect("write");
+        v.commit_write(0, 4096).expect("commit");
+        let (identity, _) = v.identity();
+        let second = v.accept_empty(Identity::generate());
+        let mut b = [0u8; 4096];
+        v.store().read(0, &mut b).expect("read");
+        let _ = std::fs::remove_dir_all(dir);
+        assert!(
+            second.is_err() && b == [0x5a; 4096] && v.identity().0 == identity,
+            "a second accept-empty wiped a READY LUN"
+        );
+    }
+
+    /// The empty device is READY only once its empty image is durable: if
+    /// that image cannot be written, the LUN stays NOT READY and says why.
+    #[test]
+    #[should_panic(expected = "READY without a durable empty image")]
+    fn accept_empty_is_ready_only_once_its_empty_image_is_durable() {
+        let (dir, v) = persistent_volume("accept-no-image");
+        not_ready(&v);
+        let images = v.persistence().expect("p").image_dir.clone();
+        std::fs::remove_dir_all(&images).expect("remove the image directory");
+        std::fs::write(&images, b"not a directory").expect("block it");
+        let r = v.accept_empty(Identity::generate());
+        let ready = v.is_ready();
+        let _ = std::fs::remove_dir_all(dir);
+        assert!(r.is_err(), "the failed image is reported");
+        assert!(!ready, "READY without a durable empty image");
+    }
+
+    /// A dump of a volume still serving writes cannot be the clean image:
+    /// a write landing meanwhile in a chunk the dump already passed would
+    /// be lost at the next start, under the same identity.
+    #[test]
+    #[should_panic(expected = "an unfenced dump marked the generation clean")]
+    fn only_a_fenced_volume_is_marked_clean() {
+        let (dir, v) = persistent_volume("unfenced-dump");
+        v.store().write(0, &[1; 4096]).expect("write");
+        v.commit_write(0, 4096).expect("commit");
+        let _ = v.dump(false);
+        let g = v.generation();
+        let clean = v.persistence().expect("p").state().is_clean("iqn.t", 0, g);
+        let _ = std::fs::remove_dir_all(dir);
+        assert!(!clean, "an unfenced dump marked the generation clean");
+    }
+
     #[test]
     fn a_dump_restores_and_a_clean_unchanged_volume_is_not_dumped_again() {
         let (dir, v) = persistent_volume("dump");
