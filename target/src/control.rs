@@ -364,6 +364,14 @@ async fn serve_client(stream: UnixStream, control: Arc<Control>) {
             .and_then(|l| serde_json::from_str::<Request>(l.trim_end()).map_err(|e| e.to_string()))
         {
             Ok(Request::Stop) => control.stop().await,
+            // accept-empty zeroes the LUN, waits for the old identity's
+            // transfers and writes an image: not on an async worker.
+            Ok(req @ Request::AcceptEmpty { .. }) => {
+                let control = control.clone();
+                tokio::task::spawn_blocking(move || control.handle(req))
+                    .await
+                    .unwrap_or_else(|e| Reply::Error(format!("accept-empty failed: {e}")))
+            }
             Ok(req) => control.handle(req),
             Err(e) => Reply::Error(format!("bad request: {e}")),
         };

@@ -107,7 +107,7 @@ fn recall(
             // ends before any write must not leave it NOT READY, and an
             // image directory the daemon cannot write fails the start
             // instead of the first dump.
-            volume.dump(false)?;
+            volume.write_empty_image()?;
             return Ok(volume);
         }
         Recall::Known {

@@ -353,6 +353,19 @@ impl LogicalUnit {
         by: NexusId,
         which: impl Fn(NexusId, &NexusEntry) -> bool,
     ) {
+        let aborted = self.abort_tasks_of(st, which);
+        if let Some(me) = st.nexuses.get_mut(&by) {
+            me.aborted_by_it.extend(aborted);
+        }
+    }
+
+    /// Abort the tasks of the nexuses `which` selects; returns their
+    /// transfers, which an answer to the abort must wait for.
+    fn abort_tasks_of(
+        &self,
+        st: &mut LuState,
+        which: impl Fn(NexusId, &NexusEntry) -> bool,
+    ) -> Vec<Arc<Transfers>> {
         let epoch = self.abort_epoch.load(Ordering::SeqCst) + 1;
         let mut aborted = Vec::new();
         for (id, entry) in st.nexuses.iter_mut() {
@@ -365,10 +378,8 @@ impl LogicalUnit {
             // SeqCst: a placement that raised its count before this store is
             // waited for; one that raises it after sees the abort.
             self.abort_epoch.store(epoch, Ordering::SeqCst);
-            if let Some(me) = st.nexuses.get_mut(&by) {
-                me.aborted_by_it.extend(aborted);
-            }
         }
+        aborted
     }
 
     fn refresh(&self, st: &LuState) {
@@ -530,16 +541,34 @@ impl ScsiTarget {
     /// The admin accepted that `lun` lost its content: give it `new`
     /// identity (durably, where the volume persists), make it ready, and
     /// tell every session that inquiry data and the LUN inventory changed.
+    ///
+    /// The old identity's tasks are aborted first, and their transfers
+    /// waited for (see [`Transfers::wait_settled`]): none of their data may
+    /// land on the empty device. Blocking: call it off the async workers.
     pub fn accept_empty(&self, lun: u64, new: Identity) -> Result<(), String> {
         let Some(lu) = self.lu(lun) else {
             return Err(format!("no LUN {lun}"));
         };
-        let mut st = lu.lock();
-        lu.volume.accept_empty(new)?;
-        st.raise_all(sense::ua::INQUIRY_DATA_CHANGED);
-        st.raise_all(sense::ua::REPORTED_LUNS_CHANGED);
-        lu.refresh(&st);
-        Ok(())
+        if lu.volume.is_ready() {
+            return Err(format!(
+                "LUN {lun} is READY: its content is intact, nothing changed"
+            ));
+        }
+        let aborted = {
+            let mut st = lu.lock();
+            lu.abort_tasks_of(&mut st, |_, _| true)
+        };
+        if !Transfers::wait_settled(&aborted) {
+            return Err(format!(
+                "LUN {lun}: writes of the old identity are still in flight and their connections did not end; nothing changed, try again"
+            ));
+        }
+        lu.volume.accept_empty(new, || {
+            let mut st = lu.lock();
+            st.raise_all(sense::ua::INQUIRY_DATA_CHANGED);
+            st.raise_all(sense::ua::REPORTED_LUNS_CHANGED);
+            lu.refresh(&st);
+        })
     }
 
     pub fn identity(&self, lun: u64) -> Option<(Identity, Readiness)> {

@@ -1027,6 +1027,7 @@ fn ua_queue_and_detach() {
     let (t, a) = setup(512);
     // A reset supersedes queued UAs and they stay bounded.
     for _ in 0..40 {
+        t.lu(0).expect("LU").volume().set_not_ready("lost".into());
         t.accept_empty(0, Identity::generate())
             .expect("accept-empty");
     }
@@ -1165,7 +1166,6 @@ fn the_vocabulary_imports_nothing_from_the_crate() {
 /// accept-empty aborts the writes of the old identity still under way:
 /// none of their data may land on the empty device.
 #[test]
-#[should_panic(expected = "an old-identity write survived accept-empty")]
 fn accept_empty_aborts_the_old_identitys_writes() {
     let t = target_with(512, Readiness::Ready);
     let n = nexus(1);

@@ -61,6 +61,35 @@ impl Transfers {
         self.connection.terminate();
     }
 
+    /// Wait, blocking, until every one of `all` is settled: cut off the
+    /// connections of those not settled within the abort cut-off, then
+    /// wait for them to be released. False if they still are not after
+    /// [`Transfers::GIVE_UP`] (nothing may then be done that assumes they
+    /// ended).
+    pub fn wait_settled(all: &[Arc<Transfers>]) -> bool {
+        let start = std::time::Instant::now();
+        let mut cut = false;
+        while !all.iter().all(|t| t.settled()) {
+            let waited = start.elapsed();
+            if waited >= Transfers::GIVE_UP {
+                return false;
+            }
+            if !cut && waited >= Transfers::CUT_OFF {
+                cut = true;
+                for t in all.iter().filter(|t| !t.settled()) {
+                    t.cut_off();
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        true
+    }
+
+    /// How long transfers may take before their connection is cut off.
+    pub const CUT_OFF: std::time::Duration = std::time::Duration::from_secs(2);
+    /// How long a blocking wait goes on after that.
+    pub const GIVE_UP: std::time::Duration = std::time::Duration::from_secs(12);
+
     pub fn in_flight(&self) -> u64 {
         self.in_flight.load(Ordering::SeqCst)
     }

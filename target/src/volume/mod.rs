@@ -169,6 +169,9 @@ pub struct Volume {
     ready: AtomicBool,
     meta: Mutex<Meta>,
     persistence: Option<Arc<Persistence>>,
+    /// One image write of this volume at a time (a dump, accept-empty's
+    /// empty image): two would share one temporary file.
+    imaging: Mutex<()>,
 }
 
 impl std::fmt::Debug for Volume {
@@ -209,6 +212,7 @@ impl Volume {
                 generation,
             }),
             persistence,
+            imaging: Mutex::new(()),
         }
     }
 
@@ -360,17 +364,30 @@ impl Volume {
         self.fenced.store(true, Ordering::SeqCst);
     }
 
-    /// Write this volume's image of its current generation and mark it
-    /// clean, unless nothing changed since a clean image that is still
-    /// there. A NOT READY volume is never imaged. With `verify`, the image
-    /// is read back and checked before it counts (used when connections
-    /// outlived the shutdown drain and could still be placing data).
-    /// Returns what it did, for the log and `ramslog-target stop`.
+    fn imaging(&self) -> MutexGuard<'_, ()> {
+        self.imaging.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Shutdown: write this fenced volume's image of its current generation
+    /// and mark it clean, unless nothing changed since a clean image that is
+    /// still there. A NOT READY volume is never imaged, and neither is one
+    /// that is not fenced: while it still acknowledges writes, one could
+    /// land in a chunk the dump already passed, and a clean mark would then
+    /// bring the image back without it. With `verify`, the image is read
+    /// back and checked before it counts (used when connections outlived
+    /// the shutdown drain and could still be placing data). Returns what it
+    /// did, for the log and `ramslog-target stop`.
     pub fn dump(&self, verify: bool) -> Result<String, String> {
         let (target, lun) = (self.target.as_str(), self.lun);
         let Some(p) = &self.persistence else {
             return Ok(format!("{target} LUN {lun}: ephemeral, nothing kept"));
         };
+        let _imaging = self.imaging();
+        if !self.fenced.load(Ordering::SeqCst) {
+            return Err(format!(
+                "{target} LUN {lun}: not imaged: it still acknowledges writes (only a fenced volume is dumped)"
+            ));
+        }
         // One snapshot: after the fence neither generation nor identity
         // changes (open_generation and accept_empty check the fence under
         // this lock).
@@ -397,6 +414,54 @@ impl Volume {
             tracing::info!("{msg}");
             return Ok(msg);
         }
+        let msg = self.write_image(p, identity, generation, verify)?;
+        // The image is current and the volume fenced: the next run's first
+        // write must start a new generation before it is acknowledged.
+        self.dirty.store(false, Ordering::SeqCst);
+        self.generation_open.store(false, Ordering::SeqCst);
+        Ok(msg)
+    }
+
+    /// The image of a volume nothing was written to yet (a new LUN before it
+    /// serves, accept-empty's empty device before it is READY): written and
+    /// marked clean, so a start that ends before any write brings it back
+    /// READY and empty, which it is.
+    pub fn write_empty_image(&self) -> Result<String, String> {
+        let (target, lun) = (self.target.as_str(), self.lun);
+        let Some(p) = &self.persistence else {
+            return Ok(format!("{target} LUN {lun}: ephemeral, nothing kept"));
+        };
+        let _imaging = self.imaging();
+        self.empty_image(p)
+    }
+
+    fn empty_image(&self, p: &Persistence) -> Result<String, String> {
+        let (target, lun) = (self.target.as_str(), self.lun);
+        if self.written.count() > 0
+            || self.dirty.load(Ordering::SeqCst)
+            || self.generation_open.load(Ordering::SeqCst)
+        {
+            return Err(format!(
+                "{target} LUN {lun}: not an empty image: the volume was written to"
+            ));
+        }
+        let (identity, generation) = {
+            let m = self.meta();
+            (m.identity.clone(), m.generation)
+        };
+        self.write_image(p, identity, generation, false)
+    }
+
+    /// Write the image of `identity` at `generation` and record it clean.
+    /// The caller holds `imaging`.
+    fn write_image(
+        &self,
+        p: &Persistence,
+        identity: Identity,
+        generation: u64,
+        verify: bool,
+    ) -> Result<String, String> {
+        let (target, lun) = (self.target.as_str(), self.lun);
         image::remove_images(&p.image_dir, &identity.naa, None).map_err(|e| {
             format!("{target} LUN {lun}: dump failed: cannot remove stale images: {e}; generation {generation} stays unclean (the content is lost at exit)")
         })?;
@@ -438,10 +503,6 @@ impl Volume {
         p.state().mark_clean(target, lun, generation).map_err(|e| {
             format!("{target} LUN {lun}: image written but the state could not record it: {e}")
         })?;
-        // The image is current now: the next write, if any, must start a
-        // new generation before it is acknowledged.
-        self.dirty.store(false, Ordering::SeqCst);
-        self.generation_open.store(false, Ordering::SeqCst);
         let msg = format!(
             "{target} LUN {lun}: generation {generation} dumped to {}: {} chunks, {} bytes in {:.2} s ({:.0} MiB/s{})",
             r.path.display(),
@@ -456,37 +517,64 @@ impl Volume {
     }
 
     /// The admin accepted an empty device: a fresh identity and generation,
-    /// zeroed memory, the old identity's images deleted.
-    pub fn accept_empty(&self, new: Identity) -> Result<(), String> {
-        let mut m = self.meta();
-        if self.fenced.load(Ordering::SeqCst) {
-            return Err("the target is shutting down; accept-empty after it starts again".into());
-        }
-        let old = m.identity.clone();
-        if let Some(p) = &self.persistence {
-            let g = p
-                .state()
-                .set(&self.target, self.lun, &new)
-                .map_err(|e| format!("identity not changed: {e}"))?;
-            m.generation = g;
-            if let Err(e) = image::remove_images(&p.image_dir, &old.naa, None) {
-                tracing::warn!(target = %self.target, lun = self.lun, "cannot remove the old identity's images: {e}");
+    /// zeroed memory, the old identity's images deleted. In this order: the
+    /// new identity durable in the state directory, the memory zeroed,
+    /// `announce` (the caller queues its unit attentions), the empty image
+    /// durable, and only then READY. A LUN that is READY already (another
+    /// accept-empty got there first) is refused under the same lock that
+    /// serializes the two, and a failed image leaves it NOT READY, saying
+    /// why. The caller has aborted the old identity's writes.
+    pub fn accept_empty(&self, new: Identity, announce: impl FnOnce()) -> Result<(), String> {
+        let _imaging = self.imaging();
+        let (target, lun) = (self.target.as_str(), self.lun);
+        {
+            let mut m = self.meta();
+            if self.fenced.load(Ordering::SeqCst) {
+                return Err(
+                    "the target is shutting down; accept-empty after it starts again".into(),
+                );
             }
+            if m.readiness == Readiness::Ready {
+                return Err(format!(
+                    "{target} LUN {lun} is READY (another accept-empty ran first, or its content is intact): nothing changed"
+                ));
+            }
+            let old = m.identity.clone();
+            if let Some(p) = &self.persistence {
+                let g = p
+                    .state()
+                    .set(&self.target, self.lun, &new)
+                    .map_err(|e| format!("identity not changed: {e}"))?;
+                m.generation = g;
+                if let Err(e) = image::remove_images(&p.image_dir, &old.naa, None) {
+                    tracing::warn!(target = %self.target, lun = self.lun, "cannot remove the old identity's images: {e}");
+                }
+            }
+            m.identity = new;
+            m.restored = None;
+            m.not_ready_reason = Some("accept-empty is writing the empty image".into());
         }
         // Whatever a failed restore left behind goes.
         let _ = self.store.zero(0, self.store.len() as usize);
         self.written.clear();
         self.dirty.store(false, Ordering::SeqCst);
         self.generation_open.store(false, Ordering::SeqCst);
-        m.identity = new;
+        announce();
+        if let Some(p) = &self.persistence {
+            if let Err(e) = self.empty_image(p) {
+                let reason = format!(
+                    "accept-empty gave it a new identity but could not write its empty image ({e}); run accept-empty again"
+                );
+                tracing::error!(target, lun, "{reason}");
+                self.meta().not_ready_reason = Some(reason.clone());
+                return Err(reason);
+            }
+        }
+        let mut m = self.meta();
         m.readiness = Readiness::Ready;
         m.not_ready_reason = None;
-        m.restored = None;
         self.ready.store(true, Ordering::Release);
-        drop(m);
-        // The empty device has an image at once: a crash before its first
-        // write brings it back READY and empty, which it is.
-        self.dump(false).map(|_| ())
+        Ok(())
     }
 
     pub fn persistence(&self) -> Option<&Arc<Persistence>> {
@@ -558,7 +646,7 @@ mod tests {
         assert_eq!(fenced.commit_write(0, 512), Err(SenseReason::Fenced));
         assert_eq!(state_generation(&fenced), 1, "a fenced write must not bump");
         assert!(
-            fenced.accept_empty(Identity::generate()).is_err(),
+            fenced.accept_empty(Identity::generate(), || {}).is_err(),
             "no accept-empty once fenced"
         );
         let _ = std::fs::remove_dir_all(dir);
@@ -573,16 +661,15 @@ mod tests {
     /// behind the first, finds the LUN READY and must not wipe what was
     /// written in between.
     #[test]
-    #[should_panic(expected = "a second accept-empty wiped a READY LUN")]
     fn a_second_accept_empty_finds_the_lun_ready_and_changes_nothing() {
         let (dir, v) = persistent_volume("accept-twice");
         not_ready(&v);
-        v.accept_empty(Identity::generate())
+        v.accept_empty(Identity::generate(), || {})
             .expect("first accept-empty");
         v.store().write(0, &[0x5a; 4096]).expect("write");
         v.commit_write(0, 4096).expect("commit");
         let (identity, _) = v.identity();
-        let second = v.accept_empty(Identity::generate());
+        let second = v.accept_empty(Identity::generate(), || {});
         let mut b = [0u8; 4096];
         v.store().read(0, &mut b).expect("read");
         let _ = std::fs::remove_dir_all(dir);
@@ -595,14 +682,13 @@ mod tests {
     /// The empty device is READY only once its empty image is durable: if
     /// that image cannot be written, the LUN stays NOT READY and says why.
     #[test]
-    #[should_panic(expected = "READY without a durable empty image")]
     fn accept_empty_is_ready_only_once_its_empty_image_is_durable() {
         let (dir, v) = persistent_volume("accept-no-image");
         not_ready(&v);
         let images = v.persistence().expect("p").image_dir.clone();
         std::fs::remove_dir_all(&images).expect("remove the image directory");
         std::fs::write(&images, b"not a directory").expect("block it");
-        let r = v.accept_empty(Identity::generate());
+        let r = v.accept_empty(Identity::generate(), || {});
         let ready = v.is_ready();
         let _ = std::fs::remove_dir_all(dir);
         assert!(r.is_err(), "the failed image is reported");
@@ -613,7 +699,6 @@ mod tests {
     /// a write landing meanwhile in a chunk the dump already passed would
     /// be lost at the next start, under the same identity.
     #[test]
-    #[should_panic(expected = "an unfenced dump marked the generation clean")]
     fn only_a_fenced_volume_is_marked_clean() {
         let (dir, v) = persistent_volume("unfenced-dump");
         v.store().write(0, &[1; 4096]).expect("write");
@@ -630,6 +715,7 @@ mod tests {
         let (dir, v) = persistent_volume("dump");
         v.store().write(1 << 20, &[0xab; 4096]).expect("write");
         v.commit_write(1 << 20, 4096).expect("commit");
+        v.fence();
         let said = v.dump(true).expect("dump");
         assert!(said.contains("1 chunks"), "{said}");
         let generation = v.generation();
@@ -661,9 +747,9 @@ mod tests {
             v.dump(false).expect("dump").contains("dumped to"),
             "a missing image is written again"
         );
-        // After a clean image, the next write starts a new generation.
-        v.commit_write(0, 512).expect("commit");
-        assert_eq!(state_generation(&v), generation + 1);
+        // Fenced: nothing more is acknowledged, and the image stays current.
+        assert_eq!(v.commit_write(0, 512), Err(SenseReason::Fenced));
+        assert_eq!(state_generation(&v), generation);
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -9,7 +9,7 @@
 use super::*;
 
 /// How long aborted transfers may take before their connection is cut off.
-pub const ABORT_CUT_OFF: Duration = Duration::from_secs(2);
+pub const ABORT_CUT_OFF: Duration = Transfers::CUT_OFF;
 /// How often a waiting answer looks again.
 pub(crate) const ABORT_RECHECK: Duration = Duration::from_millis(1);
 
