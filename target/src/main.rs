@@ -206,11 +206,12 @@ async fn status(s: SocketArgs, json: bool) -> Result<(), String> {
             }
             let p = &st.portal;
             out += &format!(
-                "connections: {} TCP, {} iSER; staging {} bytes; locked memory {} bytes, resident {} bytes\n",
+                "connections: {} TCP, {} iSER; staging {} bytes; locked memory {} bytes, pinned for RDMA {} bytes, resident {} bytes\n",
                 p.tcp_connections,
                 p.iser_connections,
                 p.staging_bytes,
                 st.process.locked_bytes,
+                st.process.pinned_bytes,
                 st.process.resident_bytes
             );
             for (why, n) in p.logins_refused.iter().filter(|(_, n)| **n > 0) {

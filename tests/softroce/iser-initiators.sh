@@ -11,11 +11,13 @@
 # connection alone ends and a new session works; one frozen (SIGSTOP),
 # which the target must drop by itself within NOP interval + NOP timeout;
 # and one that floods pings but posts no receives, which the target must
-# stop reading and drop when its sends make no progress. Client and server share one
+# stop reading and drop when its sends make no progress. Then PREEMPT AND ABORT with
+# the preempted host's RDMA READs in flight, and iSER floods that must not keep the
+# allowed initiator out (iser-admission-check). Client and server share one
 # rxe address (rxe cannot connect across its two devices in one namespace).
 #
 # Build first (on the host):
-#   cargo build -j1 -p ramslog-target -p ramslog-tests --bin ramslog-target --bin iser-initiator-check
+#   cargo build -j1 -p ramslog-target -p ramslog-tests --bin ramslog-target --bin iser-initiator-check --bin iser-admission-check
 # Run:  tests/softroce/run tests/softroce/iser-initiators.sh [SECONDS]
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/lib/common.sh"
@@ -160,6 +162,108 @@ if [ "$fail" = 0 ]; then
   kill -9 "$SUBJECT" 2>/dev/null; wait "$SUBJECT" 2>/dev/null || true
   kill -0 "$STALL_PID" 2>/dev/null || { echo "the second target died"; fail=1; }
   stop_pid "$STALL_PID"
+fi
+
+ADMISSION=${ISER_ADMISSION_BIN:-$(pick_bin iser-admission-check)} ||
+  { echo "build the check first: cargo build -p ramslog-tests --bin iser-admission-check"; exit 1; }
+
+if [ "$fail" = 0 ]; then
+  # Host A (illumos profile: 4 RDMA READ credits, so the target holds READs
+  # beyond them) reserves and has 32 writes of 0xAA in flight; host B
+  # PREEMPT AND ABORTs it, writes 0xBB over the region and must read back
+  # 0xBB everywhere: nothing of A's may land after the preempt is answered.
+  step "PREEMPT AND ABORT with the preempted host's RDMA READs in flight"
+  if timeout 300 "$ADMISSION" preempt --target "$RXE_ADDR_A:3260" --iqn "$IQN" \
+    --a iqn.2026-11.org.ramslog:check-illumos --b iqn.2026-11.org.ramslog:check-linux; then
+    :
+  else
+    echo "iser-admission-check preempt FAILED"; fail=1
+  fi
+  grep -E "aborted transfers|preempt|abort" "$LOG" | tail -3 || true
+fi
+
+# iSER floods: discovery sessions from three more addresses of the rxe
+# netdev, 16 per address, answering pings and reconnecting at once when
+# ended, against a target with short NOP and discovery lifetimes; the
+# allowed initiator logs in every second for FLOOD_SECONDS, without CHAP on
+# one target and with CHAP on another, both at once. Locked plus pinned
+# memory, sampled every second from `status --json`, stays within the
+# baseline plus the LUN's registration plus the RDMA pending cap (8) times
+# one connection's receive and send slots, plus the allowed session's own
+# buffers.
+FLOOD_SECONDS=${FLOOD_SECONDS:-60}
+flood_target() { # port log socket [chap args...]
+  local port=$1 log=$2 sock=$3
+  shift 3
+  RUST_LOG=info,ramslog_target::admission=debug target_start "$log" "iSER listening on $RXE_ADDR_A:$port" \
+    --size 64M --listen "$RXE_ADDR_A:$port" --target-name "$IQN" --ephemeral --control-socket "$sock" \
+    --allow iqn.2026-11.org.ramslog:flood-allowed --nop-interval 2 --nop-timeout 2 \
+    --discovery-lifetime 5 --iser-spin 0 "$@"
+}
+# Memory no one may make the daemon pin: mlock'ed (the LUN) plus pinned by
+# RDMA registrations (the LUN once more, and every connection's buffers).
+locked_of() { "$TARGET_BIN" status --json --control-socket "$1" 2>/dev/null |
+  python3 -c 'import json,sys; p=json.load(sys.stdin)["process"]; print(p["locked_bytes"] + p["pinned_bytes"])' 2>/dev/null || echo 0; }
+if [ "$fail" = 0 ]; then
+  step "iSER floods from 3 addresses x 16 for $FLOOD_SECONDS s: the allowed initiator logs in every second"
+  for n in 11 12 13; do ip addr add "10.99.0.$n/24" dev rsl-a; done
+  sleep 1
+  printf 'flood-chap-secret-1' >/tmp/flood-chap
+  chmod 600 /tmp/flood-chap
+  F1=$RESULTS/ramslog-target-iser-flood.log F2=$RESULTS/ramslog-target-iser-flood-chap.log
+  rc=0
+  flood_target 3262 "$F1" /run/ramslog/flood.sock || rc=$?
+  FLOOD_PID=$TARGET_STARTED
+  flood_target 3263 "$F2" /run/ramslog/flood-chap.sock \
+    --chap-user slog-host --chap-secret-file /tmp/flood-chap || rc=$?
+  FLOOD_CHAP_PID=$TARGET_STARTED
+  if [ "$rc" != 0 ]; then echo "the flood targets did not start"; fail=1; else
+    base1=$(locked_of /run/ramslog/flood.sock) base2=$(locked_of /run/ramslog/flood-chap.sock)
+    "$ADMISSION" flood --target "$RXE_ADDR_A:3262" --iqn "$IQN" --name iqn.2026-11.org.ramslog:flood-allowed \
+      --from 10.99.0.11,10.99.0.12,10.99.0.13 --per-source 16 --seconds "$FLOOD_SECONDS" >/tmp/flood1.log 2>&1 &
+    P1=$!
+    "$ADMISSION" flood --target "$RXE_ADDR_A:3263" --iqn "$IQN" --name iqn.2026-11.org.ramslog:flood-allowed \
+      --from 10.99.0.11,10.99.0.12,10.99.0.13 --per-source 16 --seconds "$FLOOD_SECONDS" \
+      --chap slog-host:flood-chap-secret-1 >/tmp/flood2.log 2>&1 &
+    P2=$!
+    max1=0 max2=0
+    while kill -0 "$P1" 2>/dev/null || kill -0 "$P2" 2>/dev/null; do
+      l1=$(locked_of /run/ramslog/flood.sock) l2=$(locked_of /run/ramslog/flood-chap.sock)
+      [ "$l1" -gt "$max1" ] && max1=$l1
+      [ "$l2" -gt "$max2" ] && max2=$l2
+      sleep 1
+    done
+    wait "$P1"; r1=$?
+    wait "$P2"; r2=$?
+    cat /tmp/flood1.log /tmp/flood2.log
+    # Receive 320 x 10 KiB and send 256 x 16 KiB slots per connection; the
+    # allowed session adds its 9 MiB of Data-In and bounce buffers; the
+    # LUN (64 MiB) is registered with the device at the first connection.
+    slots=$(( (320 * 10 + 256 * 16) * 1024 ))
+    bound1=$(( base1 + (64 << 20) + (8 + 1) * slots + (9 << 20) ))
+    bound2=$(( base2 + (64 << 20) + (8 + 1) * slots + (9 << 20) ))
+    echo "locked + pinned memory: no CHAP peak $max1 (baseline $base1, bound $bound1); CHAP peak $max2 (baseline $base2, bound $bound2)"
+    [ "$r1" = 0 ] && [ "$r2" = 0 ] || { echo "an iSER flood kept the allowed initiator out"; fail=1; }
+    # An expected failure, not yet fixed (Trust 3a): an evicted iSER
+    # connection leaves the pending pool at once but keeps its receive and
+    # send rings pinned until its thread has torn it down, and under
+    # emulation new connections arrive faster than that, so the peak
+    # overshoots the bound. This expectation may only be removed, never
+    # added to: when the bound holds, the run fails until it is removed.
+    PINNED_BOUND_EXPECTED_TO_FAIL=1
+    if [ "$max1" -le "$bound1" ] && [ "$max2" -le "$bound2" ]; then
+      if [ "$PINNED_BOUND_EXPECTED_TO_FAIL" = 1 ]; then
+        echo "pinned memory stayed within the bound: unexpectedly passed, remove PINNED_BOUND_EXPECTED_TO_FAIL"; fail=1
+      fi
+    elif [ "$PINNED_BOUND_EXPECTED_TO_FAIL" = 1 ]; then
+      echo "expected failure: pinned memory grew past the RDMA pending cap (evicted connections' rings are pinned until torn down)"
+    else
+      echo "pinned memory grew past the RDMA pending cap"; fail=1
+    fi
+    grep -c "evicted the oldest" "$F1" "$F2" || true
+  fi
+  stop_pid "$FLOOD_PID"
+  stop_pid "$FLOOD_CHAP_PID"
 fi
 
 step "target log (iSER lines)"

@@ -167,6 +167,9 @@ pub struct IserOptions {
     /// (the CM connect parameter; 7 means for ever). `None`: the profile's
     /// value (Linux 6, illumos 2).
     pub rnr_retry: Option<u8>,
+    /// Connect from this local address (a test playing several hosts);
+    /// `None`: the one the route gives.
+    pub source: Option<std::net::IpAddr>,
 }
 
 impl IserOptions {
@@ -179,6 +182,7 @@ impl IserOptions {
             timeout: Duration::from_secs(30),
             idle_ping: Some(Duration::from_secs(5)),
             rnr_retry: None,
+            source: None,
         }
     }
 }

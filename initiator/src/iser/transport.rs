@@ -45,7 +45,8 @@ impl Rdma {
         let events = EventChannel::new()?;
         events.set_nonblocking(true)?;
         let mut id = CmId::new(&events)?;
-        id.resolve_addr(None, addr, RESOLVE_TIMEOUT_MS)?;
+        let source = opts.source.map(|ip| SocketAddr::new(ip, 0));
+        id.resolve_addr(source, addr, RESOLVE_TIMEOUT_MS)?;
         events.wait_for(CmEventKind::AddrResolved, deadline)?;
         id.resolve_route(RESOLVE_TIMEOUT_MS)?;
         events.wait_for(CmEventKind::RouteResolved, deadline)?;

@@ -249,8 +249,19 @@ struct Member {
     pool: Option<Pool>,
     /// It sent a first PDU: a login under way goes after the silent ones.
     heard_from: bool,
+    /// When it was admitted, then when its driver took it up (`watch`): a
+    /// connection gets `SILENCE_GRACE` from then to send its first PDU
+    /// before its silence counts against it.
+    since: Instant,
     control: Option<Arc<SessionControl>>,
 }
+
+/// How long a connection may be silent, once its driver took it up, before
+/// eviction prefers it: an RDMA connection is admitted at its connect
+/// request and can send nothing before its queue pair is created, its
+/// buffers registered and the connection accepted (seconds under emulation
+/// and a flood), and a TCP one may wait for a busy worker.
+const SILENCE_GRACE: Duration = Duration::from_secs(2);
 
 /// How often each source connected lately: its connects in this second
 /// and the one before. A flood reconnects many times a second; a host that
@@ -325,7 +336,7 @@ struct GateState {
 
 impl GateState {
     /// Take a member of `pool` (and `link`, when given) out of the pool and
-    /// end it: one that never sent a PDU before one whose login is under
+    /// end it: one silent past its grace before one whose login is under
     /// way, then from the source that reconnects the most, then from the
     /// one that holds the most, then the oldest.
     fn evict_oldest(&mut self, pool: Pool, link: Option<Link>) -> bool {
@@ -338,7 +349,11 @@ impl GateState {
             .filter(|(_, m)| m.pool == Some(pool) && link.is_none_or(|l| m.link == l))
             .max_by_key(|(n, m)| {
                 (
-                    !m.heard_from,
+                    // Silent: taken up by its driver, given its grace, and
+                    // still nothing said.
+                    !m.heard_from
+                        && m.control.is_some()
+                        && now.saturating_duration_since(m.since) >= SILENCE_GRACE,
                     churn.score(m.source, now),
                     counts.of_source(m.source),
                     std::cmp::Reverse(**n),
@@ -348,10 +363,21 @@ impl GateState {
         let Some(number) = victim else {
             return false;
         };
+        let churn_of_victim = self
+            .members
+            .get(&number)
+            .map_or(0, |m| self.churn.score(m.source, now));
         let Some(m) = self.members.get_mut(&number) else {
             return false;
         };
         m.pool = None;
+        tracing::debug!(
+            source = %m.source,
+            heard_from = m.heard_from,
+            age_ms = now.saturating_duration_since(m.since).as_millis() as u64,
+            churn = churn_of_victim,
+            "evicted"
+        );
         let (source, link) = (m.source, m.link);
         let control = m.control.clone();
         self.pools[pool as usize].remove(source, link);
@@ -502,6 +528,7 @@ impl ConnectionGate {
                 link,
                 pool: Some(Pool::Pending),
                 heard_from: false,
+                since: Instant::now(),
                 control: None,
             },
         );
@@ -653,6 +680,9 @@ impl Permit {
             match st.members.get_mut(&self.number) {
                 Some(m) => {
                     m.control = Some(control.clone());
+                    // The peer can speak from now on (an RDMA connection only
+                    // once accepted): its silence is counted from here.
+                    m.since = Instant::now();
                     closed || m.pool.is_none()
                 }
                 None => true,

@@ -220,6 +220,8 @@ fn a_login_under_way_is_evicted_after_the_silent_connections() {
         .into_iter()
         .map(|from| connect(&gate, from, Link::Tcp))
         .collect();
+    // Silence counts once a connection had its grace to speak.
+    std::thread::sleep(SILENCE_GRACE);
     let _newcomers: Vec<_> = ["198.51.100.1", "198.51.100.2", "198.51.100.3"]
         .into_iter()
         .map(|from| connect(&gate, from, Link::Tcp))
@@ -262,4 +264,39 @@ fn an_rdma_discovery_session_stays_within_the_rdma_pending_cap() {
     // Two RDMA connections pin slots; the third makes one of them go.
     let (_n, _) = connect(&gate, "192.0.2.3", Link::Rdma);
     assert!(discovery.is_terminated(), "it counted as pending");
+}
+
+#[test]
+fn a_new_login_survives_a_reconnecting_rdma_discovery_flood() {
+    let gate = Arc::new(ConnectionGate::new(ConnectionLimits::default()));
+    let sources = ["10.99.0.11", "10.99.0.12", "10.99.0.13"];
+    let mut held = Vec::new();
+    // The flood: discovery sessions that are evicted and come back at once.
+    for round in 0..40 {
+        let from = sources[round % 3];
+        if let Ok(permit) = gate.admit(ip(from), Link::Rdma) {
+            let control = SessionControl::new();
+            permit.watch(control.clone());
+            gate.heard_from(&control);
+            let _ = gate.logged_in(&control, LoggedIn::Discovery);
+            held.push((permit, control));
+        }
+        held.retain(|(_, c)| !c.is_terminated());
+    }
+    let (_legit, legit) = connect(&gate, "10.99.0.1", Link::Rdma);
+    for round in 0..40 {
+        let from = sources[round % 3];
+        if let Ok(permit) = gate.admit(ip(from), Link::Rdma) {
+            let control = SessionControl::new();
+            permit.watch(control.clone());
+            gate.heard_from(&control);
+            let _ = gate.logged_in(&control, LoggedIn::Discovery);
+            held.push((permit, control));
+        }
+        held.retain(|(_, c)| !c.is_terminated());
+    }
+    assert!(
+        !legit.is_terminated(),
+        "the new login was evicted by the flood"
+    );
 }

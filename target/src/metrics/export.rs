@@ -271,8 +271,14 @@ impl Collector for PortalCollector {
         plain_gauge(
             e,
             "ramslog_process_locked_memory_bytes",
-            "Locked (pinned) memory of the daemon: LUN memory and registered buffers",
+            "Locked (mlock) memory of the daemon: the LUN memory",
             mem.locked_bytes as f64,
+        )?;
+        plain_gauge(
+            e,
+            "ramslog_process_pinned_memory_bytes",
+            "Memory pinned by RDMA registrations: each LUN once per RDMA device, and every iSER connection's buffers",
+            mem.pinned_bytes as f64,
         )?;
         plain_gauge(
             e,

@@ -508,12 +508,17 @@ impl PortalCounters {
 /// The process's memory as the kernel counts it.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub struct ProcessMemory {
+    /// mlock'ed (VmLck): the LUN memory.
     pub locked_bytes: u64,
+    /// Pinned by RDMA registrations (VmPin): each LUN once per RDMA device
+    /// and every iSER connection's buffers. The LUN's pages count in both.
+    #[serde(default)]
+    pub pinned_bytes: u64,
     pub resident_bytes: u64,
 }
 
 impl ProcessMemory {
-    /// From `/proc/self/status` (VmLck, VmRSS); zeros where unreadable.
+    /// From `/proc/self/status` (VmLck, VmPin, VmRSS); zeros where unreadable.
     pub fn now() -> ProcessMemory {
         let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
         let kib = |field: &str| {
@@ -525,6 +530,7 @@ impl ProcessMemory {
         };
         ProcessMemory {
             locked_bytes: kib("VmLck:"),
+            pinned_bytes: kib("VmPin:"),
             resident_bytes: kib("VmRSS:"),
         }
     }
