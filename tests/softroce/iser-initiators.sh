@@ -189,8 +189,7 @@ fi
 # one target and with CHAP on another, both at once. Locked plus pinned
 # memory, sampled every second from `status --json`, stays within the
 # baseline plus the LUN's registration plus the RDMA pending cap (8) times
-# one connection's receive and send slots, plus the allowed session's own
-# buffers.
+# one connection's login slots, plus the allowed session's own buffers.
 FLOOD_SECONDS=${FLOOD_SECONDS:-60}
 flood_target() { # port log socket [chap args...]
   local port=$1 log=$2 sock=$3
@@ -236,30 +235,23 @@ if [ "$fail" = 0 ]; then
     wait "$P1"; r1=$?
     wait "$P2"; r2=$?
     cat /tmp/flood1.log /tmp/flood2.log
-    # Receive 320 x 10 KiB and send 256 x 16 KiB slots per connection; the
-    # allowed session adds its 9 MiB of Data-In and bounce buffers; the
-    # LUN (64 MiB) is registered with the device at the first connection.
-    slots=$(( (320 * 10 + 256 * 16) * 1024 ))
-    bound1=$(( base1 + (64 << 20) + (8 + 1) * slots + (9 << 20) ))
-    bound2=$(( base2 + (64 << 20) + (8 + 1) * slots + (9 << 20) ))
+    # A connection nobody admitted pins its login slots alone: 8 receives
+    # of 10 KiB and 4 sends of 16 KiB; at most the RDMA pending cap (8) of
+    # them at once, counting evicted ones still tearing down. The allowed
+    # session adds its full rings (320 x 10 KiB, 256 x 16 KiB) and its
+    # 9 MiB of Data-In and bounce buffers, twice: one login's teardown may
+    # overlap the next. The LUN (64 MiB) is registered with the device at
+    # the first connection.
+    login_slots=$(( (8 * 10 + 4 * 16) * 1024 ))
+    session=$(( login_slots + (320 * 10 + 256 * 16) * 1024 + (9 << 20) ))
+    bound1=$(( base1 + (64 << 20) + 8 * login_slots + 2 * session ))
+    bound2=$(( base2 + (64 << 20) + 8 * login_slots + 2 * session ))
     echo "locked + pinned memory: no CHAP peak $max1 (baseline $base1, bound $bound1); CHAP peak $max2 (baseline $base2, bound $bound2)"
     [ "$r1" = 0 ] && [ "$r2" = 0 ] || { echo "an iSER flood kept the allowed initiator out"; fail=1; }
-    # An expected failure, not yet fixed (Trust 3a): an evicted iSER
-    # connection leaves the pending pool at once but keeps its receive and
-    # send rings pinned until its thread has torn it down, and under
-    # emulation new connections arrive faster than that, so the peak
-    # overshoots the bound. This expectation may only be removed, never
-    # added to: when the bound holds, the run fails until it is removed.
-    PINNED_BOUND_EXPECTED_TO_FAIL=1
-    if [ "$max1" -le "$bound1" ] && [ "$max2" -le "$bound2" ]; then
-      if [ "$PINNED_BOUND_EXPECTED_TO_FAIL" = 1 ]; then
-        echo "pinned memory stayed within the bound: unexpectedly passed, remove PINNED_BOUND_EXPECTED_TO_FAIL"; fail=1
-      fi
-    elif [ "$PINNED_BOUND_EXPECTED_TO_FAIL" = 1 ]; then
-      echo "expected failure: pinned memory grew past the RDMA pending cap (evicted connections' rings are pinned until torn down)"
-    else
+    if [ "$max1" -gt "$bound1" ] || [ "$max2" -gt "$bound2" ]; then
       echo "pinned memory grew past the RDMA pending cap"; fail=1
     fi
+    grep -c "iser_login_slots\|hold every login slot" "$F1" "$F2" || true
     grep -c "evicted the oldest" "$F1" "$F2" || true
   fi
   stop_pid "$FLOOD_PID"

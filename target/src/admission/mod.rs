@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
@@ -168,6 +168,8 @@ pub enum Refusal {
     DiscoveryPerSource(u32),
     #[error("evicted: the oldest of too many connections still logging in, or discovery sessions")]
     Evicted,
+    #[error("{0} iSER connections still logging in or closing hold every login slot (the limit)")]
+    IserLoginSlots(u32),
     #[error("the target is shutting down")]
     ShuttingDown,
 }
@@ -180,6 +182,7 @@ impl Refusal {
             Refusal::PendingPerSource(_) => Some(LimitHit::PendingLoginsPerSource),
             Refusal::Iser(_) => Some(LimitHit::IserConnections),
             Refusal::DiscoveryPerSource(_) => Some(LimitHit::DiscoverySessionsPerSource),
+            Refusal::IserLoginSlots(_) => Some(LimitHit::IserLoginSlots),
             Refusal::Evicted | Refusal::ShuttingDown => None,
         }
     }
@@ -254,6 +257,10 @@ struct Member {
     /// before its silence counts against it.
     since: Instant,
     control: Option<Arc<SessionControl>>,
+    /// An RDMA connection allowed to register its login slots
+    /// (`Permit::reserve_login_slots`); it holds them until its permit drops,
+    /// evicted or not.
+    holds_login_slots: bool,
 }
 
 /// How long a connection may be silent, once its driver took it up, before
@@ -335,6 +342,18 @@ struct GateState {
 }
 
 impl GateState {
+    /// RDMA connections that registered login slots and are not (yet)
+    /// admitted: logging in, in a discovery session, or evicted and still
+    /// tearing down. What no one authenticated can make the daemon pin.
+    fn login_slot_holders(&self) -> u32 {
+        self.members
+            .values()
+            .filter(|m| {
+                m.link == Link::Rdma && m.holds_login_slots && m.pool != Some(Pool::Admitted)
+            })
+            .count() as u32
+    }
+
     /// Take a member of `pool` (and `link`, when given) out of the pool and
     /// end it: one silent past its grace before one whose login is under
     /// way, then from the source that reconnects the most, then from the
@@ -423,6 +442,9 @@ impl LogLimiter {
 pub struct ConnectionGate {
     limits: ConnectionLimits,
     state: Mutex<GateState>,
+    /// Signalled when login slots may have come free, or a waiter was
+    /// evicted (see `Permit::reserve_login_slots`).
+    slots_freed: Condvar,
     /// Refusals and evictions are counted here.
     counters: Arc<PortalCounters>,
     log: LogLimiter,
@@ -433,6 +455,7 @@ impl ConnectionGate {
         ConnectionGate {
             limits,
             state: Mutex::new(GateState::default()),
+            slots_freed: Condvar::new(),
             counters: Arc::new(PortalCounters::default()),
             log: LogLimiter {
                 slots: Mutex::new(HashMap::new()),
@@ -457,6 +480,7 @@ impl ConnectionGate {
             Refusal::PendingPerSource(_) => "pending_per_source",
             Refusal::Iser(_) => "iser",
             Refusal::DiscoveryPerSource(_) => "discovery_per_source",
+            Refusal::IserLoginSlots(_) => "iser_login_slots",
             Refusal::Evicted => "evicted",
             Refusal::ShuttingDown => return,
         };
@@ -530,10 +554,13 @@ impl ConnectionGate {
                 heard_from: false,
                 since: Instant::now(),
                 control: None,
+                holds_login_slots: false,
             },
         );
         drop(st);
         if evicted {
+            // The victim may be waiting for login slots: it ends now.
+            self.slots_freed.notify_all();
             self.evicted(Pool::Pending, link);
         }
         Ok(Permit {
@@ -622,6 +649,10 @@ impl ConnectionGate {
             m.pool = Some(target);
         }
         drop(st);
+        if target == Pool::Admitted && link == Link::Rdma {
+            // Its login slots now count as an admitted connection's.
+            self.slots_freed.notify_all();
+        }
         if evicted {
             self.evicted(Pool::Discovery, link);
         }
@@ -639,6 +670,7 @@ impl ConnectionGate {
                 .filter_map(|m| m.control.clone())
                 .collect()
         };
+        self.slots_freed.notify_all();
         for control in &controls {
             control.terminate();
         }
@@ -694,6 +726,52 @@ impl Permit {
     }
 }
 
+impl Permit {
+    /// Before an RDMA connection registers its login slots: wait until
+    /// fewer than the RDMA pending cap of connections that nobody admitted
+    /// hold theirs. An evicted connection keeps its slots pinned until its
+    /// queue pair is torn down, so eviction alone would let a flood that
+    /// reconnects faster than that pin without bound. Waits at most `patience`
+    /// (then refuses), and ends early when this connection is evicted or
+    /// the gate closes. A TCP connection pins nothing and passes at once.
+    pub fn reserve_login_slots(&self, patience: Duration) -> Result<(), Refusal> {
+        let cap = self.gate.limits.pending_rdma;
+        let deadline = Instant::now() + patience;
+        let mut st = self.gate.state();
+        loop {
+            if st.closed {
+                return Err(Refusal::ShuttingDown);
+            }
+            let Some(m) = st.members.get(&self.number) else {
+                return Err(Refusal::Evicted);
+            };
+            if m.pool.is_none() {
+                return Err(Refusal::Evicted);
+            }
+            if m.link != Link::Rdma || m.holds_login_slots {
+                return Ok(());
+            }
+            if st.login_slot_holders() < cap {
+                if let Some(m) = st.members.get_mut(&self.number) {
+                    m.holds_login_slots = true;
+                }
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                drop(st);
+                return Err(self.gate.refused(Refusal::IserLoginSlots(cap)));
+            }
+            st = self
+                .gate
+                .slots_freed
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
 impl Drop for Permit {
     fn drop(&mut self) {
         let mut st = self.gate.state();
@@ -703,6 +781,9 @@ impl Drop for Permit {
             }
             if let Some(control) = m.control {
                 control.release();
+            }
+            if m.holds_login_slots {
+                self.gate.slots_freed.notify_all();
             }
         }
     }

@@ -300,3 +300,67 @@ fn a_new_login_survives_a_reconnecting_rdma_discovery_flood() {
         "the new login was evicted by the flood"
     );
 }
+
+#[test]
+fn evicted_rdma_connections_hold_their_login_slots_until_they_are_gone() {
+    let gate = Arc::new(ConnectionGate::new(limits()));
+    let patience = Duration::from_millis(50);
+    let (a, a_control) = connect(&gate, "192.0.2.1", Link::Rdma);
+    a.reserve_login_slots(patience).expect("room for the first");
+    let (b, _b_control) = connect(&gate, "192.0.2.2", Link::Rdma);
+    b.reserve_login_slots(patience)
+        .expect("room for the second");
+    // The RDMA pending pool (2) is full: the newcomer evicts the oldest,
+    // but that one's slots stay pinned until its permit drops.
+    let (c, _c_control) = connect(&gate, "192.0.2.3", Link::Rdma);
+    assert!(a_control.is_terminated(), "the oldest is evicted");
+    assert_eq!(
+        c.reserve_login_slots(patience),
+        Err(Refusal::IserLoginSlots(2)),
+        "an evicted connection still tearing down counts against the cap"
+    );
+    assert_eq!(gate.counters().limit_hits(LimitHit::IserLoginSlots), 1);
+    // d evicts b. Once a is torn down, the waiting d gets its slots.
+    let (d, d_control) = connect(&gate, "192.0.2.4", Link::Rdma);
+    let waiter = std::thread::spawn(move || {
+        let got = d.reserve_login_slots(Duration::from_secs(10));
+        (got, d)
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    drop(a);
+    let (got, _d) = waiter.join().expect("waiter");
+    assert_eq!(got, Ok(()));
+    // Held: b (evicted, tearing down) and d. Once d is admitted its slots
+    // no longer count as a pending connection's.
+    drop(c);
+    gate.logged_in(&d_control, LoggedIn::Admitted)
+        .expect("admitted");
+    let (e, _e_control) = connect(&gate, "192.0.2.5", Link::Rdma);
+    e.reserve_login_slots(patience)
+        .expect("room once d is admitted");
+    drop(b);
+}
+
+#[test]
+fn a_connection_waiting_for_login_slots_ends_when_evicted() {
+    let gate = Arc::new(ConnectionGate::new(limits()));
+    let (a, _ac) = connect(&gate, "192.0.2.1", Link::Rdma);
+    a.reserve_login_slots(Duration::ZERO).expect("room");
+    let (b, _bc) = connect(&gate, "192.0.2.2", Link::Rdma);
+    b.reserve_login_slots(Duration::ZERO).expect("room");
+    // c evicts a (whose slots stay until it is gone); c waits.
+    let (c, _cc) = connect(&gate, "192.0.2.3", Link::Rdma);
+    let started = Instant::now();
+    let waiter = std::thread::spawn(move || c.reserve_login_slots(Duration::from_secs(10)));
+    std::thread::sleep(Duration::from_millis(20));
+    // d evicts b, the oldest in the pool; e evicts the waiting c, which
+    // gives up at once rather than at the end of its patience.
+    let (_d, _dc) = connect(&gate, "192.0.2.4", Link::Rdma);
+    let (_e, _ec) = connect(&gate, "192.0.2.5", Link::Rdma);
+    assert_eq!(waiter.join().expect("waiter"), Err(Refusal::Evicted));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // A TCP connection pins nothing: it never waits.
+    let (t, _tc) = connect(&gate, "192.0.2.9", Link::Tcp);
+    assert_eq!(t.reserve_login_slots(Duration::ZERO), Ok(()));
+    drop((a, b));
+}

@@ -444,9 +444,12 @@ pub enum LimitHit {
     /// A connection sent no PDU in time, or a discovery session outlived
     /// its lifetime: it was closed.
     IdleLogins = 10,
+    /// iSER connections still logging in, or closing, held every login
+    /// slot for too long: a new one was refused.
+    IserLoginSlots = 11,
 }
 
-const LIMIT_HITS: usize = 11;
+const LIMIT_HITS: usize = 12;
 
 impl LimitHit {
     pub const ALL: [LimitHit; LIMIT_HITS] = [
@@ -461,6 +464,7 @@ impl LimitHit {
         LimitHit::DiscoverySessions,
         LimitHit::DiscoverySessionsPerSource,
         LimitHit::IdleLogins,
+        LimitHit::IserLoginSlots,
     ];
 
     pub fn label(self) -> &'static str {
@@ -476,6 +480,7 @@ impl LimitHit {
             LimitHit::DiscoverySessions => "discovery_sessions",
             LimitHit::DiscoverySessionsPerSource => "discovery_sessions_per_source",
             LimitHit::IdleLogins => "idle_logins",
+            LimitHit::IserLoginSlots => "iser_login_slots",
         }
     }
 }

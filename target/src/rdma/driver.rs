@@ -4,12 +4,12 @@
 
 use super::*;
 
-pub(super) fn recv_wr(recv: &RegisteredBuffer, slot: usize) -> Result<RecvWr, ConnError> {
+pub(super) fn recv_wr(recv: &SlotRing, slot: u32) -> Result<RecvWr, ConnError> {
     let sge = recv
-        .sge(slot * RECV_SLOT_LEN, RECV_SLOT_LEN as u32)
+        .sge(slot, RECV_SLOT_LEN)
         .ok_or_else(|| ConnError::Protocol("receive slot outside its buffer".into()))?;
     Ok(RecvWr {
-        wr_id: WrId::new(wr::RECV, slot as u32),
+        wr_id: WrId::new(wr::RECV, slot),
         sge,
     })
 }
@@ -49,9 +49,11 @@ pub(super) struct Driver<'a> {
     pub(super) id: &'a CmId,
     pub(super) send_cq: &'a CompletionQueue,
     pub(super) recv_cq: &'a CompletionQueue,
-    pub(super) recv: &'a RegisteredBuffer,
+    pub(super) recv: SlotRing,
+    /// Receives in the full ring, posted when the normal session begins.
+    pub(super) full_recv_slots: usize,
     pub(super) pd: &'a Arc<ProtectionDomain>,
-    pub(super) send: RegisteredBuffer,
+    pub(super) send: SlotRing,
     /// Registered after login.
     pub(super) large: Option<LargeBuffers>,
     pub(super) regions: &'a [RdmaRegion],
@@ -115,6 +117,7 @@ impl Driver<'_> {
             if self.conn.poll_timeout().is_some_and(|t| t <= now) {
                 self.conn.handle(now, Input::Timeout);
             }
+            self.begin_normal_session()?;
             if self.drain_actions()? || self.conn.is_closed() {
                 self.closing.get_or_insert(now);
             }
@@ -245,13 +248,19 @@ impl Driver<'_> {
                 if self.closing.is_none() {
                     self.received(now, slot, wc.byte_len as usize)?;
                 }
-                self.reposts[self.n_reposts] = recv_wr(self.recv, slot)?;
-                self.n_reposts += 1;
-                if self.n_reposts == self.reposts.len() {
-                    self.flush_reposts()?;
+                if !self.recv.is_retired(slot as u32) {
+                    self.reposts[self.n_reposts] = recv_wr(&self.recv, slot as u32)?;
+                    self.n_reposts += 1;
+                    if self.n_reposts == self.reposts.len() {
+                        self.flush_reposts()?;
+                    }
                 }
             }
-            wr::SEND => self.free_send.push(slot as u32),
+            wr::SEND => {
+                if !self.send.is_retired(slot as u32) {
+                    self.free_send.push(slot as u32);
+                }
+            }
             wr::DATAIN => self.free_datain.push(slot as u32),
             wr::WRITE_STORE => {}
             wr::READ => {
@@ -316,8 +325,7 @@ impl Driver<'_> {
 
     /// One received message: an iSCSI PDU behind its iSER header, or a Hello.
     fn received(&mut self, now: Instant, slot: usize, len: usize) -> Result<(), ConnError> {
-        let start = slot * RECV_SLOT_LEN;
-        let Some(msg) = self.recv.bytes(start..start + len.min(RECV_SLOT_LEN)) else {
+        let Some(msg) = self.recv.bytes(slot as u32, len) else {
             return Err(ConnError::Protocol(
                 "receive slot outside its buffer".into(),
             ));
@@ -352,19 +360,46 @@ impl Driver<'_> {
                 },
             },
         );
-        if self.conn.is_normal_session() && self.large.is_none() {
-            // Only a normal session moves data: a discovery session or a
-            // peer still logging in pins the receive and send slots alone.
-            self.large = Some(LargeBuffers::new(self.pd)?);
-            self.transfers = self.conn.transfers();
-            if self.conn.iser_peer() == Some(IserPeer::Illumos) {
-                // The connect request looked like Linux but the login did
-                // not: a peer we cannot place gets what illumos can take.
-                self.credits = self
-                    .credits
-                    .min(usize::from(peer::ILLUMOS_RDMA_READ_CREDITS));
-            }
+        Ok(())
+    }
+
+    /// Once the login ends in a normal session (the final login response
+    /// queued, at a PDU or at the end of a reinstatement wait), register
+    /// what only a normal session uses. Called before queued actions are
+    /// posted: the full receive ring is posted before the final login
+    /// response, so the host's first commands find their receives.
+    fn begin_normal_session(&mut self) -> Result<(), ConnError> {
+        if !self.conn.is_normal_session() || self.large.is_some() {
+            return Ok(());
         }
+        // A discovery session or a peer still logging in pins its login
+        // slots alone.
+        self.grow_rings()?;
+        self.large = Some(LargeBuffers::new(self.pd)?);
+        self.transfers = self.conn.transfers();
+        if self.conn.iser_peer() == Some(IserPeer::Illumos) {
+            // The connect request looked like Linux but the login did
+            // not: a peer we cannot place gets what illumos can take.
+            self.credits = self
+                .credits
+                .min(usize::from(peer::ILLUMOS_RDMA_READ_CREDITS));
+        }
+        Ok(())
+    }
+
+    fn grow_rings(&mut self) -> Result<(), ConnError> {
+        if self.recv.is_full() {
+            return Ok(());
+        }
+        let received = self.recv.grow(self.pd, self.full_recv_slots)?;
+        let mut wrs = Vec::with_capacity(received.len());
+        for slot in received {
+            wrs.push(recv_wr(&self.recv, slot)?);
+        }
+        self.id.post_recv(&wrs)?;
+        let sent = self.send.grow(self.pd, SEND_SLOTS)?;
+        // Login slots still in flight retire as they complete.
+        self.free_send = sent.rev().collect();
         Ok(())
     }
 
@@ -374,25 +409,27 @@ impl Driver<'_> {
                 "no send slot for the HelloReply".into(),
             ));
         };
-        let start = slot as usize * SEND_SLOT_LEN;
         let reply = Header::HelloReply {
             reject,
             max_ver: VERSION,
             cur_ver: VERSION,
             ord: self.hello_credits,
         };
+        let slot_buf = self
+            .send
+            .slot_mut(slot)
+            .ok_or_else(|| ConnError::Protocol("send slot outside its buffer".into()))?;
         reply
-            .encode_into(
-                self.send
-                    .bytes_mut(start..start + HEADER_LEN)
-                    .ok_or_else(|| ConnError::Protocol("send slot outside its buffer".into()))?,
-            )
+            .encode_into(&mut slot_buf[..HEADER_LEN])
             .map_err(|e| ConnError::Protocol(e.to_string()))?;
-        self.post(
-            WrId::new(wr::SEND, slot),
-            SendOp::Send,
-            Self::buffer_sge(&self.send, start, HEADER_LEN)?,
-        )
+        let sge = self.send_sge(slot, HEADER_LEN)?;
+        self.post(WrId::new(wr::SEND, slot), SendOp::Send, sge)
+    }
+
+    fn send_sge(&self, slot: u32, len: usize) -> Result<verbs::Sge, ConnError> {
+        self.send
+            .sge(slot, len)
+            .ok_or_else(|| ConnError::Protocol("send slot outside its buffer".into()))
     }
 
     fn buffer_sge(
@@ -462,8 +499,7 @@ impl Driver<'_> {
         let Some(slot) = self.free_send.pop() else {
             return Ok(Posted::Blocked(Action::Send(pdu)));
         };
-        let start = slot as usize * SEND_SLOT_LEN;
-        let Some(slot_buf) = self.send.bytes_mut(start..start + SEND_SLOT_LEN) else {
+        let Some(slot_buf) = self.send.slot_mut(slot) else {
             self.free_send.push(slot);
             return Err(ConnError::Protocol("send slot outside its buffer".into()));
         };
@@ -474,7 +510,7 @@ impl Driver<'_> {
                 return Err(ConnError::Protocol(e));
             }
         };
-        let sge = Self::buffer_sge(&self.send, start, total)?;
+        let sge = self.send_sge(slot, total)?;
         self.post(WrId::new(wr::SEND, slot), SendOp::Send, sge)?;
         if let Some(served) = pdu.served {
             // A fresh reading: the loop's `now` may be rounds old.

@@ -7,9 +7,10 @@
 //! number of empty polls before sleeping on the completion channel), feeds
 //! received PDUs and finished RDMA READs to the engine, and turns the engine's
 //! actions into SENDs, RDMA WRITEs from LUN memory and RDMA READs into it.
-//! Every buffer is allocated and registered at connect time; the I/O path
-//! neither allocates nor locks nor copies payload (immediate data excepted:
-//! it arrives in a receive buffer).
+//! A connection registers a few receive and send slots at connect time and
+//! its full rings and large buffers when its normal session begins (see
+//! `slots`); the I/O path neither allocates nor locks nor copies payload
+//! (immediate data excepted: it arrives in a receive buffer).
 //!
 //! Work requests are posted in the order the engine queued its actions, so an
 //! RDMA WRITE of read data always precedes the SCSI Response that follows it.
@@ -49,10 +50,19 @@ const RECV_SLOT_LEN: usize = 10 * 1024;
 /// Receives posted per connection: the command window plus room for
 /// unsolicited Data-Out, NOP-Outs and task management.
 const RECV_SLOTS: usize = 320;
+/// Receives posted while a connection logs in or holds a discovery session:
+/// one PDU at a time each way, plus the pings and a logout.
+const LOGIN_RECV_SLOTS: usize = 8;
 /// The illumos initiator receives into fixed 16 KiB messages: nothing we
 /// SEND is ever larger.
 const SEND_SLOT_LEN: usize = peer::ILLUMOS_MSG_LEN;
 const SEND_SLOTS: usize = 256;
+/// Send slots before a normal session begins: a login response, a Text
+/// response, a ping and an Async Message at once, at most.
+const LOGIN_SEND_SLOTS: usize = 4;
+/// How long a new iSER connection waits for login slots while evicted
+/// connections are torn down, before it is refused.
+const LOGIN_SLOTS_PATIENCE: Duration = Duration::from_secs(5);
 /// Read data that is not LUN memory (INQUIRY, MODE SENSE, ...) is RDMA-written
 /// from these; they are small.
 const DATAIN_SLOT_LEN: usize = 256 * 1024;
@@ -73,9 +83,11 @@ const REPOST_BATCH: usize = 16;
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 mod driver;
+mod slots;
 
 pub use driver::encode_pdu;
 use driver::{recv_wr, Driver};
+use slots::SlotRing;
 
 /// Work request kinds (`WrId::kind`); the slot is the kind's buffer slot.
 mod wr {
@@ -317,9 +329,31 @@ fn run_connection(
             "{peer:?} offers no RDMA READ resources; iSER writes need them"
         )));
     }
-    let sq_depth =
-        (SEND_SLOTS + DATAIN_SLOTS + MAX_READ_CREDITS + 256).min(attrs.max_qp_wr as usize);
-    let rq_depth = RECV_SLOTS.min(attrs.max_qp_wr as usize);
+    // What a connection nobody admitted pins is bounded across all of
+    // them, including those evicted and still tearing down.
+    if let Err(why) = permit.reserve_login_slots(LOGIN_SLOTS_PATIENCE) {
+        portal.gate.log_refusal(
+            format_args!(
+                "iSER {}",
+                peer.map_or_else(|| "?".to_string(), |p| p.to_string())
+            ),
+            why,
+        );
+        let _ = id.reject(&[]);
+        return Err(ConnError::Protocol(format!("refused: {why}")));
+    }
+    let sq_depth = (LOGIN_SEND_SLOTS + SEND_SLOTS + DATAIN_SLOTS + MAX_READ_CREDITS + 256)
+        .min(attrs.max_qp_wr as usize);
+    // Room for the full ring while the last login receives are still posted.
+    let rq_depth = (LOGIN_RECV_SLOTS + RECV_SLOTS).min(attrs.max_qp_wr as usize);
+    let full_recv_slots = rq_depth.saturating_sub(LOGIN_RECV_SLOTS);
+    if full_recv_slots == 0 {
+        let _ = id.reject(&[]);
+        return Err(ConnError::Protocol(format!(
+            "the device allows {} receives per queue pair; iSER needs more",
+            attrs.max_qp_wr
+        )));
+    }
     let comp = Arc::new(CompletionChannel::new(dev)?);
     comp.set_nonblocking(true)?;
     // Separate queues: the thread sleeps on receives (and on send-side
@@ -339,12 +373,12 @@ fn run_connection(
             max_inline_data: 0,
         },
     )?;
-    let recv = RegisteredBuffer::new(&res.pd, rq_depth * RECV_SLOT_LEN, Access::LOCAL_WRITE)?;
-    let send = RegisteredBuffer::new(&res.pd, SEND_SLOTS * SEND_SLOT_LEN, Access::LOCAL_WRITE)?;
-    // The Data-In and parameter-data buffers (9 MiB) are registered only
-    // once the login succeeds: a peer that never logs in pins only these.
-    let mut initial = Vec::with_capacity(rq_depth);
-    for slot in 0..rq_depth {
+    // The full rings, Data-In and parameter-data buffers (16 MiB) are
+    // registered only once a normal session begins.
+    let recv = SlotRing::new(&res.pd, RECV_SLOT_LEN, LOGIN_RECV_SLOTS)?;
+    let send = SlotRing::new(&res.pd, SEND_SLOT_LEN, LOGIN_SEND_SLOTS)?;
+    let mut initial = Vec::with_capacity(LOGIN_RECV_SLOTS);
+    for slot in recv.login_range() {
         initial.push(recv_wr(&recv, slot)?);
     }
     id.post_recv(&initial)?;
@@ -383,13 +417,14 @@ fn run_connection(
         id: &id,
         send_cq: &send_cq,
         recv_cq: &recv_cq,
-        recv: &recv,
+        free_send: send.login_range().rev().collect(),
+        recv,
+        full_recv_slots,
         pd: &res.pd,
         send,
         large: None,
         regions: &res.regions,
         conn,
-        free_send: (0..SEND_SLOTS as u32).rev().collect(),
         free_datain: (0..DATAIN_SLOTS as u32).rev().collect(),
         free_bounce: (0..BOUNCE_SLOTS as u32).rev().collect(),
         reads: [None; MAX_READ_CREDITS],
@@ -416,8 +451,9 @@ fn run_connection(
     let unfinished_reads = driver.reads_into_lun();
     let transfers = driver.transfers.take();
     let peer_gone = driver.peer_gone;
-    // Kept past the QP's end, like `recv`.
-    let buffers = (driver.send, driver.large);
+    // Kept past the QP's end: the adapter may still be writing into a
+    // posted receive until the QP is gone.
+    let buffers = (driver.recv, driver.send, driver.large);
     if !peer_gone {
         let _ = id.disconnect();
     }
@@ -431,7 +467,6 @@ fn run_connection(
         }
     }
     drop(buffers);
-    drop(recv);
     drop(id);
     result
 }
