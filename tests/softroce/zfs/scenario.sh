@@ -40,14 +40,17 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 SOFTROCE=$(cd "$HERE/.." && pwd)
 . "$SOFTROCE/lib/common.sh"
 RESULTS=$RESULTS/zfs
-SECS=${FIO_SECONDS:-15}
+# Step a's IOPS are reported, not asserted: 10 s per run in five
+# alternating runs is hundreds of ZIL commits each on the slowed pool disk.
+SECS=${FIO_SECONDS:-10}
 SLOW_MS=${SLOW_MS:-20}
 ROUNDS=${ZFS_ROUNDS:-2}
 . "$SOFTROCE/lib/iscsi.sh"
 . "$SOFTROCE/lib/fio.sh"
 . "$SOFTROCE/lib/lio.sh"
 KREL=$(uname -r)
-MODS=${RAMSLOG_ZFS_CACHE:-$REPO/build/softroce/zfs}/modules/$KREL
+# The cache entries zfs/run hands over: the modules, and the kernel booted.
+MODS=${RAMSLOG_ZFS_MODULES:-}
 TARGET_BIN=$(pick_bin ramslog-target) || { echo "build ramslog-target first (cargo build --release)"; exit 1; }
 BIN=$TARGET_BIN
 POOL=tank
@@ -177,9 +180,9 @@ cleanup() {
 
 # ---------------------------------------------------------------------------
 step "OpenZFS modules for $KREL from $MODS"
-[ -f "$MODS/.key" ] || fail "no OpenZFS modules for $KREL: run tests/softroce/zfs/prepare.sh on the host"
+[ -n "$MODS" ] && [ -f "$MODS/.key" ] || fail "no OpenZFS modules for $KREL: run tests/softroce/zfs/run (it prepares them on the host)"
 echo "built for: $(cat "$MODS/.key")"
-KERNEL_KEY=$(cat "${RAMSLOG_SOFTROCE_CACHE:-$REPO/build/softroce/cache}/kernel.key")
+KERNEL_KEY=$(cat "${RAMSLOG_GUEST_KERNEL:?booted by tests/softroce/run}/kernel.key")
 case "$(cat "$MODS/.key")" in
   "$KERNEL_KEY zfs "*) ;;
   *) fail "the modules were built for '$(cat "$MODS/.key")', this guest boots '$KERNEL_KEY': run tests/softroce/zfs/prepare.sh" ;;

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The cache library (tests/lib/cache.sh) on a fake recipe, in a scratch cache:
+# a hit reuses the entry, a changed key rebuilds, a build killed with SIGKILL
+# leaves no usable entry (and the next lookup builds a good one), a failed
+# build leaves nothing, "off" builds cold, and the size bound evicts the
+# least recently used entry.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=lib/cache.sh
+. tests/lib/cache.sh
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+export RAMSLOG_CACHE=$scratch/cache RAMSLOG_TIMES=$scratch/times
+unset RAMSLOG_CACHE_COLD_BEGUN
+fail() { echo "cache test FAILED: $*" >&2; exit 1; }
+
+recipe=$scratch/recipe.sh
+builds=$scratch/builds
+cat >"$recipe" <<'EOF'
+echo built >>"$BUILDS"
+printf '%s' "$PAYLOAD" >"$1/payload"
+EOF
+build() { BUILDS=$builds PAYLOAD=${PAYLOAD:-one} bash "$recipe" "$1"; }
+key() { echo "fake $(cache_files_key "$recipe")"; }
+
+a=$(cache_entry fake "$(key)" build)
+[ "$(cat "$a/payload")" = one ] || fail "the first lookup did not build"
+b=$(cache_entry fake "$(key)" build)
+[ "$a" = "$b" ] && [ "$(wc -l <"$builds")" = 1 ] || fail "a second lookup of the same key rebuilt"
+grep -q $'cache\tfake\thit' "$RAMSLOG_TIMES" || fail "the hit was not recorded"
+
+# A changed recipe is a changed key: it rebuilds, the old entry stays.
+echo '# changed' >>"$recipe"
+c=$(PAYLOAD=two cache_entry fake "$(key)" build)
+[ "$c" != "$a" ] && [ "$(cat "$c/payload")" = two ] || fail "a changed recipe did not rebuild"
+[ "$(wc -l <"$builds")" = 2 ] || fail "expected two builds"
+
+# A build killed with SIGKILL halfway: no usable entry, then a clean rebuild.
+slow() { printf 'partial' >"$1/payload"; sleep 30; printf 'whole' >"$1/payload"; }
+(cache_entry killed "k1" slow >/dev/null) &
+pid=$!
+for _ in $(seq 1 100); do
+  compgen -G "$RAMSLOG_CACHE/killed/*.tmp.*/payload" >/dev/null && break
+  sleep 0.1
+done
+pkill -KILL -P "$pid" || true
+kill -KILL "$pid" 2>/dev/null || true
+wait "$pid" 2>/dev/null || true
+entry=$RAMSLOG_CACHE/killed/$(cache_hash k1)
+[ ! -e "$entry/.complete" ] || fail "a killed build left an entry marked complete"
+[ ! -e "$entry/payload" ] || fail "a killed build left an entry in place"
+quick() { printf 'whole' >"$1/payload"; }
+d=$(cache_entry killed "k1" quick)
+[ "$(cat "$d/payload")" = whole ] || fail "the lookup after a killed build did not rebuild"
+compgen -G "$RAMSLOG_CACHE/killed/*.tmp.*" >/dev/null && fail "the killed build's leftovers stayed"
+
+# A failing build leaves nothing and fails the lookup.
+broken() { printf 'half' >"$1/payload"; return 7; }
+if cache_entry broken "k2" broken >/dev/null 2>&1; then fail "a failed build succeeded"; fi
+[ ! -e "$RAMSLOG_CACHE/broken/$(cache_hash k2)" ] || fail "a failed build left an entry"
+
+# The size bound: a 2 MiB entry over a 1 MiB bound evicts the older ones.
+big() { head -c $((2 << 20)) /dev/zero >"$1/blob"; }
+e=$(RAMSLOG_CACHE_MAX_MB=1 cache_entry big "k3" big)
+[ -f "$e/blob" ] || fail "the newest entry was evicted"
+[ ! -e "$a/.complete" ] || fail "the least recently used entry was not evicted"
+
+# off: a cold cache inside the clone's build/, wiped when a run begins.
+cold=$(RAMSLOG_CACHE=off cache_entry fake "$(key)" build)
+case $cold in "$PWD/build/cache-cold/"*) ;; *) fail "off built in $cold" ;; esac
+rm -rf build/cache-cold
+echo "cache test passed: hit, rebuild on a changed key, SIGKILL, failure, size bound, off"
