@@ -2,63 +2,114 @@
 # The full test command: installs what the tests need, then runs every tier.
 #   tests/run-all.sh            everything (what CI runs)
 #   tests/run-all.sh --fast     unit + integration + conformance only (a developer's loop)
+#   tests/run-all.sh --prepare  install every package and tool the tiers need, check
+#                               each is there, and build every target; run nothing
+#                               (what the chroot check proves on a fresh machine)
 # Needs root for apt-get; on a machine that already has the packages it only uses cargo.
+# With RAMSLOG_TIMES=FILE each tier records "tier NAME passed|FAILED SECONDS"
+# there (and "start NAME" when it begins); .ci/run prints them as a table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-FAST=0
-[ "${1:-}" = "--fast" ] && FAST=1
+MODE=full
+case ${1:-} in
+  --fast) MODE=fast ;;
+  --prepare) MODE=prepare ;;
+  "") ;;
+  *) echo "usage: $0 [--fast|--prepare]" >&2; exit 2 ;;
+esac
 
 step() { printf '\n=== %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
+record() { if [ -n "${RAMSLOG_TIMES:-}" ]; then printf '%s\n' "$1" >>"$RAMSLOG_TIMES"; fi; }
+# tier NAME COMMAND...: one recorded tier; a failure ends the run (set -e).
+tier() {
+  local name=$1 t0 rc
+  shift
+  step "$name"
+  record "start	$name"
+  t0=$(date +%s)
+  # Not `"$@" || rc=$?`: that would switch set -e off inside the command.
+  set +e
+  (set -e; "$@")
+  rc=$?
+  set -e
+  record "tier	$name	$([ "$rc" = 0 ] && echo passed || echo FAILED)	$(($(date +%s) - t0))"
+  return "$rc"
+}
+
+# shellcheck source=lib/cache.sh
+. tests/lib/cache.sh
+cache_begin_run
 
 # shellcheck source=lib/packages.sh
 . tests/lib/packages.sh
-read -r -a need_pkgs <<<"$(missing_build_packages)"
-command -v iscsi-test-cu >/dev/null || need_pkgs+=(libiscsi-bin)
-command -v setpriv >/dev/null || need_pkgs+=(util-linux)
-command -v mkfs.ext4 >/dev/null || need_pkgs+=(e2fsprogs)
-command -v systemd-analyze >/dev/null || need_pkgs+=(systemd)
-command -v python3 >/dev/null || need_pkgs+=(python3)
-if ((${#need_pkgs[@]})); then
-  step "installing ${need_pkgs[*]}"
-  apt_install "${need_pkgs[@]}"
-fi
-command -v cargo-nextest >/dev/null || cargo nextest --version >/dev/null 2>&1 || {
-  step "installing cargo-nextest"; cargo install cargo-nextest --locked -j2; }
+# Every command the tiers call that a fresh Debian may lack, and its package.
+TOOLS="iscsi-test-cu:libiscsi-bin setpriv:util-linux mkfs.ext4:e2fsprogs systemd-analyze:systemd python3:python3"
+packages() {
+  local need_pkgs t
+  read -r -a need_pkgs <<<"$(missing_build_packages)"
+  for t in $TOOLS; do command -v "${t%%:*}" >/dev/null || need_pkgs+=("${t#*:}"); done
+  if ((${#need_pkgs[@]})); then
+    echo "installing ${need_pkgs[*]}"
+    apt_install "${need_pkgs[@]}"
+  fi
+  command -v cargo-nextest >/dev/null || cargo nextest --version >/dev/null 2>&1 || {
+    echo "installing cargo-nextest"; cargo install cargo-nextest --locked -j2; }
+}
+tier "packages" packages
 
 # Debian's prometheus and promtool for the metrics tests, unpacked into build/tools.
 # shellcheck source=lib/prometheus.sh
 . tests/lib/prometheus.sh
-step "prometheus and promtool (Debian's package, unpacked)"
-prometheus_tools
+tier "prometheus and promtool (Debian's package, unpacked)" prometheus_tools
 
-step "format and lint"
-cargo fmt --all -- --check
-cargo clippy -j2 --workspace --all-targets -- -D warnings
-# The API docs build clean: a broken link or a stray <placeholder> fails here.
-RUSTDOCFLAGS="-D warnings" cargo doc -j2 --no-deps --workspace
+if [ "$MODE" = prepare ]; then
+  tools_present() {
+    local t missing=()
+    [ -z "$(missing_build_packages)" ] || missing+=("build packages: $(missing_build_packages)")
+    for t in $TOOLS; do command -v "${t%%:*}" >/dev/null || missing+=("${t%%:*}"); done
+    cargo nextest --version >/dev/null 2>&1 || missing+=(cargo-nextest)
+    prometheus_tools >/dev/null || missing+=(prometheus)
+    ((${#missing[@]} == 0)) || { echo "still missing after the install: ${missing[*]}" >&2; return 1; }
+    echo "every package and tool the tiers need is here"
+  }
+  tier "tools present" tools_present
+  tier "build" cargo build -j2 --workspace --all-targets
+  # The test binaries nextest would run, built and listed (not run).
+  tier "test binaries" cargo nextest list -j2 --workspace
+  exit 0
+fi
 
-step "build"
-cargo build -j2 --workspace --all-targets
+lint() {
+  cargo fmt --all -- --check
+  cargo clippy -j2 --workspace --all-targets -- -D warnings
+  # The API docs build clean: a broken link or a stray <placeholder> fails here.
+  RUSTDOCFLAGS="-D warnings" cargo doc -j2 --no-deps --workspace
+}
+tier "format and lint" lint
+tier "build" cargo build -j2 --workspace --all-targets
 
-step "tests: unit, integration, conformance"
 # nextest runs no doctests (some are compile-fail checks of the verbs API);
 # they go first, so nextest's summary is the tier's closing line.
-cargo test -j2 --doc --workspace
-cargo nextest run -j2 --workspace --no-fail-fast
+unit_tests() {
+  cargo test -j2 --doc --workspace
+  cargo nextest run -j2 --workspace --no-fail-fast
+}
+tier "tests: unit, integration, conformance" unit_tests
+tier "cache: keys, SIGKILL, size bound (a fake recipe)" tests/cache-test.sh
 
-if [ "$FAST" = 1 ]; then exit 0; fi
+if [ "$MODE" = fast ]; then exit 0; fi
 
-step "fuzz: every decoder for a bounded time"
-tests/fuzz.sh "${FUZZ_SECONDS:-20}"
+tier "fuzz: every decoder for a bounded time" tests/fuzz.sh "${FUZZ_SECONDS:-20}"
 
-step "SoftRoCE lab: real rxe RDMA (in a qemu guest unless this kernel has rdma_rxe)"
 # Lab measurements compare targets side by side, so the daemon runs optimised.
-cargo build -j2 --release -p ramslog-target -p rdma-bench
-tests/softroce/check.sh
+tier "release build (lab)" cargo build -j2 --release -p ramslog-target -p rdma-bench
+tier "SoftRoCE lab: real rxe RDMA (a qemu guest unless this kernel has rdma_rxe)" tests/softroce/check.sh
 
-step "a newcomer's first run on a fresh Debian 12 (debootstrap chroot): the quick start and the test command"
-if [ "$(id -u)" = 0 ]; then
-  tests/chroot/check.sh
-else
-  echo "SKIPPED chroot check: needs root (debootstrap, bind mounts)"
-fi
+chroot_check() {
+  if [ "$(id -u)" = 0 ]; then
+    tests/chroot/check.sh
+  else
+    echo "SKIPPED chroot check: needs root (debootstrap, bind mounts)"
+  fi
+}
+tier "chroot: a fresh Debian 12 (quick start, the install, build, package)" chroot_check
