@@ -14,7 +14,9 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/lib/common.sh"
 TRANSPORT=${1:-iser}
 case $TRANSPORT in iser|tcp) ;; *) echo "usage: $0 iser|tcp"; exit 2;; esac
-SECS=${FIO_SECONDS:-15}
+# The fio figures are reported, not asserted (the verify steps are): 8 s
+# of QD1 sync writes is thousands of I/Os even under emulation.
+SECS=${FIO_SECONDS:-8}
 . "$HERE/lib/iscsi.sh"
 . "$HERE/lib/fio.sh"
 . "$HERE/lib/lio.sh"
