@@ -65,8 +65,12 @@ e=$(RAMSLOG_CACHE_MAX_MB=1 cache_entry big "k3" big)
 [ -f "$e/blob" ] || fail "the newest entry was evicted"
 [ ! -e "$a/.complete" ] || fail "the least recently used entry was not evicted"
 
-# off: a cold cache inside the clone's build/, wiped when a run begins.
+# off: a cold cache (build/cache-cold; here a scratch one, so that the
+# run's own cold cache is left alone), wiped when a run begins.
+export RAMSLOG_CACHE_COLD_DIR=$scratch/cold
+mkdir -p "$RAMSLOG_CACHE_COLD_DIR/stale"
 cold=$(RAMSLOG_CACHE=off cache_entry fake "$(key)" build)
-case $cold in "$PWD/build/cache-cold/"*) ;; *) fail "off built in $cold" ;; esac
-rm -rf build/cache-cold
+case $cold in "$RAMSLOG_CACHE_COLD_DIR/"*) ;; *) fail "off built in $cold" ;; esac
+[ ! -e "$RAMSLOG_CACHE_COLD_DIR/stale" ] || fail "a cold run did not wipe the cold cache"
+[ "$(cat "$cold/payload")" = one ] || fail "the cold entry was not built"
 echo "cache test passed: hit, rebuild on a changed key, SIGKILL, failure, size bound, off"

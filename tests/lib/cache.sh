@@ -22,7 +22,7 @@ _cache_repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 # The cache's directory (resolving "off").
 cache_root() {
   case ${RAMSLOG_CACHE:-} in
-    off) echo "$_cache_repo/build/cache-cold" ;;
+    off) echo "${RAMSLOG_CACHE_COLD_DIR:-$_cache_repo/build/cache-cold}" ;;
     "") if [ "$(id -u)" = 0 ]; then echo /var/cache/ramslog-ci; else
       echo "${XDG_CACHE_HOME:-$HOME/.cache}/ramslog"; fi ;;
     *) echo "$RAMSLOG_CACHE" ;;
