@@ -75,7 +75,7 @@ if [ "$MODE" = prepare ]; then
   tier "tools present" tools_present
   tier "build" cargo build -j2 --workspace --all-targets
   # The test binaries nextest would run, built and listed (not run).
-  tier "test binaries" cargo nextest list -j2 --workspace
+  tier "test binaries" cargo nextest list --build-jobs 2 --workspace
   exit 0
 fi
 
