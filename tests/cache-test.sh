@@ -59,6 +59,17 @@ broken() { printf 'half' >"$1/payload"; return 7; }
 if cache_entry broken "k2" broken >/dev/null 2>&1; then fail "a failed build succeeded"; fi
 [ ! -e "$RAMSLOG_CACHE/broken/$(cache_hash k2)" ] || fail "a failed build left an entry"
 
+# An entry stored after the work that makes it (cache_peek, then
+# cache_entry with a copying builder): a miss builds nothing, the stored
+# entry is a hit, and a changed key misses again.
+if cache_peek stored "s1" >/dev/null; then fail "cache_peek found an entry nobody stored"; fi
+[ ! -e "$RAMSLOG_CACHE/stored/$(cache_hash s1)" ] || fail "cache_peek made an entry"
+copy() { printf 'work' >"$1/payload"; }
+s=$(cache_entry stored "s1" copy)
+p=$(cache_peek stored "s1") || fail "cache_peek missed a stored entry"
+[ "$p" = "$s" ] && [ "$(cat "$p/payload")" = work ] || fail "cache_peek returned $p, not $s"
+if cache_peek stored "s2" >/dev/null; then fail "cache_peek hit on a changed key"; fi
+
 # The size bound: a 2 MiB entry over a 1 MiB bound evicts the older ones.
 big() { head -c $((2 << 20)) /dev/zero >"$1/blob"; }
 e=$(RAMSLOG_CACHE_MAX_MB=1 cache_entry big "k3" big)
@@ -73,4 +84,4 @@ cold=$(RAMSLOG_CACHE=off cache_entry fake "$(key)" build)
 case $cold in "$RAMSLOG_CACHE_COLD_DIR/"*) ;; *) fail "off built in $cold" ;; esac
 [ ! -e "$RAMSLOG_CACHE_COLD_DIR/stale" ] || fail "a cold run did not wipe the cold cache"
 [ "$(cat "$cold/payload")" = one ] || fail "the cold entry was not built"
-echo "cache test passed: hit, rebuild on a changed key, SIGKILL, failure, size bound, off"
+echo "cache test passed: hit, rebuild on a changed key, SIGKILL, failure, size bound, off, peek"

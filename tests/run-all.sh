@@ -54,6 +54,11 @@ packages() {
   fi
   command -v cargo-nextest >/dev/null || cargo nextest --version >/dev/null 2>&1 || {
     echo "installing cargo-nextest"; cargo install cargo-nextest --locked -j2; }
+  # The fuzz tier's; installed here so that the compiled crates' cache key
+  # (tests/lib/cargo-deps.sh) sees the version the run builds with.
+  if [ "$MODE" = full ] || [ "$MODE" = prepare ]; then
+    command -v cargo-fuzz >/dev/null || { echo "installing cargo-fuzz"; cargo install cargo-fuzz --locked -j2; }
+  fi
 }
 tier "packages" packages
 
@@ -68,6 +73,7 @@ if [ "$MODE" = prepare ]; then
     [ -z "$(missing_build_packages)" ] || missing+=("build packages: $(missing_build_packages)")
     for t in $TOOLS; do command -v "${t%%:*}" >/dev/null || missing+=("${t%%:*}"); done
     cargo nextest --version >/dev/null 2>&1 || missing+=(cargo-nextest)
+    command -v cargo-fuzz >/dev/null || missing+=(cargo-fuzz)
     prometheus_tools >/dev/null || missing+=(prometheus)
     ((${#missing[@]} == 0)) || { echo "still missing after the install: ${missing[*]}" >&2; return 1; }
     echo "every package and tool the tiers need is here"
@@ -78,6 +84,10 @@ if [ "$MODE" = prepare ]; then
   tier "test binaries" cargo nextest list --build-jobs 2 --workspace
   exit 0
 fi
+
+# shellcheck source=lib/cargo-deps.sh
+. tests/lib/cargo-deps.sh
+tier "cargo deps: build/ seeded from the cache (when this key has an entry)" cargo_deps_restore
 
 lint() {
   cargo fmt --all -- --check
@@ -103,6 +113,8 @@ tier "fuzz: every decoder for a bounded time" tests/fuzz.sh "${FUZZ_SECONDS:-20}
 
 # Lab measurements compare targets side by side, so the daemon runs optimised.
 tier "release build (lab)" cargo build -j2 --release -p ramslog-target -p rdma-bench
+# Every profile is built by now: store the compiled crates for the next run.
+tier "cargo deps: stored in the cache (when this key has no entry)" cargo_deps_save
 tier "SoftRoCE lab: real rxe RDMA (a qemu guest unless this kernel has rdma_rxe)" tests/softroce/check.sh
 
 chroot_check() {

@@ -97,6 +97,31 @@ cache_entry() {
   echo "$dir"
 }
 
+# cache_peek NAME KEY
+# Prints the entry's directory when a finished entry of KEY is there (a
+# hit), else fails (a miss); builds nothing. For entries stored after the
+# work that makes them (cache_entry with a builder that copies), where a
+# miss means "do the work here".
+cache_peek() {
+  local name=$1 key=$2 root dir
+  cache_begin_run
+  root=$(cache_root)
+  dir=$root/$name/$(cache_hash "$key")
+  mkdir -p "$root/$name"
+  exec {lockfd}>"$dir.lock"
+  flock "$lockfd"
+  if [ -f "$dir/.complete" ] && [ "$(cat "$dir/.key" 2>/dev/null)" = "$key" ]; then
+    touch "$dir/.complete"
+    exec {lockfd}>&-
+    _cache_record "$name" hit 0
+    echo "$dir"
+    return 0
+  fi
+  exec {lockfd}>&-
+  _cache_record "$name" miss 0
+  return 1
+}
+
 # Keep the cache under its size bound: remove the least recently used
 # entries (never KEEP, never one whose lock another run holds).
 cache_evict() {
