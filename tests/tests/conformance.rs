@@ -3,8 +3,10 @@
 //! `cargo test -p ramslog-tests --test conformance -- --nocapture`
 //!
 //! Every suite of `iscsi-test-cu --list` runs in its own process (`-d -v -t FAMILY.Suite`), then
-//! once more all together (`-t ALL`). Results are compared with `tests/conformance/
-//! not-applicable.txt` and `tests/conformance/expected-failures.txt` (see the README there).
+//! once more all together (`-t ALL`). Results are compared with the lists in
+//! `tests/conformance/`: `not-applicable.txt`, `expected-failures.txt`, `deviations.txt` and
+//! `skips.txt` (every test libiscsi skips), and the number of tests passing in every run with
+//! `EXPECTED_PASSES` (see the README there).
 //! Logs and `summary.json` / `summary.txt` go to `build/conformance/`.
 //!
 //! Environment:
@@ -55,6 +57,12 @@ const DEVIATION_ASSERTS: &[&str] = &[
     "CU_ASSERT_EQUAL(task->status,SCSI_STATUS_GOOD)",
     "CU_FAIL(\"Block was not written correctly\")",
 ];
+
+/// Tests that pass in every run against ramslog-target when every suite
+/// runs: all of `--list` but the listed skips, deviations, not-applicable
+/// and expected failures. Pinned so that a test leaving the passing set
+/// (into a list, or a skip) is a reviewed change of this number.
+const EXPECTED_PASSES: usize = 164;
 
 const TARGET_NAME: &str = "iqn.2026-11.org.ramslog:conformance";
 
@@ -222,7 +230,7 @@ fn iscsi_test_cu_conformance() {
         .flat_map(|s| s.tests.iter().map(move |t| format!("{}.{}", s.name, t)))
         .collect();
 
-    // The two committed lists.
+    // The committed lists.
     let mut problems: Vec<String> = Vec::new();
     let na = read_list(
         &manifest.join("conformance/not-applicable.txt"),
@@ -242,6 +250,25 @@ fn iscsi_test_cu_conformance() {
         true,
         &mut problems,
     );
+    let sk = read_list(
+        &manifest.join("conformance/skips.txt"),
+        "skips.txt",
+        true,
+        &mut problems,
+    );
+    for e in &sk {
+        if e.pattern.ends_with(".*") {
+            problems.push(format!(
+                "{}: wildcards are not allowed in skips.txt; list each test",
+                e.at()
+            ));
+        }
+        for f in na.iter().chain(ef.iter()).chain(dv.iter()) {
+            if known.iter().any(|k| e.matches(k) && f.matches(k)) {
+                problems.push(format!("{} and {} both list {}", e.at(), f.at(), e.pattern));
+            }
+        }
+    }
     for e in &dv {
         if e.pattern.ends_with(".*") {
             problems.push(format!(
@@ -255,7 +282,7 @@ fn iscsi_test_cu_conformance() {
             }
         }
     }
-    for e in na.iter().chain(ef.iter()).chain(dv.iter()) {
+    for e in na.iter().chain(ef.iter()).chain(dv.iter()).chain(sk.iter()) {
         if !known.iter().any(|k| e.matches(k)) {
             problems.push(format!(
                 "{}: {} matches no test of `iscsi-test-cu --list`",
@@ -438,12 +465,19 @@ fn iscsi_test_cu_conformance() {
     let mut na_results: Vec<String> = Vec::new();
     let mut deviations: Vec<String> = Vec::new();
     let mut skipped: Vec<String> = Vec::new();
+    let mut passed: Vec<String> = Vec::new();
     let mut tests_json = Vec::new();
     for key in &order {
         let rs = &per_test[key];
         let na_entry = na.iter().find(|e| e.matches(key));
         let ef_entry = ef.iter().find(|e| e.matches(key));
         let dv_entry = dv.iter().find(|e| e.matches(key));
+        let sk_entry = sk.iter().find(|e| e.matches(key));
+        let skipping: Vec<&str> = rs
+            .iter()
+            .filter(|(_, r)| r.outcome == Outcome::Skip)
+            .map(|(run, _)| *run)
+            .collect();
         let failing: Vec<&(&str, &TestResult)> = rs
             .iter()
             .filter(|(_, r)| r.outcome == Outcome::Fail)
@@ -515,9 +549,47 @@ fn iscsi_test_cu_conformance() {
                 e.reason
             ));
             "not-applicable"
+        } else if let Some(e) = sk_entry {
+            // libiscsi passes a test it skips: a listed skip must skip in
+            // every run, or the list no longer says what ran.
+            if skipping.len() == rs.len() {
+                "skip"
+            } else {
+                let ran: Vec<&str> = rs
+                    .iter()
+                    .filter(|(_, r)| r.outcome != Outcome::Skip)
+                    .map(|(run, _)| *run)
+                    .collect();
+                unexpected.push(format!(
+                    "{key} ({}): listed as skipped ({}), but it ran and passed in {}: remove it \
+                     from skips.txt",
+                    e.at(),
+                    e.reason,
+                    ran.join(", ")
+                ));
+                "skip-ran"
+            }
+        } else if !skipping.is_empty() {
+            // INVALID OPERATION CODE (or any answer libiscsi reads as "not
+            // supported") turns a test into a pass marked SKIPPED: one that
+            // is not listed is a regression until shown otherwise.
+            let why: Vec<String> = rs
+                .iter()
+                .filter(|(_, r)| r.outcome == Outcome::Skip)
+                .map(|(run, r)| format!("[{run}] {}", r.messages.join("; ")))
+                .collect();
+            unexpected.push(format!(
+                "{key}: skipped, and not in skips.txt (a command that stopped working reads \
+                 as a skip): {}",
+                why.join(" / ")
+            ));
+            "unexpected-skip"
         } else {
             "ok"
         };
+        if class == "ok" {
+            passed.push(key.clone());
+        }
         for (run, r) in rs {
             if r.outcome == Outcome::Skip && (*run != "ALL" || rs.len() == 1) {
                 skipped.push(format!("{key}: {}", r.messages.join("; ")));
@@ -533,6 +605,13 @@ fn iscsi_test_cu_conformance() {
             })
             .collect();
         tests_json.push(json!({"test": key, "class": class, "runs": results}));
+    }
+
+    if only.is_none() && external.is_none() && passed.len() != EXPECTED_PASSES {
+        unexpected.push(format!(
+            "{} tests passed in every run, EXPECTED_PASSES in conformance.rs says {EXPECTED_PASSES}",
+            passed.len()
+        ));
     }
 
     // Summary text.
@@ -577,6 +656,12 @@ fn iscsi_test_cu_conformance() {
     if let Some(a) = all_run {
         let _ = writeln!(txt, "-t ALL run: {}", a.outcome.describe());
     }
+    let _ = writeln!(
+        txt,
+        "passed in every run: {} of {} tests (pinned: {EXPECTED_PASSES})",
+        passed.len(),
+        order.len()
+    );
     let section = |txt: &mut String, title: &str, items: &[String]| {
         let _ = writeln!(txt, "\n{title} ({}):", items.len());
         for i in items {
@@ -628,6 +713,7 @@ fn iscsi_test_cu_conformance() {
         "not_applicable": na_results,
         "deviations": deviations,
         "skipped": skipped,
+        "passed_every_run": passed.len(),
         "list_problems": problems,
         "target_crashes": crashes,
         "tests": tests_json,
@@ -641,8 +727,8 @@ fn iscsi_test_cu_conformance() {
     let mut verdict = Vec::new();
     if !unexpected.is_empty() {
         verdict.push(format!(
-            "{} unexpected failure(s) (fix them, or list them in tests/conformance/\
-             expected-failures.txt / not-applicable.txt)",
+            "{} unexpected failure(s) or skip(s) (fix them, or list them in tests/conformance/\
+             expected-failures.txt / not-applicable.txt / skips.txt)",
             unexpected.len()
         ));
     }
