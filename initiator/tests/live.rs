@@ -1,24 +1,43 @@
-//! Against a live target, only when `RAMSLOG_LIVE_URL=iscsi://host:port/IQN/LUN`
-//! is set (skipped otherwise). The LUN's content is overwritten.
+//! The initiator against a real target: `RAMSLOG_LIVE_URL=iscsi://host:port/IQN/LUN` (another
+//! target, e.g. LIO or tgt; the LUN's content is overwritten), else a fresh `ramslog-target`
+//! started here, so that every run exercises them.
 
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use ramslog_initiator::{discover, Connection, LoginParams, Session, TargetUrl};
+use ramslog_tests::{artefact_dir, TargetOptions, TargetProcess};
 use rand::Rng;
 
 const INITIATOR: &str = "iqn.2026-11.org.ramslog:live-test";
 
-fn live_url() -> Option<TargetUrl> {
-    let u = std::env::var("RAMSLOG_LIVE_URL").ok()?;
-    Some(TargetUrl::parse(&u).expect("RAMSLOG_LIVE_URL"))
+/// `RAMSLOG_LIVE_URL`'s target, or a `ramslog-target` started with `extra_args` (stopped when
+/// the returned process drops).
+fn live_target(extra_args: Vec<String>) -> (TargetUrl, Option<TargetProcess>) {
+    if let Ok(u) = std::env::var("RAMSLOG_LIVE_URL") {
+        return (TargetUrl::parse(&u).expect("RAMSLOG_LIVE_URL"), None);
+    }
+    let t = TargetProcess::start_with(TargetOptions {
+        extra_args,
+        ..Default::default()
+    });
+    let url = TargetUrl::parse(&t.url(0)).expect("the started target's URL");
+    (url, Some(t))
+}
+
+/// A CHAP secret file only its owner can read, as the daemon wants it.
+fn secret_file(name: &str, secret: &str) -> PathBuf {
+    let path = artefact_dir("live").join(format!("{name}-{}", std::process::id()));
+    std::fs::write(&path, secret).expect("write the secret file");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        .expect("chmod the secret file");
+    path
 }
 
 #[tokio::test]
 async fn live_login_discovery_io() {
-    let Some(url) = live_url() else {
-        eprintln!("RAMSLOG_LIVE_URL not set; skipped");
-        return;
-    };
+    let (url, _target) = live_target(Vec::new());
     let addr = url.socket_addr().await.unwrap();
 
     let targets = discover(addr, INITIATOR, None).await.unwrap();
@@ -118,13 +137,31 @@ async fn live_login_discovery_io() {
 
 use rand::SeedableRng;
 
-/// `RAMSLOG_LIVE_CHAP=user:secret[:target_user:target_secret]` (mutual with the
-/// last two): log in with CHAP, then check a wrong mutual secret is caught.
+/// CHAP, one way and mutual, then a wrong mutual secret caught. With `RAMSLOG_LIVE_URL`,
+/// `RAMSLOG_LIVE_CHAP=user:secret[:target_user:target_secret]` gives that target's credentials
+/// (mutual with the last two); without it, a started target gets its own.
 #[tokio::test]
 async fn live_chap() {
-    let (Some(url), Ok(spec)) = (live_url(), std::env::var("RAMSLOG_LIVE_CHAP")) else {
-        eprintln!("RAMSLOG_LIVE_URL / RAMSLOG_LIVE_CHAP not set; skipped");
-        return;
+    let (url, spec, _target) = if std::env::var("RAMSLOG_LIVE_URL").is_ok() {
+        let spec = std::env::var("RAMSLOG_LIVE_CHAP")
+            .expect("RAMSLOG_LIVE_URL is set: RAMSLOG_LIVE_CHAP=user:secret[:target_user:target_secret] must name its CHAP credentials");
+        let (url, t) = live_target(Vec::new());
+        (url, spec, t)
+    } else {
+        let initiator_secret = secret_file("chap", "live-initiator-secret");
+        let target_secret = secret_file("mutual-chap", "live-target-secret-1");
+        let (url, t) = live_target(vec![
+            "--chap-user".into(),
+            "live-user".into(),
+            "--chap-secret-file".into(),
+            initiator_secret.display().to_string(),
+            "--mutual-chap-user".into(),
+            "live-target".into(),
+            "--mutual-chap-secret-file".into(),
+            target_secret.display().to_string(),
+        ]);
+        let spec = "live-user:live-initiator-secret:live-target:live-target-secret-1".to_string();
+        (url, spec, t)
     };
     let f: Vec<&str> = spec.split(':').collect();
     let creds = |n: &str, s: &str| ramslog_initiator::Credentials {
