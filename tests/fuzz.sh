@@ -7,7 +7,11 @@
 # Both crates build into the workspace's one build directory (build/, from
 # .cargo/config.toml), so what they share (libFuzzer itself) is built once.
 # Each target is single-threaded: they run FUZZ_PARALLEL (default: the
-# number of cores) at a time, every one for its full SECONDS.
+# number of cores) at a time, every one for its full SECONDS, from its
+# working corpus (CRATE/fuzz/corpus/TARGET, not committed) and its committed
+# seeds (CRATE/fuzz/seeds/TARGET, where there are some). A target that the
+# manifests declare and `cargo fuzz list` does not name, or a list that
+# fails, fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_EACH=${1:-20}
@@ -20,11 +24,26 @@ jobs=()
 for crate in common target; do
   echo "--- fuzz: building $crate/fuzz"
   (cd "$crate" && cargo fuzz build --sanitizer none)
-  for t in $(cd "$crate" && cargo fuzz list); do jobs+=("$crate/$t"); done
+  # Not `for t in $(cargo fuzz list)`: a failing list would be an empty loop.
+  targets=$(cd "$crate" && cargo fuzz list) || { echo "fuzz: cargo fuzz list failed in $crate" >&2; exit 1; }
+  [ -n "$targets" ] || { echo "fuzz: $crate/fuzz lists no target" >&2; exit 1; }
+  for t in $targets; do jobs+=("$crate/$t"); done
 done
+# Every fuzz target of the manifests runs: a target cargo-fuzz stopped
+# listing would otherwise drop out unnoticed.
+declared=$(sed -n 's/^name = "\([a-z_]*\)"$/\1/p' common/fuzz/Cargo.toml target/fuzz/Cargo.toml |
+  grep -v -e '^ramslog' | sort)
+listed=$(printf '%s\n' "${jobs[@]#*/}" | sort)
+[ "$declared" = "$listed" ] || { echo "fuzz: the manifests declare $(echo $declared), cargo fuzz lists $(echo $listed)" >&2; exit 1; }
 run_one() { # CRATE/TARGET: its output goes to a log, its tail is shown
-  local crate=${1%%/*} t=${1#*/} rc=0
-  (cd "$crate" && cargo fuzz run --sanitizer none -j1 "$t" -- \
+  local crate=${1%%/*} t=${1#*/} rc=0 corpus
+  # The working corpus (ignored by git) first, libFuzzer adds to it; then
+  # the committed seeds, read only: valid PDUs, keys, sense and headers,
+  # so that each run starts from inputs the decoders accept.
+  corpus=("$PWD/$crate/fuzz/corpus/$t")
+  mkdir -p "${corpus[0]}"
+  [ -d "$PWD/$crate/fuzz/seeds/$t" ] && corpus+=("$PWD/$crate/fuzz/seeds/$t")
+  (cd "$crate" && cargo fuzz run --sanitizer none -j1 "$t" "${corpus[@]}" -- \
     -max_total_time="$SECONDS_EACH" -rss_limit_mb=2048) >"$logs/${crate}_$t.log" 2>&1 || rc=$?
   echo "--- fuzz $crate/$t (${SECONDS_EACH}s): $([ "$rc" = 0 ] && echo ok || echo "FAILED ($rc)")"
   tail -3 "$logs/${crate}_$t.log"
