@@ -145,13 +145,21 @@ grep "restored and verified" "$LOG"
 "$BIN" status --state-dir "$STATE" | grep "restored from"
 wait "$fio_pid" || { cat /tmp/fio-restart.txt; iscsi_diagnostics; echo "fio verify FAILED across the restart"; exit 1; }
 echo "fio verify passed across the restart (target down for $(awk "BEGIN { printf \"%.1f\", $t_up - $t_stop }") s)"
-if dmesg | tail -n +"$((dmesg_mark + 1))" | grep -iE "$sdx.*(I/O error|critical|Medium Error|Not Ready)"; then
+# The kernel names the disk after the error ("I/O error, dev sda, sector ...")
+# or before it ("[sda] ... Sense Key : Not Ready"): match both orders.
+host_errors() { # FIRST-DMESG-LINE: the lines since then that report an error on $sdx
+  dmesg | tail -n +"$1" | grep -iE "I/O error|critical|Medium Error|Not Ready|intervention" |
+    grep -E "(\[|dev )$sdx(\]|,| |$)" || true
+}
+if [ -n "$(host_errors "$((dmesg_mark + 1))")" ]; then
+  host_errors "$((dmesg_mark + 1))"
   echo "the host saw I/O errors during a clean restart"; exit 1
 fi
 cmp <(dd if="$disk" bs=1M count=4 skip=200 iflag=direct status=none) /tmp/pattern
 echo "the data written before the restart is there; no I/O error reached the host"
 
 step "SIGKILL the target and restart it with the same state directory"
+kill_mark=$(dmesg | wc -l)
 # A write after the restore opened a new generation: the restored image is
 # stale from then on, so a crash must not bring it back.
 dd if=/tmp/pattern of="$disk" bs=1M count=1 seek=100 oflag=direct status=none
@@ -178,8 +186,13 @@ if dd if=/tmp/pattern of="/dev/$sdx" bs=1M count=1 seek=100 oflag=direct status=
   echo "WRITE SUCCEEDED on a LUN that must be accepted first"; exit 1
 fi
 echo "write failed as it must: $(cat /tmp/dd.err)"
-dmesg | grep -iE "$sdx.*(Not Ready|Manual intervention)" | tail -3
-dmesg | grep -qiE "Manual intervention required"
+# Only what this run's kill caused: the guest's log also holds earlier
+# scripts' lines (and `dmesg | grep -q` under pipefail dies of SIGPIPE
+# when grep stops reading first).
+errors=$(host_errors "$((kill_mark + 1))")
+echo "$errors" | tail -3
+grep -qi "Manual intervention required" <<<"$errors" ||
+  { echo "the host never saw NOT READY, manual intervention required, on $sdx"; exit 1; }
 
 step "accept-empty: new identity, ready"
 "$BIN" accept-empty "$IQN" 0 --state-dir "$STATE"
@@ -189,6 +202,7 @@ for i in $(seq 1 20); do
   sleep 1
 done
 [ "$ok" = 1 ] || { echo "the LUN did not become usable after accept-empty"; exit 1; }
-cmp -n 4096 /tmp/readback /dev/zero && echo "reads back the empty (accepted) device"
+cmp -n 4096 /tmp/readback /dev/zero || { echo "the accepted LUN does not read back zeros"; exit 1; }
+echo "reads back the empty (accepted) device"
 grep "accept-empty" "$LOG"
 echo "RAMSLOG OPEN-ISCSI $TRANSPORT PASSED"
