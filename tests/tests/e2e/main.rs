@@ -1,6 +1,7 @@
 //! End-to-end tests: the real `ramslog-target` binary on 127.0.0.1, driven by
 //! ramslog-initiator. One test binary, one module per area.
 
+mod generations;
 mod identity;
 mod images;
 mod integrity;
