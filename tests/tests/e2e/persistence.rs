@@ -169,48 +169,79 @@ async fn a_clean_stop_keeps_every_byte_and_a_crash_after_it_does_not_revive_it()
 }
 
 /// (d) SIGTERM in the middle of a QD32 writer: every write that was
-/// acknowledged is there after the restart.
+/// acknowledged is there after the restart, and the stop really cut the
+/// writer off: every lane still had a write in flight, which got no status
+/// (the connection closed) rather than a failure the host would count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_acknowledged_write_survives_a_stop_under_load() {
+    const LANES: u64 = 32;
+    const STRIDE: u64 = LANES;
+    /// Acknowledged writes before the SIGTERM: a tenth of the LUN's blocks.
+    const BEFORE_STOP: usize = 6000;
     let dir = scratch("load");
     let mut t = TargetProcess::start_with(options(&dir, None, &[]));
     let port = t.port();
     let s = Arc::new(open(&t, INITIATOR).await);
     let blocks = (LUN_BYTES / 4096) as u64;
+    let progress = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut lanes = Vec::new();
-    for lane in 0..32u64 {
-        let s = s.clone();
+    for lane in 0..LANES {
+        let (s, progress) = (s.clone(), progress.clone());
         lanes.push(tokio::spawn(async move {
             // Each block is written at most once, so an unacknowledged write
             // can never be mistaken for an acknowledged one.
             let mut acked = Vec::new();
             let mut lba4k = lane;
+            let mut cut_off = None;
             while lba4k < blocks {
                 let fill = (lba4k as u8) ^ 0xa5 ^ (lba4k >> 8) as u8;
                 let mut data = vec![fill; 4096];
                 data[..8].copy_from_slice(&lba4k.to_be_bytes());
-                if s.write(0, lba4k * 8, &data, false).await.is_err() {
+                if let Err(e) = s.write(0, lba4k * 8, &data, false).await {
+                    cut_off = Some(e);
                     break;
                 }
                 acked.push((lba4k, data));
-                lba4k += 32 * 7;
+                progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                lba4k += STRIDE;
             }
-            acked
+            (acked, cut_off)
         }));
     }
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Stop once the writer is well under way, long before it could finish.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while progress.load(std::sync::atomic::Ordering::Relaxed) < BEFORE_STOP {
+        assert!(std::time::Instant::now() < deadline, "the writer is stuck");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        !lanes.iter().any(|l| l.is_finished()),
+        "a lane finished before the stop: the writer must still be writing at the SIGTERM"
+    );
     let mut tc = tokio::task::spawn_blocking(move || {
         stop_cleanly(&mut t);
         t
     });
     let mut acked = Vec::new();
     for l in lanes {
-        acked.extend(l.await.expect("lane"));
+        let (a, cut_off) = l.await.expect("lane");
+        match cut_off {
+            None => panic!("a lane wrote its last block before the stop cut it off"),
+            Some(ramslog_initiator::Error::Scsi { status, sense }) => panic!(
+                "a write in flight at the stop failed with status {status:#x} {sense:?}: \
+                 it must get no status, so that the host retries it"
+            ),
+            Some(_) => {}
+        }
+        acked.extend(a);
     }
     let _t = (&mut tc).await.expect("stop");
+    let planned = (0..LANES)
+        .map(|lane| (blocks - lane).div_ceil(STRIDE) as usize)
+        .sum::<usize>();
     assert!(
-        acked.len() > 100,
-        "the writer got going: {} writes",
+        acked.len() > 100 && acked.len() < planned,
+        "the writer got going and was cut off: {} of {planned} writes",
         acked.len()
     );
     eprintln!("{} acknowledged writes before the stop", acked.len());

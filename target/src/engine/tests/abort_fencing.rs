@@ -282,3 +282,81 @@ fn abort_task_of_a_write_whose_read_is_in_flight_waits_for_it() {
         "answered once the READ completed"
     );
 }
+
+/// The responses in `r`, as (ITT, status).
+fn statuses(r: &[Rsp]) -> Vec<(u32, u8)> {
+    r.iter()
+        .filter(|p| p.bhs.opcode() == Some(Opcode::ScsiResponse))
+        .map(|p| (p.bhs.itt(), p.bhs.scsi_status()))
+        .collect()
+}
+
+/// Shutdown over TCP: a write whose R2T went out before the volume was
+/// fenced and whose Data-Out arrives after it gets no status (the host
+/// retries it after the restart) and the connection closes.
+#[test]
+fn solicited_data_out_after_the_shutdown_fence_gets_no_status() {
+    let mut h = Harness::new(RamPortal::new(IQN).size(LUN_BYTES).build());
+    login_as(
+        &mut h,
+        HOST_B,
+        &[("InitialR2T", "Yes"), ("ImmediateData", "No")],
+    );
+    let (itt, r) = h.command(&write10(REGION_LBA, BLOCKS), 0xa1, 4096, &[]);
+    let r2t = r
+        .iter()
+        .find(|p| p.bhs.opcode() == Some(Opcode::ReadyToTransfer))
+        .expect("an R2T for the write");
+    let ttt = r2t.bhs.ttt();
+    let scsi = h.conn.scsi_target().expect("logged in").clone();
+    scsi.lu(0).expect("LUN 0").volume().fence();
+    let mut d = Bhs::new(Opcode::DataOut);
+    d.set_final(true)
+        .set_itt(itt)
+        .set_ttt(ttt)
+        .set_buffer_offset(0)
+        .set_datasn(0);
+    let r = h.send(&d, &[0x5e; 4096]);
+    assert_eq!(statuses(&r), vec![], "a status went out after the fence");
+    assert!(h.closed, "the connection closes instead");
+}
+
+/// Shutdown over iSER: RDMA READs of a write are in flight when the volume
+/// is fenced; when they complete, the write gets no status and the
+/// connection closes. A write acknowledged before the fence stays so.
+#[test]
+fn rdma_reads_completing_after_the_shutdown_fence_get_no_status() {
+    let portal = RamPortal::new(IQN).size(LUN_BYTES).build();
+    let mut a = Harness::new_iser_from(portal, CmPeer::Illumos);
+    login_as(&mut a, HOST_A, &[]);
+    let mut hca = SimulatedHca::new(ILLUMOS_CREDITS);
+    let (before, _) = {
+        hca.register(0x99, 0x9_0000, vec![0x11; 4096]);
+        let r = a.iser_command(
+            &write10(0, BLOCKS),
+            0xa1,
+            4096,
+            &[],
+            iser_buf_at(0x99, 0x9_0000),
+            None,
+        );
+        to_adapter(&mut a, &mut hca);
+        r
+    };
+    assert!(hca.complete_one(&mut a.conn, a.now));
+    assert_eq!(statuses(&a.drain()), vec![(before, status::GOOD)]);
+    a_writes(&mut a, &mut hca);
+    let scsi = a.conn.scsi_target().expect("logged in").clone();
+    scsi.lu(0).expect("LUN 0").volume().fence();
+    let mut after = Vec::new();
+    while hca.complete_one(&mut a.conn, a.now) {
+        after.extend(a.drain());
+        to_adapter(&mut a, &mut hca);
+    }
+    assert_eq!(
+        statuses(&after),
+        vec![],
+        "a status went out after the fence"
+    );
+    assert!(a.closed, "the connection closes instead");
+}
