@@ -681,10 +681,17 @@ fn abort_task_on_a_waiting_write() {
         .set_cmdsn(h.cmdsn);
     let r = h.send(&t, &[]);
     assert_eq!((r.len(), r[0].bhs.response()), (1, tmf::RSP_COMPLETE));
-    // Its data now goes nowhere, and no response ever comes for it.
+    // Its data now goes nowhere, and no response ever comes for it: a
+    // pattern, so that a byte placed would show over the zeroed LUN.
     let mut d = Bhs::new(Opcode::DataOut);
     d.set_final(true).set_itt(itt).set_ttt(RESERVED_TAG);
-    assert!(h.send(&d, &[0u8; 4096]).is_empty());
+    assert!(h.send(&d, &[0x6bu8; 4096]).is_empty());
+    let mut lun = vec![0xffu8; 4096];
+    assert!(h.conn.read_store(0, 0, &mut lun));
+    assert!(
+        lun.iter().all(|&b| b == 0),
+        "the aborted write's data landed"
+    );
     // A finished task: "does not exist".
     t.set_itt(501).set_ttt(12345);
     assert_eq!(h.send(&t, &[])[0].bhs.response(), tmf::RSP_NO_TASK);

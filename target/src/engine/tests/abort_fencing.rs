@@ -360,3 +360,84 @@ fn rdma_reads_completing_after_the_shutdown_fence_get_no_status() {
     );
     assert!(a.closed, "the connection closes instead");
 }
+
+/// LOGICAL UNIT RESET from host B (TCP) while host A's writes (iSER) have
+/// RDMA READs in flight and held: A's tasks end without status (TAS=0),
+/// the held READs are never posted, B's reset is answered only once the
+/// posted ones completed, and nothing of A lands over what B writes next.
+/// Every host then sees the reset once, as a unit attention (29h/03h).
+#[test]
+fn logical_unit_reset_aborts_the_other_hosts_tasks() {
+    let portal = RamPortal::new(IQN).size(LUN_BYTES).build();
+    let mut a = Harness::new_iser_from(portal.clone(), CmPeer::Illumos);
+    login_as(&mut a, HOST_A, &[]);
+    let mut b = Harness::new(portal);
+    login_as(
+        &mut b,
+        HOST_B,
+        &[("ImmediateData", "Yes"), ("InitialR2T", "No")],
+    );
+    let mut hca = SimulatedHca::new(ILLUMOS_CREDITS);
+    a_writes(&mut a, &mut hca);
+    let mut t = Bhs::new(Opcode::TaskMgmtRequest);
+    t.set_immediate(true)
+        .set_final(true)
+        .set_flags(0x80 | tmf::LOGICAL_UNIT_RESET)
+        .set_lun(0)
+        .set_itt(b.next_itt())
+        .set_ttt(RESERVED_TAG)
+        .set_cmdsn(b.cmdsn);
+    let tmf_answer = |r: &[Rsp]| {
+        r.iter()
+            .find(|p| p.bhs.opcode() == Some(Opcode::TaskMgmtResponse))
+            .map(|p| p.bhs.response())
+    };
+    let r = b.send(&t, &[]);
+    assert_eq!(
+        tmf_answer(&r),
+        None,
+        "LOGICAL UNIT RESET answered while four of A's RDMA READs are in flight"
+    );
+    while hca.complete_one(&mut a.conn, a.now) {}
+    assert_eq!(
+        statuses(&a.drain()),
+        vec![],
+        "an aborted write got a status"
+    );
+    assert_eq!(hca.held(), 0, "the held READs are dropped, never posted");
+    b.now += Duration::from_millis(1);
+    b.conn.handle(b.now, Input::Timeout);
+    assert_eq!(tmf_answer(&b.drain()), Some(tmf::RSP_COMPLETE));
+    let tur = [0u8; 6];
+    let reset_seen = |r: &[Rsp]| {
+        let p = r
+            .iter()
+            .find(|p| p.bhs.opcode() == Some(Opcode::ScsiResponse))
+            .expect("a status");
+        let s = sense_of(p);
+        (p.bhs.scsi_status(), s.key, s.asc, s.ascq)
+            == (
+                status::CHECK_CONDITION,
+                sense_key::UNIT_ATTENTION,
+                0x29,
+                0x03,
+            )
+    };
+    assert!(
+        reset_seen(&b.command(&tur, 0x81, 0, &[]).1),
+        "B's unit attention"
+    );
+    b_writes_region(&mut b);
+    assert!(
+        lun_range(&b, REGION_LBA, WRITES * u32::from(BLOCKS))
+            .iter()
+            .all(|x| *x == 0xbb),
+        "an aborted write of host A landed over host B's data"
+    );
+    assert!(
+        reset_seen(&a.iser_command(&tur, 0x81, 0, &[], None, None).1),
+        "A's unit attention"
+    );
+    let (_, r) = a.iser_command(&tur, 0x81, 0, &[], None, None);
+    assert_eq!(status_of(&r), Some(status::GOOD), "reported once");
+}
