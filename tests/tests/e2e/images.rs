@@ -134,6 +134,22 @@ fn set_header_u64(path: &Path, at: u64, value: u64) {
     f.write_all_at(&h, 0).expect("write header");
 }
 
+/// Overwrite header bytes at `at` (a text field: same length) and seal the
+/// header again, so only the field itself is wrong.
+fn set_header_bytes(path: &Path, at: u64, bytes: &[u8]) {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open image");
+    let mut h = vec![0u8; BLOCK as usize];
+    f.read_exact_at(&mut h, 0).expect("read header");
+    h[at as usize..at as usize + bytes.len()].copy_from_slice(bytes);
+    let crc = crc32c::crc32c(&h[..BLOCK as usize - 4]);
+    h[BLOCK as usize - 4..].copy_from_slice(&crc.to_le_bytes());
+    f.write_all_at(&h, 0).expect("write header");
+}
+
 fn edit_state(dir: &Path, edit: impl Fn(String) -> String) {
     let p = dir.join("luns.toml");
     let s = std::fs::read_to_string(&p).expect("luns.toml");
@@ -171,6 +187,22 @@ async fn refused(dir: &Path, extra: &[&str], why: &str) {
         "status should say {why:?}: {st}\n{}",
         t.output_tail(10)
     );
+    // A refused restore may have loaded chunks before it found the damage
+    // (chunk 0 before a bad chunk 5): none of them may be readable once the
+    // admin accepts the empty device.
+    let out = cli(&["accept-empty", t.target_name(), "0"], dir);
+    assert!(out.status.success(), "{why}: accept-empty: {out:?}");
+    clear_unit_attentions(&s).await;
+    for c in CHUNKS {
+        let got = s
+            .read(0, c * CHUNK / 512, (CHUNK / 512) as u32, 512)
+            .await
+            .expect("READ");
+        assert!(
+            got.iter().all(|&b| b == 0),
+            "{why}: chunk {c} of the refused image is readable after accept-empty"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -280,6 +312,26 @@ async fn damaged_or_foreign_images_are_never_loaded() {
             Box::new(|_, i| set_header_u64(i, 48, 1)),
             &[],
             "LUN 1",
+        ),
+        (
+            // The header's target name (after the 64-byte serial field at
+            // 74 and its length): one letter of "iqn" changed.
+            "other-target-name",
+            Box::new(|_, i| set_header_bytes(i, 74 + 64 + 2, b"IQN")),
+            &[],
+            "it is IQN.2026-11.org.ramslog:test LUN 0",
+        ),
+        (
+            // The header's serial: its first character changed.
+            "other-serial",
+            Box::new(|_, i| {
+                let f = std::fs::File::open(i).unwrap();
+                let mut c = [0u8; 1];
+                f.read_exact_at(&mut c, 74).unwrap();
+                set_header_bytes(i, 74, &[if c[0] == b'0' { b'1' } else { b'0' }]);
+            }),
+            &[],
+            "its identity is naa.",
         ),
         (
             "other-naa",
@@ -475,5 +527,151 @@ async fn a_dump_into_an_unwritable_directory_fails_cleanly() {
     std::fs::set_permissions(dir.join("images"), std::fs::Permissions::from_mode(0o700))
         .expect("chmod");
     refused(&dir, &[], "no clean image").await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A daemon with two targets, three LUNs, started on a config file.
+struct ConfigDaemon {
+    child: std::process::Child,
+    addr: std::net::SocketAddr,
+}
+
+impl ConfigDaemon {
+    const X: &'static str = "iqn.2026-11.org.ramslog:swap-x";
+    const Y: &'static str = "iqn.2026-11.org.ramslog:swap-y";
+    /// (target, LUN) of every volume, and the byte each is filled with.
+    const VOLUMES: [(&'static str, u64, u8); 3] =
+        [(Self::X, 0, 0x0a), (Self::X, 1, 0x1a), (Self::Y, 0, 0x2a)];
+
+    fn start(dir: &Path, port: u16) -> ConfigDaemon {
+        let cfg = dir.join("ramslog.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "listen = [\"127.0.0.1:{port}\"]\n\
+                 [[target]]\nname = \"{x}\"\n\
+                 [[target.lun]]\nlun = 0\nsize = \"8M\"\n\
+                 [[target.lun]]\nlun = 1\nsize = \"8M\"\n\
+                 [[target]]\nname = \"{y}\"\n\
+                 [[target.lun]]\nlun = 0\nsize = \"8M\"\n",
+                x = Self::X,
+                y = Self::Y
+            ),
+        )
+        .expect("write config");
+        let child = Command::new(target_binary())
+            .arg("--config")
+            .arg(&cfg)
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start ramslog-target");
+        let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(addr).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the daemon never listened"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        ConfigDaemon { child, addr }
+    }
+
+    async fn session(&self, target: &str) -> Session {
+        Session::login(self.addr, LoginParams::normal(INITIATOR, target))
+            .await
+            .expect("login")
+    }
+
+    fn stop(mut self) {
+        ramslog_tests::send_signal(self.child.id(), ramslog_tests::Signal::TERM);
+        let st = self.child.wait().expect("wait");
+        assert!(st.success(), "a clean stop: {st:?}");
+    }
+}
+
+impl Drop for ConfigDaemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Images moved between the LUNs of one target and between two targets
+/// (each file put under the name of another volume's current image): every
+/// volume refuses what it finds and answers NOT READY, and none serves the
+/// bytes of another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_swapped_between_luns_and_targets_are_refused() {
+    let dir = scratch("swap");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let port = ramslog_tests::free_port();
+    let d = ConfigDaemon::start(&dir, port);
+    for (target, lun, fill) in ConfigDaemon::VOLUMES {
+        let s = d.session(target).await;
+        for _ in 0..8 {
+            if s.test_unit_ready(lun).await.expect("TUR").is_good() {
+                break;
+            }
+        }
+        s.write(lun, 0, &vec![fill; CHUNK as usize], true)
+            .await
+            .expect("WRITE");
+    }
+    d.stop();
+    let images = dir.join("state").join("images");
+    let mut names: Vec<PathBuf> = std::fs::read_dir(&images)
+        .expect("images")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "img"))
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 3, "one image per volume: {names:?}");
+    // Rotate the contents: each name now holds the next volume's image.
+    let held = names
+        .iter()
+        .map(|n| std::fs::read(n).expect("read"))
+        .collect::<Vec<_>>();
+    for (i, n) in names.iter().enumerate() {
+        std::fs::write(n, &held[(i + 1) % held.len()]).expect("write");
+    }
+
+    let d = ConfigDaemon::start(&dir, port);
+    for (target, lun, _) in ConfigDaemon::VOLUMES {
+        let s = d.session(target).await;
+        let mut not_ready = false;
+        for _ in 0..4 {
+            let r = s.test_unit_ready(lun).await.expect("TUR");
+            if r.status == 2 && sense(&r) == (2, 0x04, 0x03) {
+                not_ready = true;
+                break;
+            }
+        }
+        assert!(
+            not_ready,
+            "{target} LUN {lun} must be NOT READY with another volume's image"
+        );
+        let r = s
+            .command(lun, &[0x28, 0, 0, 0, 0, 0, 0, 0, 8, 0], None, 4096)
+            .await
+            .expect("READ");
+        assert_eq!(sense(&r), (2, 0x04, 0x03), "{target} LUN {lun}: no READ");
+    }
+    let st = status_text(&dir.join("state"));
+    assert_eq!(
+        st.matches("NOT READY").count(),
+        3,
+        "every volume NOT READY: {st}"
+    );
+    assert!(
+        st.contains(&format!("it is {} LUN 1", ConfigDaemon::X))
+            && st.contains(&format!("it is {} LUN 0", ConfigDaemon::Y))
+            && st.contains(&format!("it is {} LUN 0", ConfigDaemon::X)),
+        "each names the volume the image belongs to: {st}"
+    );
+    drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }
