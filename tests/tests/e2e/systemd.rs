@@ -65,37 +65,178 @@ fn the_unit_verifies() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// With `$NOTIFY_SOCKET` set, READY=1 comes once the portal listens and
-/// STOPPING=1 when a stop begins.
+/// systemd's notification socket, which the test can make full: the
+/// daemon's next notification then blocks until the test reads, which pins
+/// down what the daemon did before sending it.
+struct NotifySocket {
+    socket: UnixDatagram,
+    path: PathBuf,
+}
+
+impl NotifySocket {
+    fn bind(path: PathBuf) -> NotifySocket {
+        let socket = UnixDatagram::bind(&path).expect("bind notify socket");
+        socket
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .expect("timeout");
+        NotifySocket { socket, path }
+    }
+
+    /// Queue fillers until the kernel refuses more: the next sender blocks.
+    fn fill(&self) -> usize {
+        let filler = UnixDatagram::unbound().expect("socket");
+        filler.set_nonblocking(true).expect("nonblocking");
+        let mut n = 0;
+        while filler.send_to(b"FILLER", &self.path).is_ok() {
+            n += 1;
+            assert!(n < 100_000, "the notify socket never filled");
+        }
+        n
+    }
+
+    fn recv(&self) -> String {
+        let mut buf = [0u8; 512];
+        let n = self.socket.recv(&mut buf).expect("a notification");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    }
+
+    /// Read until a message containing `what`; the daemon's messages seen.
+    fn until(&self, what: &str) -> Vec<String> {
+        let mut seen = Vec::new();
+        loop {
+            let m = self.recv();
+            if m != "FILLER" {
+                seen.push(m.clone());
+            }
+            if m.contains(what) {
+                return seen;
+            }
+        }
+    }
+}
+
+fn wait_for_log(t: &TargetProcess, what: &str, within: Duration) -> bool {
+    let deadline = std::time::Instant::now() + within;
+    while std::time::Instant::now() < deadline {
+        if t.output().contains(what) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// READY=1 only once every LUN is restored and the portal listens;
+/// STOPPING=1 before the dump. The notification socket is kept full, so the
+/// daemon blocks in the notification: what it did before is then visible,
+/// and what it would do after cannot happen yet.
 #[test]
-fn readiness_and_stopping_are_notified() {
+fn readiness_comes_after_the_restore_and_stopping_before_the_dump() {
     let dir = std::env::temp_dir().join(format!("ramslog-notify-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("mkdir");
-    let path = dir.join("notify.sock");
-    let socket = UnixDatagram::bind(&path).expect("bind notify socket");
-    socket
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .expect("timeout");
-    let mut t = TargetProcess::start_with(TargetOptions {
-        env: vec![("NOTIFY_SOCKET".into(), path.display().to_string())],
+    let state = dir.join("state");
+    let options = |port: Option<u16>| TargetOptions {
+        ephemeral: false,
+        state_dir: Some(state.clone()),
+        port,
         ..Default::default()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    // Write `chunks` MiB of a pattern.
+    let write = |t: &TargetProcess, chunks: u64| {
+        rt.block_on(async {
+            let s = ramslog_initiator::Session::login(
+                t.addr(),
+                ramslog_initiator::LoginParams::normal(
+                    "iqn.2026-11.org.ramslog:e2e-initiator",
+                    t.target_name(),
+                ),
+            )
+            .await
+            .expect("login");
+            for _ in 0..8 {
+                if s.test_unit_ready(0).await.expect("TUR").is_good() {
+                    break;
+                }
+            }
+            for c in 0..chunks {
+                s.write(0, c * 2048, &vec![c as u8 + 1; 1 << 20], false)
+                    .await
+                    .expect("WRITE");
+            }
+        })
+    };
+    // An image to restore: 64 MiB of a pattern.
+    let mut t = TargetProcess::start_with(options(None));
+    let port = t.port();
+    write(&t, 64);
+    assert!(t.stop().success(), "{}", t.output_tail(20));
+
+    let notify = NotifySocket::bind(dir.join("notify.sock"));
+    let queued = notify.fill();
+    let mut t = TargetProcess::spawn_with(TargetOptions {
+        env: vec![("NOTIFY_SOCKET".into(), notify.path.display().to_string())],
+        ..options(Some(port))
     });
-    let mut seen = String::new();
-    let mut buf = [0u8; 512];
-    while !seen.contains("READY=1") {
-        let n = socket.recv(&mut buf).expect("a notification");
-        seen += &String::from_utf8_lossy(&buf[..n]);
-        seen.push('\n');
-    }
+    // One slot: STATUS=restoring gets in, the next notification blocks.
+    assert_eq!(notify.recv(), "FILLER");
     assert!(
-        std::net::TcpStream::connect(t.addr()).is_ok(),
-        "listening when READY=1 came"
+        wait_for_log(&t, "restored and verified", Duration::from_secs(60)),
+        "the restore never finished: was a notification before it (READY=1?) blocked?\n{}",
+        t.output_tail(20)
     );
-    assert!(t.stop().success());
-    while !seen.contains("STOPPING=1") {
-        let n = socket.recv(&mut buf).expect("STOPPING=1");
-        seen += &String::from_utf8_lossy(&buf[..n]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(t.addr()).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the portal does not listen before READY=1 is sent"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
+    let seen = notify.until("READY=1");
+    assert_eq!(
+        seen.len(),
+        2,
+        "STATUS=restoring, then READY=1: {seen:?} ({queued} fillers)"
+    );
+    assert!(
+        seen[0].contains("STATUS=restoring") && !seen[0].contains("READY=1"),
+        "{seen:?}"
+    );
+
+    // Something to dump.
+    write(&t, 64);
+    notify.fill();
+    ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::TERM);
+    assert!(
+        wait_for_log(&t, "SIGTERM: stopping", Duration::from_secs(20)),
+        "{}",
+        t.output_tail(20)
+    );
+    // Blocked in STOPPING=1: the dump (a second or less for 64 MiB) must
+    // not happen while the notification waits.
+    assert!(
+        !wait_for_log(&t, "dumped to", Duration::from_secs(3)),
+        "the dump ran before STOPPING=1 was sent"
+    );
+    let seen = notify.until("STOPPING=1");
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let exit = loop {
+        if let Some(st) = t.try_exit_status() {
+            break st;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no exit after the dump"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(exit.success(), "{}", t.output_tail(20));
+    assert!(t.output().contains("dumped to"), "{}", t.output_tail(20));
     let _ = std::fs::remove_dir_all(&dir);
 }
