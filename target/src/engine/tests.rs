@@ -166,7 +166,7 @@ impl Harness {
             .set_itt(itt)
             .set_expected_data_len(edtl)
             .set_cmdsn(self.cmdsn);
-        self.cmdsn += 1;
+        self.cmdsn = self.cmdsn.wrapping_add(1);
         b.set_cdb(cdb);
         (itt, self.send(&b, data))
     }
@@ -896,7 +896,7 @@ impl Harness {
             .set_expected_data_len(edtl)
             .set_cmdsn(self.cmdsn)
             .set_data_segment_len(data.len() as u32);
-        self.cmdsn += 1;
+        self.cmdsn = self.cmdsn.wrapping_add(1);
         b.set_cdb(cdb);
         self.conn.handle(
             self.now,
@@ -1208,6 +1208,7 @@ fn iser_linux_full_feature_data_stays_within_128_bytes() {
 }
 
 mod abort_fencing;
+mod cmdsn;
 mod lifetimes;
 mod reinstatement;
 mod transfer_length;
