@@ -160,6 +160,10 @@ pub struct RunArgs {
     /// Seconds a login may take before the connection is closed.
     #[arg(long, value_name = "SECS")]
     pub login_timeout: Option<u64>,
+    /// Seconds a TCP connection's output may make no progress (the initiator
+    /// reads nothing) before the connection is dropped (default 30).
+    #[arg(long, value_name = "SECS")]
+    pub output_stall_timeout: Option<u64>,
     /// Seconds a new connection may take to send its first PDU (default 5).
     #[arg(long, value_name = "SECS")]
     pub first_pdu_timeout: Option<u64>,
@@ -440,6 +444,13 @@ impl Config {
             limits.login_timeout = Duration::from_secs(n);
         }
         if let Some(n) = setting(
+            "output_stall_timeout",
+            args.output_stall_timeout,
+            spanned64(&file.output_stall_timeout),
+        )? {
+            limits.output_stall_timeout = Duration::from_secs(n);
+        }
+        if let Some(n) = setting(
             "first_pdu_timeout",
             args.first_pdu_timeout,
             spanned64(&file.first_pdu_timeout),
@@ -661,7 +672,9 @@ fn check_setting(key: &str, value: u64) -> Result<(), String> {
     let (min, max, unit) = match key {
         "cmd_window" => (1, 4096, ""),
         "nop_interval" => (1, 86_400, " seconds"),
-        "nop_timeout" | "login_timeout" | "first_pdu_timeout" => (1, 3600, " seconds"),
+        "nop_timeout" | "login_timeout" | "first_pdu_timeout" | "output_stall_timeout" => {
+            (1, 3600, " seconds")
+        }
         "discovery_lifetime" => (1, 86_400, " seconds"),
         "staging_budget" => (1 << 20, u64::MAX, " bytes (1M)"),
         _ => (1, u64::from(u32::MAX), ""),

@@ -416,3 +416,74 @@ fn promtool_accepts_the_alert_rules_and_their_tests() {
         );
     }
 }
+
+/// A host that sends READs and then reads nothing is dropped once its
+/// output made no progress for `--output-stall-timeout` (4 s here, far from
+/// the 30 s default and from every other timer), with the reason logged and
+/// counted as `output_stall`.
+#[tokio::test]
+async fn a_host_that_stops_reading_is_dropped_after_the_output_stall_timeout() {
+    use ramslog_common::iscsi::{Bhs, Opcode};
+    const STALL: Duration = Duration::from_secs(4);
+    let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let t = TargetProcess::start_with(TargetOptions {
+        extra_args: vec![
+            "--metrics".into(),
+            metrics.to_string(),
+            "--output-stall-timeout".into(),
+            STALL.as_secs().to_string(),
+            // No ping may end the connection first.
+            "--nop-interval".into(),
+            "3600".into(),
+        ],
+        ..Default::default()
+    });
+    let mut c = ramslog_initiator::Connection::connect(t.addr())
+        .await
+        .expect("connect");
+    c.login(&LoginParams::normal(INITIATOR, t.target_name()))
+        .await
+        .expect("login");
+    // 32 READs of 16 MiB: far more than the socket buffers hold.
+    for i in 0..32u32 {
+        let mut b = Bhs::new(Opcode::ScsiCommand);
+        b.set_flags(0xc1)
+            .set_itt(c.next_itt())
+            .set_expected_data_len(16 << 20);
+        b.set_cdb(&read10((i % 16) * 32768, 32768));
+        c.fill_sn(&mut b, false);
+        c.send_pdu(&b, &[], &[]).await.expect("send READ");
+    }
+    let sent = Instant::now();
+    let reason = "no output progress for 4s";
+    while !t.output().contains(reason) {
+        assert!(
+            sent.elapsed() < STALL + Duration::from_secs(20),
+            "not dropped {:?} after the READs: {}",
+            sent.elapsed(),
+            t.output_tail(10)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let dropped_after = sent.elapsed();
+    assert!(
+        dropped_after >= STALL,
+        "dropped after {dropped_after:?}, before the {STALL:?} stall timeout"
+    );
+    let (_, page) = http_get(metrics, "/metrics");
+    assert_eq!(
+        sample(&page, "ramslog_limit_hits_total{limit=\"output_stall\"}"),
+        1.0
+    );
+    // The client then finds the connection closed once it reads what the
+    // socket buffers still hold.
+    let closed = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            if c.recv_pdu().await.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the connection is still open");
+}

@@ -136,6 +136,8 @@ async fn a_login_that_never_reads_is_dropped_by_the_login_timeout() {
     let sampler = RssSampler::start(t.pid());
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
     socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    // The login timer runs from the connection's start.
+    let connecting = std::time::Instant::now();
     let mut s = socket.connect(t.addr()).await.expect("connect");
     let mut login = Bhs::new(Opcode::LoginRequest);
     // C=1, CSG=operational: "more text follows", each answered by an empty response.
@@ -177,6 +179,19 @@ async fn a_login_that_never_reads_is_dropped_by_the_login_timeout() {
         closed,
         "defect 6: the connection was still open {:?} after an 8 s login timeout",
         started.elapsed()
+    );
+    // The login timer, not the 30 s output stall: it fired at 8 s, closed
+    // within the 5 s linger, and the log names it.
+    let elapsed = connecting.elapsed();
+    assert!(
+        elapsed >= Duration::from_secs(8) && elapsed < Duration::from_secs(20),
+        "closed after {elapsed:?}: the 8 s login timeout must be what ended it"
+    );
+    let log = t.output();
+    assert!(
+        log.contains("login timed out") && !log.contains("no output progress"),
+        "the login timeout is the logged reason: {}",
+        t.output_tail(10)
     );
     record("login-never-reads", 1, sampler.finish(), LUN_BYTES);
 }
