@@ -261,12 +261,32 @@ async fn another_user_is_refused_by_the_control_socket() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("mkdir");
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
-    let t = TargetProcess::start_with(TargetOptions {
+    let options = |port: Option<u16>| TargetOptions {
         ephemeral: false,
         state_dir: Some(dir.clone()),
+        port,
         ..Default::default()
-    });
+    };
+    // A LUN that lost its content: accept-empty would change it, stop
+    // would end the daemon. Neither may be another user's to do.
+    let mut t = TargetProcess::start_with(options(None));
+    let port = t.port();
+    let s = open(&t, INITIATOR).await;
+    s.write(0, 0, &[0x42; 4096], true).await.expect("WRITE");
+    drop(s);
+    t.kill();
+    let mut t = TargetProcess::start_with(options(Some(port)));
     let socket = dir.join("control.sock");
+    use std::os::unix::fs::MetadataExt;
+    let mode = std::fs::metadata(&socket)
+        .expect("stat control.sock")
+        .mode()
+        & 0o7777;
+    assert_eq!(
+        mode, 0o600,
+        "the control socket is the daemon's user's only: mode {mode:o}"
+    );
+    // Opened up on purpose: the peer's credentials must refuse by themselves.
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).expect("chmod");
     // The targets and LUNs (identity, readiness, generation): the process's
     // memory in the same report moves on its own.
@@ -276,30 +296,49 @@ async fn another_user_is_refused_by_the_control_socket() {
     };
     let before = cli(&["status", "--json"], &dir);
     assert!(before.status.success(), "status as the daemon's user");
+    assert!(
+        String::from_utf8_lossy(&before.stdout).contains("no clean image"),
+        "the LUN must be NOT READY for accept-empty to mean anything"
+    );
 
     let (uid, gid) = ("65534", "65534");
-    let other = Command::new("setpriv")
-        .args(["--reuid", uid, "--regid", gid, "--clear-groups"])
-        .arg(target_binary())
-        .args(["accept-empty", t.target_name(), "0", "--control-socket"])
-        .arg(&socket)
-        .output()
-        .expect("run accept-empty as another user");
-    let err = String::from_utf8_lossy(&other.stderr);
+    let as_other = |args: &[&str]| {
+        Command::new("setpriv")
+            .args(["--reuid", uid, "--regid", gid, "--clear-groups"])
+            .arg(target_binary())
+            .args(args)
+            .arg("--control-socket")
+            .arg(&socket)
+            .output()
+            .expect("run as another user")
+    };
+    for request in [vec!["accept-empty", t.target_name(), "0"], vec!["stop"]] {
+        let other = as_other(&request);
+        let err = String::from_utf8_lossy(&other.stderr);
+        assert!(
+            !other.status.success(),
+            "another user's {request:?} ran: {err}"
+        );
+        assert!(
+            err.contains("refused") && err.contains(uid),
+            "defect 11: the refusal of {request:?} does not say why: {err}"
+        );
+    }
+    // A stop is answered only once the daemon has stopped, and logged when
+    // it begins: a refused one left no trace and the daemon still serves.
     assert!(
-        !other.status.success(),
-        "another user's accept-empty ran: {err}"
+        !t.output().contains("stop requested"),
+        "another user's stop began a shutdown: {}",
+        t.output_tail(10)
     );
     let after = cli(&["status", "--json"], &dir);
+    assert!(after.status.success(), "the daemon still answers");
     assert_eq!(
         targets(&before),
         targets(&after),
         "another user's request changed the daemon"
     );
-    assert!(
-        err.contains("refused") && err.contains(uid),
-        "defect 11: the refusal does not say why: {err}"
-    );
+    assert!(t.is_running());
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -492,3 +492,152 @@ async fn unwritten_luns_survive_a_crash_and_hangup_stops_cleanly() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The image files in `dir`'s image directory.
+fn image_files(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir.join("images"))
+        .expect("images")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// The NAA (hex) the LUN's images are named by: the one image there is.
+fn naa_of_images(dir: &Path) -> String {
+    let files = image_files(dir);
+    assert_eq!(files.len(), 1, "one image: {files:?}");
+    files[0].split_once("-g").expect("NAA-gN.img").0.to_string()
+}
+
+/// kill -9 in the middle of the dump: the generation stays unclean, so the
+/// next start is NOT READY (never a half-written image), and after
+/// accept-empty nothing of the old content is readable. Then a refused
+/// (damaged) image of the current generation: accept-empty deletes every
+/// file of the old identity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_during_the_dump_leaves_the_lun_not_ready_and_accept_empty_clears_it() {
+    use ramslog_tests::Signal;
+    let dir = scratch("kill-dump");
+    let pattern = random_pattern(4);
+    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let port = t.port();
+    let s = Arc::new(open(&t, INITIATOR).await);
+    write_all(&s, &pattern).await;
+    drop(s);
+    ramslog_tests::send_signal(t.pid(), Signal::TERM);
+    // Catch the dump under way: stop the process the moment it says so (a
+    // new LUN's empty image was dumped at start already).
+    let since_stop = |t: &TargetProcess| {
+        let log = t.output();
+        log.split_once("SIGTERM: stopping")
+            .map(|(_, after)| after.to_string())
+            .unwrap_or_default()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !since_stop(&t).contains("dumping LUN content") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}",
+            t.output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    ramslog_tests::send_signal(t.pid(), Signal::STOP);
+    assert!(
+        !since_stop(&t).contains("dumped to"),
+        "the dump of 256 MiB finished before the kill; the test needs it under way"
+    );
+    t.kill();
+
+    let t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    expect_not_ready(&t).await;
+    let st = status_text(&dir);
+    assert!(st.contains("no clean image"), "{st}");
+    let out = cli(&["accept-empty", t.target_name(), "0"], &dir);
+    assert!(out.status.success(), "accept-empty: {out:?}");
+    let s = open(&t, INITIATOR).await;
+    let got = s.read(0, 0, 2048, 512).await.expect("READ");
+    assert!(got.iter().all(|&b| b == 0), "the old content is readable");
+
+    // A clean image of this identity, damaged on disk: refused at the next
+    // start, and still there (a start removes only other generations).
+    s.write(0, 0, &[0x3c; 4096], true).await.expect("WRITE");
+    drop(s);
+    let mut t = t;
+    stop_cleanly(&mut t);
+    let old_naa = naa_of_images(&dir);
+    let image = dir.join("images").join(&image_files(&dir)[0]);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&image)
+            .expect("open image");
+        // Inside the first chunk's data (after the header and its prefix).
+        f.write_all_at(&[0xee], 8192 + 100)
+            .expect("damage the image");
+    }
+    let t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    expect_not_ready(&t).await;
+    let before = image_files(&dir);
+    assert!(
+        before.iter().any(|f| f.starts_with(&old_naa)),
+        "the stale image of the old identity is there: {before:?}"
+    );
+    let out = cli(&["accept-empty", t.target_name(), "0"], &dir);
+    assert!(out.status.success(), "accept-empty: {out:?}");
+    let after = image_files(&dir);
+    assert!(
+        !after.iter().any(|f| f.starts_with(&old_naa)),
+        "files of the old identity {old_naa} remain: {after:?}"
+    );
+    assert_eq!(after.len(), 1, "the new identity's empty image: {after:?}");
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An image directory the daemon cannot write fails the start (not the
+/// first dump, hours later): here a read-only filesystem.
+#[test]
+fn a_read_only_image_directory_fails_the_start() {
+    assert!(
+        Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|o| o.stdout.starts_with(b"0\n")),
+        "this test mounts a read-only tmpfs: run it as root (CI does)"
+    );
+    let dir = scratch("ro-images");
+    let images = dir.join("images");
+    std::fs::create_dir_all(&images).expect("mkdir");
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "ro,size=1m", "tmpfs"])
+        .arg(&images)
+        .status();
+    assert!(
+        mounted.is_ok_and(|s| s.success()),
+        "mount a read-only tmpfs"
+    );
+    let out = Command::new(target_binary())
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .arg("--image-dir")
+        .arg(&images)
+        .args(["--size", "16M", "--listen", "127.0.0.1:0"])
+        .args(["--target-name", "iqn.2026-11.org.ramslog:ro"])
+        .output()
+        .expect("run ramslog-target");
+    let _ = Command::new("umount").arg(&images).status();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "started on a read-only image directory: {err}"
+    );
+    assert!(
+        err.contains(&images.display().to_string()) && err.contains("Read-only file system"),
+        "the error names the directory and why: {err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
