@@ -403,3 +403,51 @@ size = "8M"
     s.logout().await.expect("logout");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--max-connections-per-host 2`: a third logged-in connection from one
+/// address is refused while two are open, one from another address is not,
+/// and the place comes back when a connection ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logged_in_connections_are_capped_per_host() {
+    use ramslog_initiator::Connection;
+    use std::net::{IpAddr, Ipv4Addr};
+    let t = TargetProcess::start_with(TargetOptions {
+        extra_args: vec!["--max-connections-per-host".into(), "2".into()],
+        ..Default::default()
+    });
+    let params = |n: u8| {
+        let mut p = LoginParams::normal(format!("{INITIATOR}-{n}"), t.target_name());
+        p.isid = Some([0x80, 0, 0, 0, 0, n]);
+        p
+    };
+    let login_from = |from: Ipv4Addr, n: u8| {
+        let (addr, p) = (t.addr(), params(n));
+        async move {
+            let mut c = Connection::connect_from(IpAddr::V4(from), addr)
+                .await
+                .expect("connect");
+            c.login(&p).await.map(|_| c)
+        }
+    };
+    let one = Ipv4Addr::new(127, 0, 0, 1);
+    let a = login_from(one, 1).await.expect("first from 127.0.0.1");
+    let _b = login_from(one, 2).await.expect("second from 127.0.0.1");
+    assert!(
+        login_from(one, 3).await.is_err(),
+        "a third logged-in connection from one host was allowed"
+    );
+    let _other = login_from(Ipv4Addr::new(127, 0, 0, 2), 4)
+        .await
+        .expect("another host is not limited by the first one's count");
+    drop(a);
+    // The daemon frees the place when it sees the connection end.
+    let mut again = None;
+    for _ in 0..100 {
+        if let Ok(c) = login_from(one, 5).await {
+            again = Some(c);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(again.is_some(), "the place never came back");
+}
