@@ -12,8 +12,6 @@ use ramslog_tests::{TargetOptions, TargetProcess};
 
 use super::*;
 
-const QUIET: Duration = Duration::from_millis(700);
-
 async fn next(c: &mut Connection) -> Pdu {
     c.recv_pdu_timeout(Duration::from_secs(5))
         .await
@@ -84,7 +82,7 @@ async fn a_write_with_a_hole_is_never_good() {
         c.send_pdu(&d, &[], &vec![0xa5; send as usize])
             .await
             .expect("data");
-        while let Ok(Some(p)) = c.recv_pdu_timeout(QUIET).await {
+        for p in before_a_ping(&mut c).await {
             match p.opcode() {
                 Some(Opcode::ReadyToTransfer) => r2ts.push(p),
                 _ => answer = Some(p),
@@ -183,8 +181,17 @@ async fn a_discovery_login_does_not_end_a_session() {
     d.extra_keys
         .push(("TargetName".into(), t.target_name().into()));
     let mut c = Connection::connect(t.addr()).await.expect("connect");
-    let _ = c.login(&d).await;
-    tokio::time::sleep(QUIET).await;
+    // The attack must really happen: a discovery session with the victim's
+    // names and ISID is logged in (the TargetName key is ignored there).
+    let outcome = c.login(&d).await;
+    assert!(
+        outcome.is_ok(),
+        "the discovery login itself failed: {outcome:?}"
+    );
+    // Had it reinstated the victim's session, the victim's connection would
+    // be gone before this login was answered (a reinstating login is
+    // answered only then), and surely once this session logged out.
+    c.logout().await.expect("discovery logout");
     let r = victim.test_unit_ready(0).await;
     assert!(
         r.is_ok_and(|r| r.is_good() || r.sense.is_some()),
@@ -224,9 +231,11 @@ async fn a_command_beyond_max_cmdsn_is_dropped() {
     );
     let tur = scsi_cmd(&mut c, &[0; 6], 0x81, 0);
     c.send_pdu(&tur, &[], &[]).await.expect("send");
+    let answered = before_a_ping(&mut c).await;
     assert!(
-        c.recv_pdu_timeout(QUIET).await.expect("recv").is_none(),
-        "dropped"
+        answered.is_empty(),
+        "a command beyond MaxCmdSN was answered: {:?}",
+        answered.iter().map(|p| p.opcode()).collect::<Vec<_>>()
     );
     let (itt, ttt) = waiting[0];
     c.send_pdu(&data_out(itt, ttt, 0, true), &[], &[0u8; 4096])
@@ -327,12 +336,17 @@ async fn preempt_and_abort_fences_the_other_host() {
     )
     .await
     .expect("late data");
-    let answer = b.recv_pdu_timeout(QUIET).await.expect("recv");
+    // TAS=0: an aborted task ends without any status.
+    let answered = before_a_ping(&mut b).await;
     assert!(
-        !answer.is_some_and(
-            |p| p.opcode() == Some(Opcode::ScsiResponse) && p.bhs.scsi_status() == status::GOOD
-        ),
-        "a preempted write got GOOD"
+        !answered
+            .iter()
+            .any(|p| p.opcode() == Some(Opcode::ScsiResponse) && p.bhs.itt() == w.itt()),
+        "the preempted write got a status: {:?}",
+        answered
+            .iter()
+            .map(|p| (p.opcode(), p.bhs.scsi_status()))
+            .collect::<Vec<_>>()
     );
     assert_eq!(read_lun(&a, 3000, 8).await, marker, "preempted data landed");
 }

@@ -17,9 +17,9 @@ use std::time::Duration;
 
 use rand::Rng;
 
-use ramslog_common::iscsi::{Bhs, Opcode};
+use ramslog_common::iscsi::{Bhs, Opcode, RESERVED_TAG};
 use ramslog_common::scsi_wire::sense_key;
-use ramslog_initiator::{Connection, LoginParams, Session};
+use ramslog_initiator::{Connection, LoginParams, Pdu, Session};
 use ramslog_tests::TargetProcess;
 
 pub const INITIATOR: &str = "iqn.2026-11.org.ramslog:hostile";
@@ -102,4 +102,30 @@ pub fn read10(lba: u32, blocks: u16) -> [u8; 10] {
     let l = lba.to_be_bytes();
     let n = blocks.to_be_bytes();
     [0x28, 0, l[0], l[1], l[2], l[3], 0, n[0], n[1], 0]
+}
+
+/// Everything the target sends before it answers a NOP-Out ping sent now.
+/// It handles one connection's PDUs in order and answers a command it
+/// executes (or an R2T it owes) while handling it, so what it would say to
+/// anything sent before the ping comes before the ping's NOP-In: "no answer"
+/// is then an event, not a quiet window. Its own pings are left out.
+pub async fn before_a_ping(c: &mut Connection) -> Vec<Pdu> {
+    let mut b = Bhs::new(Opcode::NopOut);
+    let itt = c.next_itt();
+    b.set_final(true).set_itt(itt).set_ttt(RESERVED_TAG);
+    c.fill_sn(&mut b, true);
+    c.send_pdu(&b, &[], &[]).await.expect("send NOP-Out");
+    let mut seen = Vec::new();
+    loop {
+        let p = c
+            .recv_pdu_timeout(Duration::from_secs(10))
+            .await
+            .expect("recv")
+            .expect("the NOP-In answering the ping");
+        match (p.opcode(), p.bhs.itt()) {
+            (Some(Opcode::NopIn), i) if i == itt => return seen,
+            (Some(Opcode::NopIn), RESERVED_TAG) => {}
+            _ => seen.push(p),
+        }
+    }
 }
