@@ -1188,6 +1188,31 @@ fn iser_parameter_data_is_read_into_the_driver_buffer() {
     let r = h.drain();
     assert_eq!(r.len(), 1);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
+    assert_eq!(
+        r[0].bhs.scsi_status(),
+        status::GOOD,
+        "the caching page as it is"
+    );
+    // The bytes read are the ones judged: a caching page asking for a
+    // volatile write cache (WCE) is refused.
+    param[6] |= 0x04;
+    let (_, r) = h.iser_command(
+        &cdb,
+        scsi_cmd_flags(true, false),
+        param.len() as u32,
+        &[],
+        iser_buf(0x6000),
+        None,
+    );
+    assert!(r.is_empty());
+    let Some((_, Action::RdmaRead { tag, .. })) = h.rdma.pop() else {
+        panic!("expected an RDMA READ");
+    };
+    h.conn
+        .handle(h.now, Input::RdmaReadDone { tag, data: &param });
+    let r = h.drain();
+    assert_eq!(r[0].bhs.scsi_status(), status::CHECK_CONDITION);
+    assert_eq!(sense_of(&r[0]).key, sense_key::ILLEGAL_REQUEST);
 }
 
 #[test]
