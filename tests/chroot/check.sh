@@ -162,6 +162,16 @@ chroot "$ROOT" bash -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt
   { tail -20 "$WORK/boot-order-apt.log"; die "installing the host's packages"; }
 # What systemd would do at boot: build the start transaction and report the
 # ordering cycles it has to break by deleting jobs.
+# systemd-analyze verify of one unit: no complaint and exit 0 (a verify
+# that cannot run exits non-zero and says nothing about ramslog).
+verify_unit() {
+  local out rc=0
+  out=$(chroot "$ROOT" systemd-analyze verify --man=no "$1" 2>&1) || rc=$?
+  if echo "$out" | grep -q ramslog || [ "$rc" != 0 ]; then
+    echo "$out"
+    die "systemd-analyze verify $1 exited $rc or complains about it"
+  fi
+}
 cycles() { chroot "$ROOT" systemd-analyze verify --man=no multi-user.target "$@" 2>&1 | grep -i "ordering cycle" || true; }
 c=$(cycles); [ -z "$c" ] || die "Debian's own units already have an ordering cycle: $c"
 dropin=$ROOT/etc/systemd/system/zfs-import-cache.service.d
@@ -176,8 +186,7 @@ install -m 644 "$repo/target/host/ramslog-zpool-import.service" "$ROOT/etc/syste
 chroot "$ROOT" systemctl enable ramslog-zpool-import.service
 c=$(cycles ramslog-zpool-import.service)
 [ -z "$c" ] || die "ramslog-zpool-import.service creates an ordering cycle: $c"
-chroot "$ROOT" systemd-analyze verify --man=no ramslog-zpool-import.service 2>&1 | grep ramslog-zpool-import &&
-  die "systemd-analyze verify complains about ramslog-zpool-import.service"
+verify_unit ramslog-zpool-import.service
 echo "ramslog-zpool-import.service: verified, enabled, no ordering cycle"
 
 say "4. the Debian package: built here, installed in the chroot, lintian"
@@ -185,11 +194,14 @@ deb=$(target/debian/build-deb.sh 2>"$WORK/build-deb.log") || { tail -20 "$WORK/b
 cp "$deb" "$ROOT/tmp/"
 chroot "$ROOT" bash -c "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq lintian /tmp/$(basename "$deb")" \
   >"$WORK/deb-install.log" 2>&1 || { tail -20 "$WORK/deb-install.log"; die "installing $(basename "$deb")"; }
-chroot "$ROOT" lintian --info "/tmp/$(basename "$deb")" >"$WORK/lintian.txt" 2>&1 || true
+# lintian exits 0 (at most warnings), 1 (errors) or 2 (it could not check):
+# only 0 passes, and a 1 must show its errors.
+rc=0
+chroot "$ROOT" lintian --info "/tmp/$(basename "$deb")" >"$WORK/lintian.txt" 2>&1 || rc=$?
 cat "$WORK/lintian.txt"
 ! grep -q '^E: ' "$WORK/lintian.txt" || die "lintian reports errors"
-chroot "$ROOT" systemd-analyze verify --man=no /lib/systemd/system/ramslog-target.service 2>&1 |
-  grep ramslog && die "systemd-analyze verify complains about the packaged unit"
+[ "$rc" = 0 ] || die "lintian exited $rc without an error line: it could not check the package"
+verify_unit /lib/systemd/system/ramslog-target.service
 state=$(chroot "$ROOT" systemctl is-enabled ramslog-target.service 2>&1 || true)
 [ "$state" = disabled ] || die "the package left ramslog-target.service '$state', not disabled"
 chroot "$ROOT" ramslog-target check-config /etc/ramslog/ramslog.toml || die "the packaged config does not check"
