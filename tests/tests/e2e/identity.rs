@@ -41,6 +41,14 @@ async fn restart_is_not_ready_until_accept_empty() {
     let s = Session::login(t.addr(), LoginParams::normal(INITIATOR, t.target_name()))
         .await
         .expect("login");
+    // A second host, logged in before the admin acts: it must learn of the
+    // new identity as well.
+    let other = Session::login(
+        t.addr(),
+        LoginParams::normal(format!("{INITIATOR}-other"), t.target_name()),
+    )
+    .await
+    .expect("login of the other host");
     // Same identity, so the host recognises the device it wrote to ...
     assert_eq!(vpd(&s, 0x80).await, serial);
     assert_eq!(vpd(&s, 0x83).await, naa);
@@ -91,11 +99,34 @@ async fn restart_is_not_ready_until_accept_empty() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("no target named"));
 
-    // The host is told the inquiry data changed, then the LUN is ready and empty.
-    let r = s.test_unit_ready(0).await.expect("TUR");
-    assert_eq!(r.status, status::CHECK_CONDITION);
-    assert_eq!(sense(&r).0, sense_key::UNIT_ATTENTION);
-    clear_unit_attentions(&s).await;
+    // Every host is told, once each, that the inquiry data and the reported
+    // LUNs changed (3Fh/03h, 3Fh/0Eh), then the LUN is ready and empty. The
+    // other host never saw a command before: its power-on unit attention
+    // (29h/00h) comes first.
+    for (host, session, expect) in [
+        ("the writing host", &s, vec![(0x3f, 0x03), (0x3f, 0x0e)]),
+        (
+            "the other host",
+            &other,
+            vec![(0x29, 0x00), (0x3f, 0x03), (0x3f, 0x0e)],
+        ),
+    ] {
+        let mut seen = Vec::new();
+        loop {
+            let r = session.test_unit_ready(0).await.expect("TUR");
+            if r.is_good() {
+                break;
+            }
+            let (key, asc, ascq) = sense(&r);
+            assert_eq!(key, sense_key::UNIT_ATTENTION, "{host}: {r:?}");
+            seen.push((asc, ascq));
+            assert!(
+                seen.len() <= 4,
+                "{host}: unit attentions never end: {seen:?}"
+            );
+        }
+        assert_eq!(seen, expect, "{host}'s unit attentions");
+    }
     assert!(s.test_unit_ready(0).await.expect("TUR").is_good());
     assert_ne!(vpd(&s, 0x80).await, serial, "new serial after accept-empty");
     assert_ne!(vpd(&s, 0x83).await, naa, "new NAA after accept-empty");

@@ -487,3 +487,105 @@ async fn a_host_that_stops_reading_is_dropped_after_the_output_stall_timeout() {
     .await;
     assert!(closed.is_ok(), "the connection is still open");
 }
+
+/// TASK SET FULL on the wire: with a window of four and four writes
+/// waiting for their data, a fifth (immediate, so CmdSN does not hold it
+/// back) gets TASK SET FULL; the initiator retries it once a write
+/// completes, as Linux does, and it goes through. Both ends are counted:
+/// the limit hit and the LUN's error by status.
+#[tokio::test]
+async fn task_set_full_on_the_wire_is_retried_and_counted() {
+    use ramslog_common::iscsi::{Bhs, Opcode, RESERVED_TAG};
+    use ramslog_common::scsi_wire::status;
+    let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let t = TargetProcess::start_with(TargetOptions {
+        extra_args: vec![
+            "--metrics".into(),
+            metrics.to_string(),
+            "--cmd-window".into(),
+            "4".into(),
+        ],
+        ..Default::default()
+    });
+    let mut c = ramslog_initiator::Connection::connect(t.addr())
+        .await
+        .expect("connect");
+    let mut p = LoginParams::normal(INITIATOR, t.target_name());
+    p.initial_r2t = true;
+    p.immediate_data = false;
+    c.login(&p).await.expect("login");
+    // The power-on unit attention first.
+    for _ in 0..2 {
+        let mut b = Bhs::new(Opcode::ScsiCommand);
+        b.set_flags(0x81).set_itt(c.next_itt());
+        b.set_cdb(&[0u8; 6]);
+        c.fill_sn(&mut b, false);
+        c.send_pdu(&b, &[], &[]).await.expect("TUR");
+        next_pdu(&mut c).await;
+    }
+    let write = |c: &mut ramslog_initiator::Connection, lba: u32| {
+        let mut b = Bhs::new(Opcode::ScsiCommand);
+        b.set_flags(0xa1)
+            .set_itt(c.next_itt())
+            .set_expected_data_len(4096);
+        let mut cdb = [0u8; 10];
+        cdb[0] = 0x2a;
+        cdb[2..6].copy_from_slice(&lba.to_be_bytes());
+        cdb[8] = 8;
+        b.set_cdb(&cdb);
+        c.fill_sn(&mut b, true);
+        b
+    };
+    let mut waiting = Vec::new();
+    for i in 0..4u32 {
+        let b = write(&mut c, i * 8);
+        c.send_pdu(&b, &[], &[]).await.expect("write");
+        let r2t = next_pdu(&mut c).await;
+        assert_eq!(r2t.opcode(), Some(Opcode::ReadyToTransfer));
+        waiting.push((b.itt(), r2t.bhs.ttt()));
+    }
+    let fifth = write(&mut c, 64);
+    c.send_pdu(&fifth, &[], &[]).await.expect("fifth write");
+    let full = next_pdu(&mut c).await;
+    assert_eq!(
+        (full.opcode(), full.bhs.itt(), full.bhs.scsi_status()),
+        (
+            Some(Opcode::ScsiResponse),
+            fifth.itt(),
+            status::TASK_SET_FULL
+        )
+    );
+    // One write completes, and the initiator retries.
+    let (itt, ttt) = waiting[0];
+    let mut d = Bhs::new(Opcode::DataOut);
+    d.set_final(true).set_itt(itt).set_ttt(ttt).set_datasn(0);
+    c.send_pdu(&d, &[], &[0x5c; 4096]).await.expect("data");
+    let done = next_pdu(&mut c).await;
+    assert_eq!(done.bhs.scsi_status(), status::GOOD);
+    let retry = write(&mut c, 64);
+    c.send_pdu(&retry, &[], &[]).await.expect("retry");
+    let r2t = next_pdu(&mut c).await;
+    assert_eq!(
+        (r2t.opcode(), r2t.bhs.itt()),
+        (Some(Opcode::ReadyToTransfer), retry.itt()),
+        "the retry is taken"
+    );
+    assert_ne!(r2t.bhs.ttt(), RESERVED_TAG);
+    let (_, page) = http_get(metrics, "/metrics");
+    assert_eq!(
+        sample(&page, "ramslog_limit_hits_total{limit=\"command_window\"}"),
+        1.0
+    );
+    let errors = page
+        .lines()
+        .find(|l| l.starts_with("ramslog_lun_errors_total{") && l.contains("task_set_full"))
+        .unwrap_or_else(|| panic!("no task_set_full error in:\n{page}"));
+    assert!(errors.ends_with(" 1"), "{errors}");
+}
+
+async fn next_pdu(c: &mut ramslog_initiator::Connection) -> ramslog_initiator::Pdu {
+    c.recv_pdu_timeout(Duration::from_secs(5))
+        .await
+        .expect("recv")
+        .expect("a PDU")
+}

@@ -123,9 +123,21 @@ async fn a_clean_stop_keeps_every_byte_and_a_crash_after_it_does_not_revive_it()
     stop_cleanly(&mut t);
     assert!(t.output().contains("dumped to"), "{}", t.output_tail(20));
 
-    // (a)
+    // (a) A restored LUN is a new power-on for the host: the first command
+    // gets 29h/00h, as after any restart, then the content is all there.
     let mut t = TargetProcess::start_with(options(&dir, Some(port), &[]));
-    let s = open(&t, INITIATOR).await;
+    let s = Session::login(t.addr(), LoginParams::normal(INITIATOR, t.target_name()))
+        .await
+        .expect("login");
+    let r = s.test_unit_ready(0).await.expect("TUR");
+    assert_eq!(
+        (r.status, sense(&r)),
+        (
+            status::CHECK_CONDITION,
+            (sense_key::UNIT_ATTENTION, 0x29, 0x00)
+        ),
+        "the power-on unit attention after a restore"
+    );
     assert_eq!(
         identity_of(&s).await,
         id,
