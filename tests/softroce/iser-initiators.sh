@@ -27,6 +27,9 @@ IQN=iqn.2026-11.org.ramslog:iser-initiators
 NOP_INTERVAL=8
 # An unanswered ping ends the connection after this many seconds.
 NOP_TIMEOUT=10
+# Sends that make no progress end it after this many: far beyond the NOP
+# timers, so the frozen initiator's case shows which timer fired.
+OUTPUT_STALL=120
 
 TARGET_BIN=${RAMSLOG_TARGET_BIN:-$(pick_bin ramslog-target)} || { echo "build ramslog-target first"; exit 1; }
 BIN=$TARGET_BIN
@@ -51,7 +54,8 @@ rc=0
 target_start "$LOG" "iSER listening on $RXE_ADDR_A:3260" \
   --size 256M --listen "$RXE_ADDR_A:3260" --target-name "$IQN" --ephemeral \
   --allow "iqn.2026-11.org.ramslog:check-illumos" --allow "iqn.2026-11.org.ramslog:check-linux" \
-  --nop-interval "$NOP_INTERVAL" --nop-timeout "$NOP_TIMEOUT" --iser-spin 0 || rc=$?
+  --nop-interval "$NOP_INTERVAL" --nop-timeout "$NOP_TIMEOUT" --iser-spin 0 \
+  --output-stall-timeout "$OUTPUT_STALL" || rc=$?
 TARGET_PID=$TARGET_STARTED
 [ "$rc" = 0 ] || { echo "ramslog-target is not listening for iSER on $RXE_ADDR_A:3260"; exit 1; }
 grep "iSER listening" "$LOG"
@@ -118,15 +122,26 @@ if [ "$fail" = 0 ]; then
   # no progress — within NOP interval + NOP timeout, and keep serving.
   step "a frozen initiator is dropped within NopInterval + NopTimeout ($NOP_INTERVAL + $NOP_TIMEOUT s)"
   before=$(closed_count)
+  nop_closes() { grep -c "did not answer the NOP-In ping" "$LOG" || true; }
+  stall_closes() { grep -c "no send completed" "$LOG" || true; }
+  nops_before=$(nop_closes) stalls_before=$(stall_closes)
   start_subject 120 /tmp/frozen.log
   kill -STOP "$SUBJECT"
   t_stop=$(date +%s)
   closed=0
   wait_closed "$before" $((NOP_INTERVAL + NOP_TIMEOUT + 20)) && closed=1
-  echo "frozen initiator: connection closed=$closed after $(( $(date +%s) - t_stop )) s"
-  grep -E "NOP-In|no send completed|closing" "$LOG" | tail -3 || true
+  took=$(($(date +%s) - t_stop))
+  echo "frozen initiator: connection closed=$closed after $took s"
   kill -9 "$SUBJECT" 2>/dev/null; kill -CONT "$SUBJECT" 2>/dev/null; wait "$SUBJECT" 2>/dev/null || true
   [ "$closed" = 1 ] || { echo "the target kept a frozen initiator's connection"; fail=1; }
+  # The NOP timeout, and nothing else, ended it: its log line, no output
+  # stall, and not before a ping could have gone unanswered that long.
+  if [ "$closed" = 1 ]; then
+    [ "$(nop_closes)" -gt "$nops_before" ] ||
+      { echo "the frozen initiator was not dropped by the NOP timeout"; fail=1; }
+    [ "$(stall_closes)" = "$stalls_before" ] || { echo "the output stall, not the NOP timeout, fired"; fail=1; }
+    [ "$took" -ge "$NOP_TIMEOUT" ] || { echo "closed after $took s, before the $NOP_TIMEOUT s NOP timeout"; fail=1; }
+  fi
   [ "$fail" = 0 ] && { new_session_works "a frozen initiator" || fail=1; }
 fi
 
