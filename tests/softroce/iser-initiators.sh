@@ -13,7 +13,7 @@
 # and one that floods pings but posts no receives, which the target must
 # stop reading and drop when its sends make no progress. Then PREEMPT AND ABORT with
 # the preempted host's RDMA READs in flight, and iSER floods that must not keep the
-# allowed initiator out (iser-admission-check). Client and server share one
+# allowed initiator out, and --max-iser-connections (iser-admission-check). Client and server share one
 # rxe address (rxe cannot connect across its two devices in one namespace).
 #
 # Build first (on the host):
@@ -195,6 +195,30 @@ if [ "$fail" = 0 ]; then
     echo "iser-admission-check preempt FAILED"; fail=1
   fi
   grep -E "aborted transfers|preempt|abort" "$LOG" | tail -3 || true
+fi
+
+if [ "$fail" = 0 ]; then
+  # --max-iser-connections 2 on a target of its own: two logged-in iSER
+  # sessions, a third login refused with Out of Resources and counted,
+  # and the place back once one logs out.
+  step "--max-iser-connections 2: the third iSER login is refused, the place comes back"
+  CAP_LOG=$RESULTS/ramslog-target-iser-cap.log
+  rc=0
+  target_start "$CAP_LOG" "iSER listening on $RXE_ADDR_A:3264" \
+    --size 16M --listen "$RXE_ADDR_A:3264" --target-name "$IQN" --ephemeral \
+    --control-socket /run/ramslog/cap.sock --max-iser-connections 2 --iser-spin 0 || rc=$?
+  CAP_PID=$TARGET_STARTED
+  if [ "$rc" != 0 ]; then echo "the capped target did not start"; fail=1; else
+    if timeout 300 "$ADMISSION" cap --target "$RXE_ADDR_A:3264" --iqn "$IQN" \
+      --name iqn.2026-11.org.ramslog:check-linux --count 2; then
+      hits=$("$TARGET_BIN" status --json --control-socket /run/ramslog/cap.sock |
+        python3 -c 'import json,sys; print(json.load(sys.stdin)["portal"]["limit_hits"].get("iser_connections", 0))')
+      [ "$hits" -ge 1 ] || { echo "the refusal was not counted as iser_connections ($hits)"; fail=1; }
+    else
+      echo "iser-admission-check cap FAILED"; fail=1
+    fi
+    stop_pid "$CAP_PID"
+  fi
 fi
 
 # iSER floods: discovery sessions from three more addresses of the rxe

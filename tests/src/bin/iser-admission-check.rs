@@ -17,7 +17,13 @@
 //! given) every second, or as soon as the last login ended when one takes
 //! longer, for `--seconds`, and must succeed each time.
 //!
-//! Prints `ISER PREEMPT CHECK PASSED` / `ISER FLOOD CHECK PASSED` and exits
+//! `cap`: against a target started with `--max-iser-connections N`, `--name`
+//! logs in N normal sessions (ISIDs of their own); the next login must be
+//! refused with Out of Resources (status class 3, detail 2) while they
+//! last, and succeed once one of them has logged out.
+//!
+//! Prints `ISER PREEMPT CHECK PASSED` / `ISER FLOOD CHECK PASSED` /
+//! `ISER CAP CHECK PASSED` and exits
 //! 0, or says what failed and exits 1.
 
 use std::net::{IpAddr, SocketAddr};
@@ -33,7 +39,8 @@ use ramslog_initiator::{cdb, ChapParams, Credentials, LoginParams};
 const USAGE: &str =
     "usage: iser-admission-check preempt --target ADDR:PORT --iqn IQN --a NAME --b NAME\n       \
 iser-admission-check flood --target ADDR:PORT --iqn IQN --name NAME --from IP[,IP...] \
-[--per-source N] [--seconds N] [--chap USER:SECRET]";
+[--per-source N] [--seconds N] [--chap USER:SECRET]\n       \
+iser-admission-check cap --target ADDR:PORT --iqn IQN --name NAME --count N";
 
 struct Args {
     mode: String,
@@ -46,6 +53,7 @@ struct Args {
     per_source: usize,
     seconds: u64,
     chap: Option<(String, String)>,
+    count: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -62,6 +70,7 @@ fn parse_args() -> Result<Args, String> {
         per_source: 16,
         seconds: 60,
         chap: None,
+        count: 0,
     };
     while let Some(flag) = it.next() {
         let value = it
@@ -83,6 +92,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--per-source" => a.per_source = value.parse().map_err(|e| bad(&e))?,
             "--seconds" => a.seconds = value.parse().map_err(|e| bad(&e))?,
+            "--count" => a.count = value.parse().map_err(|e| bad(&e))?,
             "--chap" => {
                 let (u, s) = value
                     .split_once(':')
@@ -295,6 +305,66 @@ fn flood(a: &Args) -> Result<(), String> {
     Ok(())
 }
 
+fn cap(a: &Args) -> Result<(), String> {
+    if a.name.is_empty() || a.count == 0 {
+        return Err(USAGE.into());
+    }
+    let opts = options(IserProfile::Linux, 4);
+    let params = |n: usize| {
+        let mut p = LoginParams::normal(&a.name, &a.iqn);
+        p.isid = Some([0x80, 0, 0, 0xca, (n >> 8) as u8, n as u8]);
+        p
+    };
+    let mut held = Vec::new();
+    for n in 0..a.count {
+        held.push(open(a.target, &params(n), &opts)?);
+    }
+    match IserSession::connect(a.target, &params(a.count), &opts) {
+        Ok(_) => {
+            return Err(format!(
+                "login {} of a cap of {} succeeded",
+                a.count + 1,
+                a.count
+            ))
+        }
+        Err(ramslog_initiator::Error::LoginFailed {
+            class: 3,
+            detail: 2,
+        }) => {
+            println!("login {} refused with Out of Resources", a.count + 1)
+        }
+        Err(e) => {
+            return Err(format!(
+                "login {} failed, but not with Out of Resources: {e}",
+                a.count + 1
+            ))
+        }
+    }
+    held.pop()
+        .expect("at least one")
+        .logout()
+        .map_err(|e| format!("logout: {e}"))?;
+    // The target frees the place once it has seen the connection end.
+    let start = Instant::now();
+    loop {
+        match IserSession::connect(a.target, &params(a.count), &opts) {
+            Ok(s) => {
+                let _ = s.logout();
+                break;
+            }
+            Err(e) if start.elapsed() > Duration::from_secs(30) => {
+                return Err(format!("the freed place never came back: {e}"))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+    for s in held {
+        let _ = s.logout();
+    }
+    println!("ISER CAP CHECK PASSED");
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(a) => a,
@@ -306,6 +376,7 @@ fn main() -> ExitCode {
     let result = match args.mode.as_str() {
         "preempt" => preempt(&args),
         "flood" => flood(&args),
+        "cap" => cap(&args),
         _ => Err(USAGE.into()),
     };
     match result {
