@@ -441,3 +441,82 @@ fn logical_unit_reset_aborts_the_other_hosts_tasks() {
     let (_, r) = a.iser_command(&tur, 0x81, 0, &[], None, None);
     assert_eq!(status_of(&r), Some(status::GOOD), "reported once");
 }
+
+/// iSER teardown with RDMA READs in flight: host A's queue pair is
+/// destroyed while four READs of its writes are posted and two held. None
+/// of those writes is acknowledged, no byte of them lands (a flushed READ
+/// places nothing), a completion the engine hears of after the teardown
+/// changes nothing, and another host's reset, waiting for those READs, is
+/// answered once they are flushed.
+#[test]
+fn iser_teardown_with_reads_in_flight_acknowledges_and_places_nothing() {
+    let portal = RamPortal::new(IQN).size(LUN_BYTES).build();
+    let a_control = SessionControl::new();
+    let mut a = Harness::new_iser_from(portal.clone(), CmPeer::Illumos);
+    a.conn = Connection::iser(
+        portal.clone(),
+        a.conn.info,
+        a_control.clone(),
+        a.now,
+        8192,
+        CmPeer::Illumos,
+    );
+    login_as(&mut a, HOST_A, &[]);
+    let mut b = Harness::new(portal);
+    login_as(
+        &mut b,
+        HOST_B,
+        &[("ImmediateData", "Yes"), ("InitialR2T", "No")],
+    );
+    let mut hca = SimulatedHca::new(ILLUMOS_CREDITS);
+    let first = a.itt + 1;
+    a_writes(&mut a, &mut hca);
+    let transfers = a.conn.transfers().expect("a session");
+    assert_eq!(transfers.in_flight(), 4, "four READs into the LUN posted");
+    let mut t = Bhs::new(Opcode::TaskMgmtRequest);
+    t.set_immediate(true)
+        .set_final(true)
+        .set_flags(0x80 | tmf::LOGICAL_UNIT_RESET)
+        .set_lun(0)
+        .set_itt(b.next_itt())
+        .set_ttt(RESERVED_TAG)
+        .set_cmdsn(b.cmdsn);
+    let answered = |r: &[Rsp]| {
+        r.iter()
+            .any(|p| p.bhs.opcode() == Some(Opcode::TaskMgmtResponse))
+    };
+    assert!(!answered(&b.send(&t, &[])), "answered with READs in flight");
+
+    // The connection fails: the driver destroys the queue pair (its posted
+    // READs are flushed) and the engine hears the transport is gone.
+    hca.destroy();
+    a.conn.shutdown();
+    a_control.release_for_test();
+    assert_eq!(transfers.in_flight(), 0, "the flushed READs are over");
+    assert_eq!(statuses(&a.drain()), vec![], "a write was acknowledged");
+    // A completion that arrives after all is ignored.
+    a.conn.handle(
+        a.now,
+        Input::RdmaReadDone {
+            tag: first,
+            data: &[],
+        },
+    );
+    assert_eq!(
+        statuses(&a.drain()),
+        vec![],
+        "a late completion was acknowledged"
+    );
+    assert!(
+        lun_range(&b, REGION_LBA, WRITES * u32::from(BLOCKS))
+            .iter()
+            .all(|x| *x == 0),
+        "a byte of a flushed READ landed"
+    );
+    b.now += Duration::from_millis(1);
+    b.conn.handle(b.now, Input::Timeout);
+    assert!(
+        answered(&b.drain()),
+        "the reset is answered once the READs are flushed"
+    );
+}
