@@ -1,0 +1,104 @@
+//! The verbs wrapper's safety rests on what safe code cannot write. Its
+//! doctests mark those snippets `compile_fail,E0xxx`, but stable rustdoc
+//! ignores the error code: a snippet that fails for any other reason (a
+//! typo, a renamed item) would pass. Here each snippet is compiled against
+//! the very `ramslog_common` this test links, and must fail with its code,
+//! while a control snippet beside it must compile.
+#![cfg(feature = "rdma")]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The directory holding this test's dependencies (`<profile>/deps`).
+fn deps_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    exe.parent().expect("deps directory").to_path_buf()
+}
+
+/// Type-check `src` as a library against `rlib`; the error codes rustc
+/// reports (empty when it compiles).
+fn error_codes(rlib: &Path, src: &str) -> Vec<String> {
+    let dir = std::env::temp_dir().join(format!("ramslog-compile-fail-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch directory");
+    let file = dir.join("snippet.rs");
+    std::fs::write(&file, src).expect("write snippet");
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let out = Command::new(rustc)
+        .args([
+            "--edition",
+            "2021",
+            "--crate-type",
+            "lib",
+            "--emit",
+            "metadata",
+        ])
+        .arg("--error-format=json")
+        .arg("-L")
+        .arg(format!("dependency={}", deps_dir().display()))
+        .arg("--extern")
+        .arg(format!("ramslog_common={}", rlib.display()))
+        .arg("--out-dir")
+        .arg(&dir)
+        .arg(&file)
+        .output()
+        .expect("run rustc");
+    let _ = std::fs::remove_dir_all(&dir);
+    String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .filter_map(|l| {
+            let at = l.find(r#""code":{"code":""#)? + r#""code":{"code":""#.len();
+            Some(l[at..].split('"').next()?.to_string())
+        })
+        .collect()
+}
+
+/// The `ramslog_common` rlib built with the verbs module: the one a
+/// control snippet using it compiles against.
+fn verbs_rlib(control: &str) -> PathBuf {
+    let mut candidates: Vec<PathBuf> = std::fs::read_dir(deps_dir())
+        .expect("deps directory")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libramslog_common-") && n.ends_with(".rlib"))
+        })
+        .collect();
+    // The newest first: the one this test was built with.
+    candidates.sort_by_key(|p| std::cmp::Reverse(p.metadata().and_then(|m| m.modified()).ok()));
+    candidates
+        .into_iter()
+        .find(|p| error_codes(p, control).is_empty())
+        .expect("no ramslog_common rlib with the verbs module compiles the control snippet")
+}
+
+fn check(control: &str, refused: &str, code: &str) {
+    let rlib = verbs_rlib(control);
+    let codes = error_codes(&rlib, refused);
+    assert!(
+        codes.iter().any(|c| c == code),
+        "expected {code}, rustc reported {codes:?} for:\n{refused}"
+    );
+}
+
+#[test]
+fn an_sge_cannot_be_made_from_any_address() {
+    check(
+        "use ramslog_common::verbs::{RegisteredBuffer, Sge};\n\
+         pub fn slot(b: &RegisteredBuffer, i: usize) -> Option<Sge> { b.sge(i * 512, 512) }\n",
+        "pub fn forged() -> ramslog_common::verbs::Sge {\n\
+         ramslog_common::verbs::Sge { addr: 0x1000, len: 4096, lkey: 1 }\n}\n",
+        "E0451",
+    );
+}
+
+#[test]
+fn a_registered_buffer_is_never_one_slice() {
+    check(
+        "use ramslog_common::verbs::RegisteredBuffer;\n\
+         pub fn first_slot(b: &RegisteredBuffer) -> Option<&[u8]> { b.bytes(0..512) }\n",
+        "use ramslog_common::verbs::RegisteredBuffer;\n\
+         pub fn everything(b: &RegisteredBuffer) -> &[u8] { b.as_slice() }\n",
+        "E0599",
+    );
+}
