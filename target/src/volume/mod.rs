@@ -752,4 +752,63 @@ mod tests {
         assert_eq!(state_generation(&v), generation);
         let _ = std::fs::remove_dir_all(dir);
     }
+
+    /// The dump after the drain timeout (connections still open, so data
+    /// may still be landing in the fenced memory) reads its image back: an
+    /// image that does not verify is dumped again, and never recorded
+    /// clean. Here memory keeps changing under every attempt: either an
+    /// attempt happened to catch it still and its image verifies, or the
+    /// dump fails, leaves no image and the generation unclean.
+    #[test]
+    fn a_verified_dump_of_changing_memory_is_clean_only_if_it_verifies() {
+        let (dir, v) = persistent_volume("verify-changing");
+        v.store().write(0, &[1; 4096]).expect("write");
+        v.commit_write(0, 3 << 20).expect("commit");
+        v.fence();
+        let store = v.store().clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut n = 0u8;
+                while !stop.load(Ordering::Relaxed) {
+                    n = n.wrapping_add(1);
+                    for c in 0..3u64 {
+                        let _ = store.write(c << 20, &[n; 64 << 10]);
+                    }
+                }
+            })
+        };
+        let result = v.dump(true);
+        stop.store(true, Ordering::Relaxed);
+        writer.join().expect("writer");
+        let generation = v.generation();
+        let (identity, _) = v.identity();
+        let id = image::ImageIdentity {
+            target: "iqn.t".into(),
+            lun: 0,
+            identity,
+            size: 3 << 20,
+            block_size: 512,
+            generation,
+        };
+        let p = v.persistence().expect("p");
+        let path = p
+            .image_dir
+            .join(image::image_name(&id.identity.naa, generation));
+        let clean = p.state().is_clean("iqn.t", 0, generation);
+        let verifies = image::verify(&path, &id);
+        let _ = std::fs::remove_dir_all(dir);
+        match result {
+            Ok(said) => {
+                assert!(verifies.is_ok(), "recorded clean: {said}; but {verifies:?}");
+                assert!(clean, "{said}");
+            }
+            Err(e) => {
+                assert!(e.contains("does not verify"), "{e}");
+                assert!(!path.exists(), "a failed image is left behind");
+                assert!(!clean, "a failed dump marked the generation clean");
+            }
+        }
+    }
 }
