@@ -14,13 +14,6 @@ pub(super) fn recv_wr(recv: &SlotRing, slot: u32) -> Result<RecvWr, ConnError> {
     })
 }
 
-#[derive(Debug, Clone, Copy)]
-pub(super) struct PendingRead {
-    tag: u32,
-    len: u32,
-    bounce: Option<u32>,
-}
-
 enum Posted {
     Done,
     /// Out of a resource: retry once completions free it.
@@ -61,9 +54,7 @@ pub(super) struct Driver<'a> {
     pub(super) free_send: Vec<u32>,
     pub(super) free_datain: Vec<u32>,
     pub(super) free_bounce: Vec<u32>,
-    pub(super) reads: [Option<PendingRead>; MAX_READ_CREDITS],
-    pub(super) reads_in_flight: usize,
-    pub(super) credits: usize,
+    pub(super) reads: ReadTable,
     pub(super) sq_in_flight: usize,
     pub(super) sq_depth: usize,
     pub(super) held: Option<Action>,
@@ -89,11 +80,7 @@ impl Driver<'_> {
     /// RDMA READs into LUN memory still posted: once the queue pair is
     /// destroyed they can no longer land, and their count is lowered.
     pub(super) fn reads_into_lun(&self) -> usize {
-        self.reads
-            .iter()
-            .flatten()
-            .filter(|r| r.bounce.is_none())
-            .count()
+        self.reads.reads_into_lun()
     }
 
     pub(super) fn run(
@@ -148,7 +135,7 @@ impl Driver<'_> {
             // something waits for them (an RDMA READ, a held action, a close).
             let recv_armed = self.held.is_none();
             let send_armed =
-                self.reads_in_flight > 0 || self.held.is_some() || self.closing.is_some();
+                self.reads.in_flight() > 0 || self.held.is_some() || self.closing.is_some();
             let (recv_cq, send_cq) = (self.recv_cq, self.send_cq);
             let armed_buf = [recv_cq, send_cq];
             let armed: &[&CompletionQueue] = match (recv_armed, send_armed) {
@@ -264,12 +251,11 @@ impl Driver<'_> {
             wr::DATAIN => self.free_datain.push(slot as u32),
             wr::WRITE_STORE => {}
             wr::READ => {
-                let Some(read) = self.reads.get_mut(slot).and_then(Option::take) else {
+                let Some(read) = self.reads.complete(slot) else {
                     return Err(ConnError::Protocol(
                         "completion for an unknown RDMA READ".into(),
                     ));
                 };
-                self.reads_in_flight -= 1;
                 if read.bounce.is_none() {
                     // The bytes are in LUN memory: the transfer is over.
                     if let Some(t) = &self.transfers {
@@ -380,9 +366,8 @@ impl Driver<'_> {
         if self.conn.iser_peer() == Some(IserPeer::Illumos) {
             // The connect request looked like Linux but the login did
             // not: a peer we cannot place gets what illumos can take.
-            self.credits = self
-                .credits
-                .min(usize::from(peer::ILLUMOS_RDMA_READ_CREDITS));
+            self.reads
+                .limit_credits(usize::from(peer::ILLUMOS_RDMA_READ_CREDITS));
         }
         Ok(())
     }
@@ -599,10 +584,7 @@ impl Driver<'_> {
             len,
             dest,
         };
-        if self.reads_in_flight >= self.credits {
-            return Ok(Posted::Blocked(blocked));
-        }
-        let Some(read_slot) = self.reads.iter().position(Option::is_none) else {
+        let Some(read_slot) = self.reads.free_slot() else {
             return Ok(Posted::Blocked(blocked));
         };
         let into_lun = matches!(dest, ReadDest::Store { .. });
@@ -650,7 +632,8 @@ impl Driver<'_> {
         };
         // Recorded before posting: a failed post leaves it to the teardown,
         // which lowers the count once the queue pair is gone.
-        self.reads[read_slot] = Some(PendingRead { tag, len, bounce });
+        self.reads
+            .record(read_slot, PendingRead { tag, len, bounce });
         self.post(
             WrId::new(wr::READ, read_slot as u32),
             SendOp::RdmaRead {
@@ -659,7 +642,7 @@ impl Driver<'_> {
             },
             sge,
         )?;
-        self.reads_in_flight += 1;
+        self.reads.posted();
         Ok(Posted::Done)
     }
 }

@@ -83,10 +83,12 @@ const REPOST_BATCH: usize = 16;
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 mod driver;
+mod reads;
 mod slots;
 
 pub use driver::encode_pdu;
 use driver::{recv_wr, Driver};
+use reads::{PendingRead, ReadTable};
 use slots::SlotRing;
 
 /// Work request kinds (`WrId::kind`); the slot is the kind's buffer slot.
@@ -427,9 +429,7 @@ fn run_connection(
         conn,
         free_datain: (0..DATAIN_SLOTS as u32).rev().collect(),
         free_bounce: (0..BOUNCE_SLOTS as u32).rev().collect(),
-        reads: [None; MAX_READ_CREDITS],
-        reads_in_flight: 0,
-        credits,
+        reads: ReadTable::new(credits),
         sq_in_flight: 0,
         sq_depth,
         held: None,
