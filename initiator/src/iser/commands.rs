@@ -81,6 +81,11 @@ impl IserSession {
             };
             fill(dst);
         }
+        if data_in_len > 0 && self.opts.poison_reads {
+            if let Some(dst) = task.buf.bytes_mut(0..data_in_len as usize) {
+                dst.fill(POISON);
+            }
+        }
         let neg = &self.negotiated;
         let imm_len = if neg.immediate_data {
             out_len

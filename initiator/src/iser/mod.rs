@@ -170,7 +170,17 @@ pub struct IserOptions {
     /// Connect from this local address (a test playing several hosts);
     /// `None`: the one the route gives.
     pub source: Option<std::net::IpAddr>,
+    /// Fill a read's registered buffer with [`POISON`] before the command
+    /// goes out. A command slot's buffer serves its writes and its reads,
+    /// so without this a read the target answered GOOD without placing a
+    /// byte would hand back whatever the slot held last, often the very
+    /// bytes a check expects. Checks turn it on; a benchmark leaves it off
+    /// (it costs a memset per read).
+    pub poison_reads: bool,
 }
+
+/// What a poisoned read buffer holds until the target's data lands.
+pub const POISON: u8 = 0xe7;
 
 impl IserOptions {
     pub fn new(profile: IserProfile) -> IserOptions {
@@ -183,6 +193,7 @@ impl IserOptions {
             idle_ping: Some(Duration::from_secs(5)),
             rnr_retry: None,
             source: None,
+            poison_reads: false,
         }
     }
 }

@@ -110,6 +110,8 @@ fn parse_args() -> Result<Args, String> {
 
 fn options(profile: IserProfile, queue_depth: usize) -> IserOptions {
     let mut o = IserOptions::new(profile);
+    // A read must show the target's bytes, never what the slot held.
+    o.poison_reads = true;
     o.queue_depth = queue_depth;
     o.timeout = Duration::from_secs(20);
     o
@@ -192,18 +194,30 @@ fn preempt(a: &Args) -> Result<(), String> {
     // Anything of A's still to land has had time to.
     std::thread::sleep(Duration::from_secs(2));
     let mut back = vec![0u8; 256 * 1024];
-    let mut stale = 0usize;
+    let (mut stale, mut unplaced, mut other) = (0usize, 0usize, 0usize);
     for off in (0..REGION_BYTES).step_by(back.len()) {
         host_b
             .read16(0, (off / 512) as u64, &mut back)
             .map_err(|e| format!("B's read at {off}: {e}"))?;
-        stale += back.iter().filter(|b| **b != 0xbb).count();
+        for b in &back {
+            match *b {
+                0xbb => {}
+                0xaa => stale += 1,
+                ramslog_initiator::iser::POISON => unplaced += 1,
+                _ => other += 1,
+            }
+        }
     }
     drop(host_a);
     let _ = host_b.logout();
-    if stale > 0 {
+    if unplaced > 0 {
         return Err(format!(
-            "{stale} bytes of the region are not B's 0xBB: an aborted write of the preempted host landed after the preempt"
+            "{unplaced} bytes of B's reads were never placed by the target (the poison they were read into is still there)"
+        ));
+    }
+    if stale + other > 0 {
+        return Err(format!(
+            "{stale} bytes of the region are A's 0xAA and {other} are neither A's nor B's: an aborted write of the preempted host landed after the preempt"
         ));
     }
     println!("ISER PREEMPT CHECK PASSED");

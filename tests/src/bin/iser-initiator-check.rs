@@ -167,6 +167,8 @@ fn step(s: &str) {
 
 fn run(a: &Args) -> Result<(), String> {
     let mut opts = IserOptions::new(a.profile);
+    // A read must show the target's bytes, never what its slot held.
+    opts.poison_reads = true;
     // Generous: the lab runs rxe inside an emulated (TCG) guest.
     opts.timeout = Duration::from_secs(60);
     opts.queue_depth = 8;
