@@ -319,7 +319,7 @@ for round in $(seq 1 "$ROUNDS"); do
   zfs_fio "zfs-lio-log-$round" "$SECS"
   if [ "$round" = "$ROUNDS" ]; then
     step "contrast: LIO's half B recreated empty under the same serial while sync writes run"
-    zfs_fio zfs-lio-recreated 20 >/tmp/fio-lio-recreated.txt 2>&1 &
+    zfs_fio zfs-lio-recreated 15 >/tmp/fio-lio-recreated.txt 2>&1 &
     fio_pid=$!
     sleep 5
     lio_remove "$LIO_B" "$RXE_ADDR_B" liob 3261
@@ -389,7 +389,7 @@ x zpool status -P "$POOL"
 verify_files before-export
 
 step "c. SIGKILL box B and restart it at once (its content is gone) while sync writes run"
-zfs_fio zfs-one-half-lost 40 >/tmp/fio-half-lost.txt 2>&1 &
+zfs_fio zfs-one-half-lost 25 >/tmp/fio-half-lost.txt 2>&1 &
 fio_pid=$!
 sleep 5
 dmesg_mark=$(dmesg | wc -l)
@@ -441,7 +441,7 @@ new_log() {
 }
 
 step "e. both boxes lost while the host keeps running: sync writes go on, nothing is lost"
-zfs_fio zfs-both-lost 30 >/tmp/fio-both-lost.txt 2>&1 &
+zfs_fio zfs-both-lost 20 >/tmp/fio-both-lost.txt 2>&1 &
 fio_pid=$!
 sleep 5
 kill_box a
@@ -509,7 +509,7 @@ verify_files committed
 verify_files while-lost
 
 step "f. box B restarted cleanly during sync writes (SIGTERM: dump, start: restore)"
-zfs_fio zfs-clean-restart 40 >/tmp/fio-clean-restart.txt 2>&1 &
+zfs_fio zfs-clean-restart 25 >/tmp/fio-clean-restart.txt 2>&1 &
 fio_pid=$!
 sleep 8
 t_down=$(cut -d' ' -f1 /proc/uptime)
@@ -602,7 +602,7 @@ sid=$(iscsiadm -m session | awk -v t="$IQN_B" '$4 == t { gsub(/[][]/, "", $2); p
 echo 10 >"/sys/class/iscsi_session/session$sid/recovery_tmo"
 write_files before-i 8
 stop_box b
-zfs_fio zfs-b-down 30 >/tmp/fio-b-down.txt 2>&1 || { cat /tmp/fio-b-down.txt; fail "sync writes failed with box B down"; }
+zfs_fio zfs-b-down 15 >/tmp/fio-b-down.txt 2>&1 || { cat /tmp/fio-b-down.txt; fail "sync writes failed with box B down"; }
 wait_vdev_state "$LOG_B" "$FAILED_STATES" 120 "/$DS/writer-i"
 echo "--- zpool status, step i (B down) ---"
 zpool status -P "$POOL" | tee "$RESULTS/status-i-down.txt"
@@ -725,7 +725,7 @@ now=$(session_timeouts "$IQN_B")
 echo "box B's session: $now"
 [ "$now" = "replacement 5 s, NOP-Out every 2 s, timeout 2 s" ] || fail "the shipped settings did not reach box B's session"
 step "j3. box B silent during sync writes, the shipped settings"
-silent_b zfs-silent-shipped 40
+silent_b zfs-silent-shipped 25
 reimport
 verify_files before-i
 verify_files committed-g
