@@ -449,4 +449,31 @@ mod tests {
         assert_eq!(s.recall("iqn.x", 0).unwrap(), known(&id, 1, false));
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// The state file shows the NAA and serial an image forger needs: 0600.
+    /// A temporary file someone left as a link is never written through.
+    #[test]
+    #[should_panic(expected = "followed a planted link")]
+    fn the_state_file_is_private_and_never_written_through_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = fresh_dir("link");
+        let mut s = StateDir::open(&dir).unwrap();
+        s.recall("iqn.x", 0).unwrap();
+        let mode = std::fs::metadata(dir.join(FILE))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        let victim =
+            std::env::temp_dir().join(format!("ramslog-state-victim-{}", std::process::id()));
+        std::fs::write(&victim, "precious").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join(format!("{FILE}.tmp"))).unwrap();
+        let bumped = s.bump_generation("iqn.x", 0);
+        let kept = std::fs::read_to_string(&victim).unwrap();
+        let _ = std::fs::remove_file(&victim);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(kept, "precious", "followed a planted link");
+        assert_eq!(bumped.unwrap(), 2, "a stale temporary file is replaced");
+        assert_eq!(mode, 0o600, "luns.toml is private");
+    }
 }

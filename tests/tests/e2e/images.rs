@@ -675,3 +675,105 @@ async fn images_swapped_between_luns_and_targets_are_refused() {
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Start on `dir` and expect a refusal naming `needles`, before any portal.
+fn start_refused(dir: &Path, needles: &[&str]) {
+    let mut t = TargetProcess::spawn_with(options(dir, &[]));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = t.try_exit_status() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "should have refused to start: {}",
+            t.output_tail(20)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let out = t.output();
+    assert_eq!(status.code(), Some(1), "a clean refusal: {out}");
+    assert!(!out.contains("panicked"), "{out}");
+    for n in needles {
+        assert!(out.contains(n), "the refusal should say {n:?}: {out}");
+    }
+}
+
+fn mode_of(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::symlink_metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .permissions()
+        .mode()
+        & 0o7777
+}
+
+fn chmod(path: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+}
+
+/// The state and image directories hold the NAA, serial and generation an
+/// image forger needs, and the content: the daemon keeps them to itself and
+/// refuses to start on anything another user could have placed or changed
+/// there, naming the fix. Each refusal leaves the files as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "luns.toml shows the NAA")]
+async fn state_and_image_directories_are_private() {
+    let dir = scratch("private");
+    let image = golden(&dir).await;
+    let (state_file, images) = (dir.join("luns.toml"), dir.join("images"));
+    assert_eq!(mode_of(&state_file), 0o600, "luns.toml shows the NAA");
+    assert_eq!(mode_of(&dir), 0o700, "state directory");
+    assert_eq!(mode_of(&images), 0o700, "image directory");
+    assert_eq!(mode_of(&image), 0o600, "image");
+
+    // Readable by others only: tightened at start, with nothing refused.
+    chmod(&state_file, 0o644);
+    chmod(&dir, 0o755);
+    let mut t = TargetProcess::start_with(options(&dir, &[]));
+    assert!(t.stop().success(), "{}", t.output_tail(20));
+    assert_eq!(mode_of(&state_file), 0o600, "tightened at start");
+    assert_eq!(mode_of(&dir), 0o700, "tightened at start");
+    let state_before = std::fs::read(&state_file).expect("luns.toml");
+
+    // Writable by others: refused, whoever may have changed what.
+    for (path, mode) in [(&dir, 0o770), (&images, 0o777), (&state_file, 0o622)] {
+        chmod(path, mode);
+        start_refused(&dir, &["writable by group or others", "chmod go-w"]);
+        assert_eq!(mode_of(path), mode, "a refusal changes nothing");
+        chmod(path, if path.is_dir() { 0o700 } else { 0o600 });
+    }
+
+    // Owned by another user (root can hand a file to nobody).
+    if is_root() {
+        std::os::unix::fs::chown(&state_file, Some(65534), None).expect("chown");
+        start_refused(&dir, &["owned by uid 65534", "chown"]);
+        std::os::unix::fs::chown(&state_file, Some(0), None).expect("chown back");
+    }
+
+    // Links and FIFOs where the daemon expects its own files: an image that
+    // is a link could load another file's bytes or let a dump overwrite it,
+    // and a FIFO would hang the restore.
+    let elsewhere = dir.join("elsewhere.img");
+    std::fs::rename(&image, &elsewhere).expect("move the image");
+    std::os::unix::fs::symlink(&elsewhere, &image).expect("symlink");
+    start_refused(&dir, &["symbolic link", "remove it"]);
+    std::fs::remove_file(&image).expect("rm link");
+    let made = Command::new("mkfifo").arg(&image).status().expect("mkfifo");
+    assert!(made.success(), "mkfifo {}", image.display());
+    start_refused(&dir, &["FIFO", "remove it"]);
+    std::fs::remove_file(&image).expect("rm fifo");
+    std::fs::rename(&elsewhere, &image).expect("put the image back");
+    assert_eq!(std::fs::read(&state_file).expect("luns.toml"), state_before);
+
+    // And after all that the content is back.
+    let t = TargetProcess::start_with(options(&dir, &[]));
+    let s = open(&t, INITIATOR).await;
+    clear_unit_attentions(&s).await;
+    let got = s.read(0, 0, (CHUNK / 512) as u32, 512).await.expect("READ");
+    assert!(got.iter().all(|&b| b == 1), "the image came back");
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
