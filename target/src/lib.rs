@@ -16,6 +16,7 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod notify;
 pub mod portal;
+pub mod private_dir;
 pub mod rdma;
 pub mod scsi;
 pub mod state;

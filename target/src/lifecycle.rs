@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::Config;
 use crate::portal::Portal;
+use crate::private_dir;
 use crate::state::{naa_hex, Recall, StateDir};
 use crate::store::Store;
 use crate::volume::image::{self, ImageError, ImageIdentity};
@@ -37,8 +38,7 @@ pub fn open_persistence(cfg: &Config) -> Result<Option<Arc<Persistence>>, String
         return Ok(None);
     };
     let state = StateDir::open(state_dir).map_err(|e| e.to_string())?;
-    image::prepare_dir(image_dir)
-        .map_err(|e| format!("image directory {}: {e}", image_dir.display()))?;
+    private_dir::prepare(image_dir, "image directory").map_err(|e| e.to_string())?;
     Ok(Some(Arc::new(Persistence::new(state, image_dir.clone()))))
 }
 

@@ -609,7 +609,7 @@ mod tests {
         };
         let generation = state.generation("iqn.t", 0).expect("generation");
         let images = dir.join("images");
-        image::prepare_dir(&images).expect("image dir");
+        crate::private_dir::prepare(&images, "image directory").expect("image dir");
         let p = Arc::new(Persistence::new(state, images));
         let store = Arc::new(Store::new(3 << 20, HugePages::Off).expect("store"));
         let cfg = VolumeConfig {

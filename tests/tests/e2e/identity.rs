@@ -291,7 +291,6 @@ async fn another_user_is_refused_by_the_control_socket() {
     let dir = std::env::temp_dir().join(format!("ramslog-e2e-peercred-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("mkdir");
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
     let options = |port: Option<u16>| TargetOptions {
         ephemeral: false,
         state_dir: Some(dir.clone()),
@@ -307,6 +306,9 @@ async fn another_user_is_refused_by_the_control_socket() {
     drop(s);
     t.kill();
     let mut t = TargetProcess::start_with(options(Some(port)));
+    // The daemon makes its state directory 0700 at start; opened up here so
+    // that another user reaches the socket at all.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
     let socket = dir.join("control.sock");
     use std::os::unix::fs::MetadataExt;
     let mode = std::fs::metadata(&socket)

@@ -618,7 +618,8 @@ async fn a_kill_during_the_dump_leaves_the_lun_not_ready_and_accept_empty_clears
 }
 
 /// An image directory the daemon cannot write fails the start (not the
-/// first dump, hours later): here a read-only filesystem.
+/// first dump, hours later): here a read-only filesystem (mode 0700: one
+/// others could write to would be refused for that first).
 #[test]
 fn a_read_only_image_directory_fails_the_start() {
     assert!(
@@ -632,7 +633,7 @@ fn a_read_only_image_directory_fails_the_start() {
     let images = dir.join("images");
     std::fs::create_dir_all(&images).expect("mkdir");
     let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "ro,size=1m", "tmpfs"])
+        .args(["-t", "tmpfs", "-o", "ro,size=1m,mode=0700", "tmpfs"])
         .arg(&images)
         .status();
     assert!(

@@ -11,14 +11,7 @@ struct Output {
 
 impl Output {
     fn create(path: &Path) -> std::io::Result<Output> {
-        let open = |direct: bool| {
-            let mut o = OpenOptions::new();
-            o.write(true).create_new(true).mode(0o600);
-            if direct {
-                o.custom_flags(libc::O_DIRECT);
-            }
-            o.open(path)
-        };
+        let open = |direct: bool| create_private(path, if direct { libc::O_DIRECT } else { 0 });
         match open(true) {
             Ok(file) => Ok(Output {
                 file,

@@ -16,13 +16,14 @@
 //! The file's length is exactly the sum of these; anything else is refused.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use thiserror::Error;
 
 use super::{Identity, CHUNK_SIZE};
+use crate::private_dir::{create_private, open_regular};
 use crate::state::naa_hex;
 use crate::store::Store;
 
@@ -71,21 +72,6 @@ pub fn image_name(naa: &[u8; 8], generation: u64) -> String {
 
 fn tmp_name(naa: &[u8; 8], generation: u64) -> String {
     format!("{}.tmp", image_name(naa, generation))
-}
-
-/// Create the image directory (0700) if needed and tighten a looser one.
-pub fn prepare_dir(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)?;
-    let mode = std::fs::metadata(dir)?.permissions().mode() & 0o777;
-    if mode != 0o700 {
-        tracing::warn!(dir = %dir.display(), "image directory had mode {mode:o}; setting 0700");
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-    }
-    Ok(())
 }
 
 /// Remove this identity's temporary files and its images of every

@@ -13,10 +13,8 @@ pub struct RestoreReport {
 }
 
 fn open_for_read(path: &Path) -> std::io::Result<File> {
-    let mut o = OpenOptions::new();
-    o.read(true).custom_flags(libc::O_DIRECT);
-    match o.open(path) {
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => File::open(path),
+    match open_regular(path, libc::O_DIRECT) {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => open_regular(path, 0),
         r => r,
     }
 }
