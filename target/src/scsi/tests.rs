@@ -815,6 +815,40 @@ fn persistent_reservation_rules() {
     pr_out(&t, b2, 0, 0, 0xb, 0).unwrap();
 }
 
+/// Registrations outlive their sessions, so a host that logs in with ever
+/// new ISIDs could grow them without end: 64 per LU, the 65th refused with
+/// INSUFFICIENT REGISTRATION RESOURCES; changing or dropping a key, and
+/// registering once a place is free, still work.
+#[test]
+#[should_panic(expected = "the 65th registration")]
+fn registrations_are_capped_per_lu() {
+    let (t, first) = setup(512);
+    pr_out(&t, first, 6, 0, 0, 1).unwrap();
+    let mut nexuses = vec![first];
+    for i in 2..=64 {
+        let n = attach(&t, i);
+        pr_out(&t, n, 6, 0, 0, u64::from(i)).unwrap();
+        nexuses.push(n);
+    }
+    let late = attach(&t, 1000);
+    let e = pr_out(&t, late, 6, 0, 0, 0x65).expect_err("the 65th registration");
+    assert_eq!(e.status(), status::CHECK_CONDITION);
+    let sense = e.sense().expect("sense");
+    assert_eq!(
+        (sense.key, sense.asc, sense.ascq),
+        (sense_key::ILLEGAL_REQUEST, 0x55, 0x04),
+        "INSUFFICIENT REGISTRATION RESOURCES"
+    );
+    // REGISTER (not IGNORE EXISTING) is refused the same way.
+    let e = pr_out(&t, late, 0, 0, 0, 0x65).expect_err("the 65th registration");
+    assert_eq!(e.sense().map(|s| (s.asc, s.ascq)), Some((0x55, 0x04)));
+    // Those registered may still change their key and leave.
+    pr_out(&t, first, 0, 0, 1, 0x1111).unwrap();
+    pr_out(&t, first, 0, 0, 0x1111, 0).unwrap();
+    pr_out(&t, late, 6, 0, 0, 0x65).expect("a place was freed");
+    assert_eq!(be32(&pr_in(&t, late, 0), 4), 64 * 8, "64 keys");
+}
+
 #[test]
 fn persistent_reserve_in() {
     let (t, a) = setup(512);
