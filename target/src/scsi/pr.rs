@@ -18,6 +18,11 @@ pub(crate) const EA_RO: u8 = 6;
 pub(crate) const WE_AR: u8 = 7;
 pub(crate) const EA_AR: u8 = 8;
 
+/// Registrations one LU keeps. They outlive sessions, so without a cap a
+/// host logging in with ever new ISIDs would grow them without end; a
+/// cluster needs one per host port (fence_scsi, Pacemaker: a handful).
+pub(crate) const MAX_REGISTRATIONS: usize = 64;
+
 fn all_registrants(ty: u8) -> bool {
     matches!(ty, WE_AR | EA_AR)
 }
@@ -232,6 +237,9 @@ impl PrState {
                         return Err(SenseReason::ReservationConflict);
                     }
                     if sa_key != 0 {
+                        if self.regs.len() >= MAX_REGISTRATIONS {
+                            return Err(SenseReason::InsufficientRegistrationResources);
+                        }
                         self.regs.push(Reg {
                             port: port.clone(),
                             key: sa_key,

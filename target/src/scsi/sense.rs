@@ -20,6 +20,9 @@ pub enum SenseReason {
     SavingParamsNotSupported,
     /// ILLEGAL REQUEST, INVALID RELEASE OF PERSISTENT RESERVATION (26h/04h).
     InvalidReleaseOfPr,
+    /// ILLEGAL REQUEST, INSUFFICIENT REGISTRATION RESOURCES (55h/04h): the
+    /// LU holds `pr::MAX_REGISTRATIONS` already.
+    InsufficientRegistrationResources,
     /// ILLEGAL REQUEST, LOGICAL UNIT NOT SUPPORTED (25h/00h).
     LuNotSupported,
     /// NOT READY, LOGICAL UNIT NOT READY, MANUAL INTERVENTION REQUIRED
@@ -82,6 +85,9 @@ impl SenseReason {
             SenseReason::SavingParamsNotSupported => (ILLEGAL_REQUEST, 0x39, 0, None, None),
             SenseReason::InvalidReleaseOfPr => (ILLEGAL_REQUEST, 0x26, 0x04, None, None),
             SenseReason::LuNotSupported => (ILLEGAL_REQUEST, 0x25, 0, None, None),
+            SenseReason::InsufficientRegistrationResources => {
+                (ILLEGAL_REQUEST, 0x55, 0x04, None, None)
+            }
             SenseReason::NotReadyManualIntervention => (NOT_READY, 0x04, 0x03, None, None),
             SenseReason::UnitAttention { asc, ascq } => (UNIT_ATTENTION, asc, ascq, None, None),
             SenseReason::Miscompare { offset } => (MISCOMPARE, 0x1d, 0, None, Some(offset)),
