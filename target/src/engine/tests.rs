@@ -521,6 +521,65 @@ fn staging_is_bounded_across_sessions() {
     assert_eq!(portal.staging.used(), 0, "every reservation returned");
 }
 
+/// The buffers a session keeps for reuse are memory a peer made the daemon
+/// spend: they count against the staging budget, are kept only while the
+/// budget is at most half used (so idle sessions never hold more than half
+/// of it), and return to it when the session ends.
+#[test]
+#[should_panic(expected = "pooled buffers count")]
+fn pooled_staging_buffers_count_against_the_budget() {
+    let portal = RamPortal::new(IQN)
+        .size(8 << 20)
+        .limits(Limits {
+            staging_budget: 64 << 10,
+            ..Limits::default()
+        })
+        .build();
+    let verify = |blocks: u16| {
+        let mut cdb = write10(0, blocks);
+        cdb[0] = 0x2f;
+        cdb[1] = 0x02; // BYTCHK=1: the data is staged whole
+        cdb
+    };
+    let complete = |h: &mut Harness, blocks: u16| {
+        let len = u32::from(blocks) * 512;
+        let (itt, r) = h.command(&verify(blocks), 0xa1, len, &[]);
+        assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
+        let mut d = Bhs::new(Opcode::DataOut);
+        d.set_final(true)
+            .set_itt(itt)
+            .set_ttt(r[0].bhs.ttt())
+            .set_buffer_offset(0)
+            .set_datasn(0);
+        let r = h.send(&d, &vec![0u8; len as usize]);
+        assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
+    };
+    let mut a = Harness::new(portal.clone());
+    a.login(&[("InitialR2T", "Yes"), ("ImmediateData", "Yes")]);
+    complete(&mut a, 64);
+    assert_eq!(portal.staging.used(), 32768, "pooled buffers count");
+    // Beyond half the budget a finished command's buffer is freed.
+    let mut b = Harness::new(portal.clone());
+    b.login(&[("InitialR2T", "Yes"), ("ImmediateData", "Yes")]);
+    complete(&mut b, 64);
+    assert_eq!(portal.staging.used(), 32768, "b keeps nothing");
+    // What a's pool holds is not available to b...
+    let (_, r) = b.command(&verify(96), 0xa1, 49152, &[]);
+    assert_eq!(r[0].bhs.scsi_status(), status::TASK_SET_FULL);
+    // ...but a itself reuses it, growing it within the budget.
+    complete(&mut a, 96);
+    assert_eq!(portal.staging.used(), 0, "48 KiB is over half: freed");
+    complete(&mut a, 32);
+    assert_eq!(portal.staging.used(), 16384);
+    drop(a);
+    drop(b);
+    assert_eq!(
+        portal.staging.used(),
+        0,
+        "the pool returns with its session"
+    );
+}
+
 #[test]
 fn cmdsn_outside_window_is_ignored_and_session_continues() {
     let mut h = logged_in();
