@@ -285,6 +285,10 @@ impl StagingBudget {
     pub fn used(&self) -> u64 {
         self.used.load(Ordering::Acquire)
     }
+
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
 }
 
 impl Portal {

@@ -172,16 +172,14 @@ impl Session {
             return;
         }
         if matches!(task.plan.out_placement, OutPlacement::Buffer) {
-            if !self.portal.staging.reserve(u64::from(moved)) {
+            let Some(buf) = self.staging_buffer(moved as usize) else {
                 tracing::debug!(itt, moved, "staging budget exhausted: TASK SET FULL");
                 self.portal.counters.limit_hit(LimitHit::StagingBudget);
                 self.respond(out, itt, status::TASK_SET_FULL, None, residual);
                 return;
-            }
-            task.staged = u64::from(moved);
-            task.buf = self.spare_bufs.pop().unwrap_or_default();
-            task.buf.clear();
-            task.buf.resize(moved as usize, 0);
+            };
+            task.staged = buf.capacity() as u64;
+            task.buf = buf;
         }
         if task.in_window {
             // Released by finish_task, before the command's status is stamped.

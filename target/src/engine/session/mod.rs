@@ -48,6 +48,8 @@ const DATA_IN_SEGMENT_MAX: u32 = 256 * 1024;
 
 /// Staging buffers up to this capacity are kept for reuse; larger ones are freed.
 const POOLED_BUFFER_MAX: usize = 1 << 20;
+/// How many such buffers a session keeps.
+const SPARE_BUFFERS: usize = 8;
 
 pub(super) enum Flow {
     Continue,
@@ -199,7 +201,10 @@ pub(super) struct Session {
     waiting_in_window: u32,
     max_cmdsn_sent: Cell<u32>,
     tasks: Vec<Task>,
+    /// Staging buffers kept for reuse; their capacity stays taken from the
+    /// daemon's staging budget (`pooled_bytes`) until used or freed.
     spare_bufs: Vec<Vec<u8>>,
+    pooled_bytes: u64,
     data_in: Vec<u8>,
     next_ttt: u32,
     ping_ttt: Option<u32>,
@@ -291,6 +296,7 @@ impl Session {
             max_cmdsn_sent: Cell::new(cmdsn.wrapping_add(window - 1)),
             tasks: Vec::with_capacity(window as usize + 8),
             spare_bufs: Vec::new(),
+            pooled_bytes: 0,
             data_in: Vec::with_capacity(4096),
             next_ttt: 1,
             ping_ttt: None,
@@ -314,6 +320,10 @@ impl Session {
         for task in std::mem::take(&mut self.tasks) {
             self.portal.staging.release(task.staged);
         }
+        self.spare_bufs.clear();
+        self.portal
+            .staging
+            .release(std::mem::take(&mut self.pooled_bytes));
         if let Some(scsi) = &self.scsi {
             scsi.detach(self.nexus);
         }

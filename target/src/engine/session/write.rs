@@ -238,12 +238,42 @@ impl Session {
         if task.in_window {
             self.waiting_in_window = self.waiting_in_window.saturating_sub(1);
         }
-        self.portal.staging.release(task.staged);
-        task.staged = 0;
-        task.buf.clear();
         let cap = task.buf.capacity();
-        if cap > 0 && cap <= POOLED_BUFFER_MAX && self.spare_bufs.len() < 8 {
+        // Kept only while the budget is at most half used, so that idle
+        // sessions' pools never hold more than half of it.
+        let keep = cap > 0
+            && cap as u64 == task.staged
+            && cap <= POOLED_BUFFER_MAX
+            && self.spare_bufs.len() < SPARE_BUFFERS
+            && self.portal.staging.used() <= self.portal.staging.limit() / 2;
+        if keep {
+            // The task's share of the budget moves to the pool.
+            task.buf.clear();
             self.spare_bufs.push(std::mem::take(&mut task.buf));
+            self.pooled_bytes += task.staged;
+        } else {
+            self.portal.staging.release(task.staged);
         }
+        task.staged = 0;
+    }
+
+    /// A buffer of `len` bytes whose whole capacity is taken from the
+    /// daemon's staging budget: a pooled one if it is large enough (its
+    /// share moves with it), else a new one of exactly `len`. None when the
+    /// budget has no room.
+    pub(super) fn staging_buffer(&mut self, len: usize) -> Option<Vec<u8>> {
+        if let Some(mut buf) = self.spare_bufs.pop() {
+            let cap = buf.capacity() as u64;
+            self.pooled_bytes -= cap;
+            if buf.capacity() >= len {
+                buf.resize(len, 0);
+                return Some(buf);
+            }
+            self.portal.staging.release(cap);
+        }
+        if !self.portal.staging.reserve(len as u64) {
+            return None;
+        }
+        Some(vec![0; len])
     }
 }
