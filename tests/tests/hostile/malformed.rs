@@ -382,3 +382,141 @@ async fn data_digest_covers_the_padding_as_sent() {
     );
     assert_eq!(p.data, b"hello");
 }
+
+/// The wire form of `b` carrying `data` under a data digest that does not
+/// match it (the header itself is sound).
+fn with_bad_data_digest(b: &mut Bhs, data: &[u8]) -> Vec<u8> {
+    b.set_data_segment_len(data.len() as u32);
+    let mut wire = b.as_bytes().to_vec();
+    wire.extend_from_slice(data);
+    wire.resize(BHS_LEN + data.len().next_multiple_of(4), 0);
+    let d = digest::data(&wire[BHS_LEN..]) ^ 0x5a5a_5a5a;
+    wire.extend_from_slice(&digest::to_wire(d));
+    wire
+}
+
+async fn zeros_at(s: &ramslog_initiator::Session, lba: u64, blocks: u32) -> bool {
+    let got = s.read(0, lba, blocks, 512).await.expect("READ");
+    got.iter().all(|&b| b == 0)
+}
+
+/// RFC 7143 § 7.8 at ErrorRecoveryLevel 0: a command whose immediate data
+/// fails its digest is discarded unaccounted, so its CmdSN would hold the
+/// window shut until the host's command timeout. The target Rejects it and
+/// closes the connection at once (session recovery), and nothing of it lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "expected the connection to close")]
+async fn a_data_digest_error_on_immediate_data_rejects_and_closes() {
+    let t = TargetProcess::start();
+    let by = Bystander::new(&t, CANARY_LBA).await;
+    let mut c = raw_login(&t, |p| {
+        p.data_digest = Digest::Crc32c;
+        p.immediate_data = true;
+    })
+    .await;
+    tur_works(&mut c).await;
+    let lba = CANARY_LBA as u32 + 512;
+    let l = lba.to_be_bytes();
+    let mut b = scsi_cmd(
+        &mut c,
+        &[0x2a, 0, l[0], l[1], l[2], l[3], 0, 0, 8, 0],
+        0xa0,
+        4096,
+    );
+    let wire = with_bad_data_digest(&mut b, &[0xab; 4096]);
+    c.send_raw(&wire).await.expect("send");
+    let r = expect_reject(&mut c, RejectReason::DataDigestError).await;
+    assert_eq!(
+        r.data[..48][1..4],
+        b.as_bytes()[1..4],
+        "the rejected header"
+    );
+    let started = std::time::Instant::now();
+    expect_closed(&mut c).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "closed at once, not after a timeout: {:?}",
+        started.elapsed()
+    );
+    assert!(zeros_at(&by.s, u64::from(lba), 8).await, "nothing landed");
+    by.still_fine().await;
+}
+
+/// RFC 7143 § 7.8 option b: a Data-Out whose data fails its digest has a
+/// sound header, so its task ends, once its sequence has, with CHECK
+/// CONDITION, ABORTED COMMAND, PROTOCOL SERVICE CRC ERROR (47h/05h) instead
+/// of waiting for the host's command timeout; the damaged data is not
+/// placed, and the connection serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "PROTOCOL SERVICE CRC ERROR")]
+async fn a_data_digest_error_on_data_out_ends_its_task_with_a_crc_error() {
+    let t = TargetProcess::start();
+    let by = Bystander::new(&t, CANARY_LBA).await;
+    let mut c = raw_login(&t, |p| {
+        p.data_digest = Digest::Crc32c;
+        p.initial_r2t = true;
+        p.immediate_data = false;
+    })
+    .await;
+    tur_works(&mut c).await;
+    // The damaged PDU first (the sound one after it then leaves a gap in
+    // the sequence), then last (the one with the Final bit).
+    for damaged in [0u32, 1] {
+        let lba = CANARY_LBA as u32 + 512 + damaged * 16;
+        let l = lba.to_be_bytes();
+        let b = scsi_cmd(
+            &mut c,
+            &[0x2a, 0, l[0], l[1], l[2], l[3], 0, 0, 16, 0],
+            0xa0,
+            8192,
+        );
+        c.send_pdu(&b, &[], &[]).await.expect("send");
+        let r2t = c
+            .recv_pdu_timeout(Duration::from_secs(5))
+            .await
+            .expect("recv")
+            .expect("R2T");
+        assert_eq!(r2t.opcode(), Some(Opcode::ReadyToTransfer));
+        for i in 0..2u32 {
+            let mut d = Bhs::new(Opcode::DataOut);
+            d.set_final(i == 1)
+                .set_itt(b.itt())
+                .set_ttt(r2t.bhs.ttt())
+                .set_buffer_offset(i * 4096)
+                .set_datasn(i);
+            if i == damaged {
+                c.send_raw(&with_bad_data_digest(&mut d, &[0xcd; 4096]))
+                    .await
+                    .expect("send the damaged PDU");
+                expect_reject(&mut c, RejectReason::DataDigestError).await;
+            } else {
+                c.send_pdu(&d, &[], &[0xcd; 4096])
+                    .await
+                    .expect("send the sound PDU");
+            }
+        }
+        let p = c
+            .recv_pdu_timeout(Duration::from_secs(5))
+            .await
+            .expect("recv")
+            .expect("the task ends once its sequence has, not at the host's timeout");
+        assert_eq!(p.opcode(), Some(Opcode::ScsiResponse), "got {:?}", p.bhs);
+        assert_eq!(p.bhs.itt(), b.itt());
+        assert_eq!(p.bhs.scsi_status(), status::CHECK_CONDITION);
+        let slen = usize::from(u16::from_be_bytes([p.data[0], p.data[1]]));
+        let sense = ramslog_common::scsi_wire::Sense::decode(&p.data[2..2 + slen]).expect("sense");
+        assert_eq!(
+            (sense.key, sense.asc, sense.ascq),
+            (sense_key::ABORTED_COMMAND, 0x47, 0x05),
+            "PROTOCOL SERVICE CRC ERROR (damaged PDU {damaged})"
+        );
+        // Nothing after the damage is placed; what came before may be, as
+        // for any write that fails (docs/write-placement.md).
+        assert!(
+            zeros_at(&by.s, u64::from(lba) + u64::from(damaged) * 8, 8).await,
+            "the damaged data is not placed"
+        );
+    }
+    tur_works(&mut c).await;
+    by.still_fine().await;
+}
