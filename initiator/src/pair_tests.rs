@@ -337,7 +337,7 @@ fn login_write_and_read_back_with_and_without_digests() {
 }
 
 #[test]
-fn a_corrupted_data_out_is_rejected_and_the_connection_goes_on() {
+fn corrupted_immediate_data_is_rejected_and_the_connection_closes() {
     let mut pair = logged_in(true);
     let data = pattern(8192, 3);
     let cdb = cdb::write10(100, 16, false).expect("range");
@@ -350,15 +350,52 @@ fn a_corrupted_data_out_is_rejected_and_the_connection_goes_on() {
         reject.bhs.reject_reason(),
         RejectReason::DataDigestError as u8
     );
+    // The command was never accounted for: at ErrorRecoveryLevel 0 the
+    // host recovers the session (RFC 7143 § 7.8), so it ends now.
+    assert!(
+        pair.closed,
+        "a command whose immediate data is lost closes the connection"
+    );
+}
+
+/// A damaged Data-Out has a sound header: Rejected, its task ends with
+/// PROTOCOL SERVICE CRC ERROR once its sequence has, and the connection
+/// goes on (RFC 7143 § 7.8 option b).
+#[test]
+fn a_corrupted_data_out_ends_its_task_and_the_connection_goes_on() {
+    let mut pair = logged_in(true);
+    let cdb = cdb::write10(100, 16, false).expect("range");
+    let cmd = pair.command(&cdb, scsi_cmd::WRITE, 8192);
+    pair.send(&cmd, &[]);
+    let r2t = pair.recv().expect("an R2T");
+    assert_eq!(r2t.opcode(), Some(Opcode::ReadyToTransfer));
+    let mut out = Bhs::new(Opcode::DataOut);
+    out.set_final(true)
+        .set_itt(cmd.itt())
+        .set_ttt(r2t.bhs.ttt())
+        .set_exp_statsn(pair.seq.exp_statsn)
+        .set_datasn(0)
+        .set_buffer_offset(0);
+    pair.faults.push_back(Fault::FlipDataBit);
+    pair.send(&out, &pattern(8192, 5));
+    let reject = pair.recv().expect("a Reject");
+    assert_eq!(
+        reject.bhs.reject_reason(),
+        RejectReason::DataDigestError as u8
+    );
+    let response = pair.recv().expect("the task's end");
+    assert_eq!(response.opcode(), Some(Opcode::ScsiResponse));
+    assert_eq!(response.bhs.scsi_status(), status::CHECK_CONDITION);
     assert!(
         !pair.closed,
-        "a data digest error loses the data, not the connection"
+        "a damaged Data-Out loses the task, not the connection"
     );
     let nop = pair.ping().expect("the NOP-In");
     assert_eq!(
         (nop.opcode(), nop.data.as_slice()),
         (Some(Opcode::NopIn), &b"ping"[..])
     );
+    assert_eq!(pair.read(100, 8192), vec![0; 8192], "nothing placed");
 }
 
 #[test]

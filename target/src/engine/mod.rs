@@ -369,15 +369,17 @@ impl Connection {
     fn data_digest_error(&mut self, now: Instant, bhs: &Bhs) {
         tracing::warn!(peer = %self.info.peer, "data digest error on {:?}", bhs.opcode());
         self.touch(now);
-        if let Phase::FullFeature(s) = &mut self.phase {
-            s.data_digest_error(
+        let keep = match &mut self.phase {
+            Phase::FullFeature(s) => !s.data_digest_error(
                 bhs,
                 &mut Out {
                     q: &mut self.actions,
                     statsn: &mut self.statsn,
                 },
-            );
-        } else {
+            ),
+            _ => false,
+        };
+        if !keep {
             self.fail_close();
         }
     }

@@ -45,6 +45,9 @@ pub enum SenseReason {
     /// ABORTED COMMAND, DATA PHASE ERROR (4Bh/00h): the command's data did
     /// not arrive as the protocol requires; the initiator may retry.
     DataPhaseError,
+    /// ABORTED COMMAND, PROTOCOL SERVICE CRC ERROR (47h/05h): write data
+    /// failed its digest (RFC 7143 § 7.8 option b); the host retries.
+    ProtocolServiceCrcError,
     /// ILLEGAL REQUEST, INVALID FIELD IN COMMAND INFORMATION UNIT (0Eh/03h):
     /// the iSCSI command itself is inconsistent (e.g. its expected data
     /// length ends inside a block).
@@ -93,6 +96,7 @@ impl SenseReason {
             SenseReason::Miscompare { offset } => (MISCOMPARE, 0x1d, 0, None, Some(offset)),
             SenseReason::InternalTargetFailure => (HARDWARE_ERROR, 0x44, 0, None, None),
             SenseReason::DataPhaseError => (ABORTED_COMMAND, 0x4b, 0, None, None),
+            SenseReason::ProtocolServiceCrcError => (ABORTED_COMMAND, 0x47, 0x05, None, None),
             SenseReason::InvalidFieldInCommandIu => (ILLEGAL_REQUEST, 0x0e, 0x03, None, None),
             SenseReason::TransferTooLargeForTransport => (ILLEGAL_REQUEST, 0x24, 0, None, None),
             SenseReason::ReservationConflict

@@ -8,6 +8,7 @@ mod datapath;
 mod write;
 
 use datapath::{DataPath, Fetch, RdmaReadInFlight};
+use write::DataOutPayload;
 
 use std::cell::Cell;
 use std::net::SocketAddr;
@@ -108,6 +109,8 @@ struct R2t {
 enum WriteFailure {
     /// A data sequence broke the rules (ABORTED COMMAND, DATA PHASE ERROR).
     DataPhase,
+    /// Data failed its digest (ABORTED COMMAND, PROTOCOL SERVICE CRC ERROR).
+    Digest,
     /// Data could not be placed (HARDWARE ERROR).
     Placement,
 }
@@ -411,9 +414,22 @@ impl Session {
         self.push_status(out, r, OutData::Owned(rejected_header(bhs)));
     }
 
-    pub fn data_digest_error(&mut self, bhs: &Bhs, out: &mut Out) {
-        // ERL 0: the data is discarded and the initiator recovers the task.
+    /// A PDU whose data failed its digest (RFC 7143 § 7.8): Rejected and
+    /// its data discarded. Returns whether the connection must close.
+    pub fn data_digest_error(&mut self, bhs: &Bhs, out: &mut Out) -> bool {
         self.reject(out, bhs, RejectReason::DataDigestError);
+        if bhs.opcode() == Some(Opcode::DataOut) {
+            // Its header is sound: the sequence goes on without the data,
+            // and the task ends with PROTOCOL SERVICE CRC ERROR once the
+            // sequence has (option b).
+            self.data_out(bhs, DataOutPayload::Damaged, out);
+            false
+        } else {
+            // Any other PDU, a command with immediate data above all, was
+            // never accounted for: at ErrorRecoveryLevel 0 the host recovers
+            // the session, so end it now rather than at its timeout.
+            true
+        }
     }
 
     pub fn kind(&self) -> SessionKind {
@@ -463,7 +479,7 @@ impl Session {
             return Flow::Continue;
         };
         if op == Opcode::DataOut {
-            self.data_out(bhs, data, out);
+            self.data_out(bhs, DataOutPayload::Sound(data), out);
             return Flow::Continue;
         }
         if matches!(op, Opcode::LoginRequest | Opcode::SnackRequest) {

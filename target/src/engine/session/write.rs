@@ -3,6 +3,14 @@
 
 use super::*;
 
+/// The data of a Data-Out PDU as it arrived.
+pub(super) enum DataOutPayload<'a> {
+    Sound(&'a [u8]),
+    /// Failed its digest: the header is sound, so the bytes count for the
+    /// sequence, but none of them may be placed.
+    Damaged,
+}
+
 impl Session {
     /// After any event of a write: complete it, fail it, or ask for more
     /// data and keep waiting.
@@ -26,6 +34,7 @@ impl Session {
                 self.finish_task(task);
                 let reason = match why {
                     WriteFailure::DataPhase => SenseReason::DataPhaseError,
+                    WriteFailure::Digest => SenseReason::ProtocolServiceCrcError,
                     WriteFailure::Placement => SenseReason::InternalTargetFailure,
                 };
                 self.fail(out, itt, reason, residual);
@@ -107,7 +116,7 @@ impl Session {
         self.advance(out, &scsi, task);
     }
 
-    pub(super) fn data_out(&mut self, bhs: &Bhs, data: &[u8], out: &mut Out) {
+    pub(super) fn data_out(&mut self, bhs: &Bhs, payload: DataOutPayload, out: &mut Out) {
         let Some(idx) = self.tasks.iter().position(|t| t.itt == bhs.itt()) else {
             // Data for a command that already ended (aborted, or failed before
             // any data was asked for) may still be in flight: drop it.
@@ -123,7 +132,14 @@ impl Session {
             return;
         }
         let offset = bhs.buffer_offset();
-        let len = data.len() as u32;
+        let (data, len) = match payload {
+            DataOutPayload::Sound(data) => (Some(data), data.len() as u32),
+            DataOutPayload::Damaged => {
+                // First, so that the sequence's own verdict does not hide it.
+                task.fail(WriteFailure::Digest);
+                (None, bhs.data_segment_len())
+            }
+        };
         let datasn = bhs.datasn();
         let ttt = bhs.ttt();
         let last = bhs.final_bit();
@@ -180,8 +196,10 @@ impl Session {
                 );
             }
             task.fail(WriteFailure::DataPhase);
-        } else if task.failure.is_none() && !self.place(&mut task, offset, data) {
-            task.fail(WriteFailure::Placement);
+        } else if let Some(data) = data.filter(|_| task.failure.is_none()) {
+            if !self.place(&mut task, offset, data) {
+                task.fail(WriteFailure::Placement);
+            }
         }
         self.advance(out, &scsi, task);
     }
