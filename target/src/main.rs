@@ -356,10 +356,10 @@ async fn run(args: RunArgs) -> Result<(), String> {
     };
 
     let mut targets = Vec::new();
+    for warning in cfg.warnings() {
+        tracing::warn!("{warning}");
+    }
     for (t, volumes) in cfg.targets.iter().zip(volumes) {
-        if t.open_access && !cfg.listen.iter().all(|a| a.ip().is_loopback()) && t.chap.is_none() {
-            tracing::warn!(target = %t.name, "--allow-any: any initiator that reaches this portal may write to the LUN");
-        }
         targets.push(TargetDef {
             name: t.name.clone(),
             alias: t.alias.clone(),

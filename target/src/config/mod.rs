@@ -264,6 +264,24 @@ pub struct Config {
     pub metrics: Option<SocketAddr>,
 }
 
+impl Config {
+    /// What the admin should hear at every start: settings that work but
+    /// expose the LUNs more than they may think.
+    pub fn warnings(&self) -> Vec<String> {
+        let exposed = !self.listen.iter().all(|a| a.ip().is_loopback());
+        let mut out = Vec::new();
+        for t in &self.targets {
+            if t.open_access && exposed && t.chap.is_none() {
+                out.push(format!(
+                    "target {}: --allow-any: any initiator that reaches this portal may write to the LUN",
+                    t.name
+                ));
+            }
+        }
+        out
+    }
+}
+
 /// Default empty polls before an iSER connection thread sleeps: about 20 µs
 /// of spinning on a current CPU, enough to catch the next command of a
 /// synchronous writer without a wake-up.

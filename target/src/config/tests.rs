@@ -100,3 +100,74 @@ fn short_chap_secrets_are_refused() {
     assert!(Config::load(&args).is_ok());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An ACL admits initiators by the name they claim: on a portal others can
+/// reach, without CHAP any host may claim an allowed name. Said at every
+/// start; loopback portals and targets with CHAP are quiet.
+#[test]
+#[should_panic(expected = "an ACL without CHAP")]
+fn an_exposed_acl_without_chap_is_warned_about() {
+    let dir = std::env::temp_dir().join(format!("ramslog-acl-warn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret = dir.join("chap.secret");
+    std::fs::write(&secret, "a-long-enough-secret\n").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let args = RunArgs {
+        size: Some(1 << 20),
+        listen: vec!["192.0.2.1:3260".parse().unwrap()],
+        allow: vec!["iqn.2026-01.org.example:host".into()],
+        ephemeral: true,
+        ..Default::default()
+    };
+    let warned = |args: &RunArgs| Config::load(args).unwrap().warnings().join("; ");
+    let bare = warned(&args);
+    let with_chap = warned(&RunArgs {
+        chap_user: Some("u".into()),
+        chap_secret_file: Some(secret.clone()),
+        ..args.clone()
+    });
+    let loopback = warned(&RunArgs {
+        listen: vec!["127.0.0.1:3260".parse().unwrap()],
+        ..args.clone()
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        bare.contains("CHAP") && bare.contains("claim"),
+        "an ACL without CHAP on 192.0.2.1: {bare:?}"
+    );
+    assert_eq!(with_chap, "", "CHAP set");
+    assert_eq!(loopback, "", "loopback only");
+}
+
+/// A CHAP secret others can read is no secret: refused at start, naming
+/// the file and the chmod.
+#[test]
+#[should_panic(expected = "a secret readable by others")]
+fn chap_secret_files_readable_by_others_are_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("ramslog-chap-mode-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret = dir.join("chap.secret");
+    std::fs::write(&secret, "a-long-enough-secret\n").unwrap();
+    let args = RunArgs {
+        size: Some(1 << 20),
+        ephemeral: true,
+        chap_user: Some("u".into()),
+        chap_secret_file: Some(secret.clone()),
+        ..Default::default()
+    };
+    for mode in [0o640, 0o604, 0o644] {
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(mode)).unwrap();
+        let e = match Config::load(&args) {
+            Ok(_) => "accepted".to_string(),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.contains("chmod 600") && e.contains(&secret.display().to_string()),
+            "a secret readable by others (mode {mode:o}): {e}"
+        );
+    }
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o400)).unwrap();
+    assert!(Config::load(&args).is_ok(), "0400 is fine");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -224,3 +224,41 @@ fn check_config_reports_every_problem_with_its_position_as_the_daemon_does() {
     refused(&daemon, &needles);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Every portal address is bound before any is served: when a later
+/// `--listen` cannot be bound the daemon exits without ever having accepted
+/// a connection on an earlier one (a write accepted there would be lost with
+/// no dump).
+#[test]
+#[should_panic(expected = "served before every address was bound")]
+fn a_failed_second_listen_exits_before_the_first_is_served() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let busy = taken.local_addr().expect("addr");
+    let first = format!("127.0.0.1:{}", free_port());
+    // At info the daemon logs each address as it starts serving it.
+    let out = Command::new(target_binary())
+        .env("RUST_LOG", "info")
+        .args([
+            "--size",
+            "16M",
+            "--ephemeral",
+            "--control-socket",
+            &std::env::temp_dir()
+                .join(format!("ramslog-e2e-listen-{}.sock", std::process::id()))
+                .display()
+                .to_string(),
+            "--listen",
+            &first,
+            "--listen",
+            &busy.to_string(),
+        ])
+        .output()
+        .expect("run ramslog-target");
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let log = err.clone() + &String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !log.contains(&format!("listening on {first}")),
+        "served before every address was bound: {log}"
+    );
+    refused(&out, &[&format!("cannot listen on {busy}"), "--listen"]);
+}
