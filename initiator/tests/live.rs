@@ -2,12 +2,10 @@
 //! target, e.g. LIO or tgt; the LUN's content is overwritten), else a fresh `ramslog-target`
 //! started here, so that every run exercises them.
 
-use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use ramslog_initiator::{discover, Connection, LoginParams, Session, TargetUrl};
-use ramslog_tests::{artefact_dir, TargetOptions, TargetProcess};
+use ramslog_tests::{secret_file, TargetOptions, TargetProcess};
 use rand::Rng;
 
 const INITIATOR: &str = "iqn.2026-11.org.ramslog:live-test";
@@ -24,15 +22,6 @@ fn live_target(extra_args: Vec<String>) -> (TargetUrl, Option<TargetProcess>) {
     });
     let url = TargetUrl::parse(&t.url(0)).expect("the started target's URL");
     (url, Some(t))
-}
-
-/// A CHAP secret file only its owner can read, as the daemon wants it.
-fn secret_file(name: &str, secret: &str) -> PathBuf {
-    let path = artefact_dir("live").join(format!("{name}-{}", std::process::id()));
-    std::fs::write(&path, secret).expect("write the secret file");
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
-        .expect("chmod the secret file");
-    path
 }
 
 #[tokio::test]

@@ -404,11 +404,16 @@ async fn run(args: RunArgs) -> Result<(), String> {
             .await
             .map_err(|e| format!("cannot serve metrics on {addr}: {e} (change --metrics)"))?;
     }
-    let mut tcp_listeners = Vec::new();
+    // Every address is bound before any is served: a start that fails on
+    // the second must not have accepted a host's write on the first.
+    let mut bound = Vec::new();
     for addr in &cfg.listen {
-        let listener = tcp::listen(*addr).map_err(|e| {
+        bound.push(tcp::listen(*addr).map_err(|e| {
             format!("cannot listen on {addr}: {e} (is another target on that port? use --listen)")
-        })?;
+        })?);
+    }
+    let mut tcp_listeners = Vec::new();
+    for listener in bound {
         tracing::info!(
             "listening on {}",
             listener

@@ -65,6 +65,16 @@ pub fn artefact_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// A CHAP secret file only its owner can read, as the daemon requires:
+/// `build/secrets/<name>-<pid>`.
+pub fn secret_file(name: &str, secret: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = artefact_dir("secrets").join(format!("{name}-{}", std::process::id()));
+    fs::write(&path, secret).expect("write the secret file");
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).expect("chmod the secret file");
+    path
+}
+
 /// Path of the `ramslog-target` binary: `$RAMSLOG_TARGET_BIN`, else the profile directory of
 /// the running test, else `build/debug`, else `build/release`.
 pub fn target_binary() -> PathBuf {

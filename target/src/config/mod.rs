@@ -271,9 +271,17 @@ impl Config {
         let exposed = !self.listen.iter().all(|a| a.ip().is_loopback());
         let mut out = Vec::new();
         for t in &self.targets {
-            if t.open_access && exposed && t.chap.is_none() {
+            if !exposed || t.chap.is_some() {
+                continue;
+            }
+            if t.open_access {
                 out.push(format!(
                     "target {}: --allow-any: any initiator that reaches this portal may write to the LUN",
+                    t.name
+                ));
+            } else {
+                out.push(format!(
+                    "target {}: its ACL admits initiators by the name they claim, and without CHAP any host that reaches this portal can claim an allowed name; set chap_user and chap_secret_file (--chap-user, --chap-secret-file)",
                     t.name
                 ));
             }
@@ -298,10 +306,23 @@ fn parse_acl(entries: &[String]) -> Result<Vec<AclEntry>, ConfigError> {
 const MIN_CHAP_SECRET_BYTES: usize = 12;
 
 fn read_secret(path: &PathBuf) -> Result<String, ConfigError> {
-    let s = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+    use std::os::unix::fs::PermissionsExt;
+    let read_error = |source| ConfigError::Read {
         path: path.clone(),
         source,
-    })?;
+    };
+    let mut file = std::fs::File::open(path).map_err(read_error)?;
+    let mode = file.metadata().map_err(read_error)?.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(invalid(format!(
+            "CHAP secret file {} is readable or writable by group or others (mode {mode:o}); \
+             make it the daemon's user's alone: chmod 600 {}",
+            path.display(),
+            path.display()
+        )));
+    }
+    let mut s = String::new();
+    std::io::Read::read_to_string(&mut file, &mut s).map_err(read_error)?;
     let s = s.trim_end_matches(['\n', '\r']).to_string();
     if s.len() < MIN_CHAP_SECRET_BYTES {
         return Err(invalid(format!(

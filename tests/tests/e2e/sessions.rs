@@ -1,7 +1,7 @@
 //! Login, discovery, I/O, several sessions, CHAP, ACL, reinstatement.
 
 use ramslog_initiator::{discover, ChapParams, Credentials, Error, LoginParams, Session};
-use ramslog_tests::{TargetOptions, TargetProcess};
+use ramslog_tests::{secret_file, TargetOptions, TargetProcess};
 
 use super::*;
 
@@ -66,12 +66,6 @@ async fn several_sessions_at_once() {
     for s in done {
         s.logout().await.expect("logout");
     }
-}
-
-fn secret_file(name: &str, secret: &str) -> std::path::PathBuf {
-    let p = std::env::temp_dir().join(format!("ramslog-e2e-{}-{name}", std::process::id()));
-    std::fs::write(&p, secret).expect("write secret file");
-    p
 }
 
 fn chap(user: &str, secret: &str, mutual: Option<(&str, &str)>) -> ChapParams {

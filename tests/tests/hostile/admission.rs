@@ -157,11 +157,14 @@ async fn allowed_initiator_logs_in_every_second_under_floods(chap: Option<&str>)
         "--discovery-lifetime",
         "5",
     ];
-    let secret_path =
-        std::env::temp_dir().join(format!("ramslog-flood-{}-chap", std::process::id()));
-    let secret_arg = secret_path.display().to_string();
-    if let Some(secret) = chap {
-        std::fs::write(&secret_path, secret).expect("write the CHAP secret");
+    let secret_arg = chap
+        .map(|secret| {
+            ramslog_tests::secret_file("flood-chap", secret)
+                .display()
+                .to_string()
+        })
+        .unwrap_or_default();
+    if chap.is_some() {
         extra.extend([
             "--chap-user",
             "slog-host",
@@ -219,7 +222,9 @@ async fn allowed_initiator_logs_in_every_second_under_floods(chap: Option<&str>)
     for f in pending {
         pending_connections += f.await.unwrap_or(0);
     }
-    let _ = std::fs::remove_file(&secret_path);
+    if chap.is_some() {
+        let _ = std::fs::remove_file(&secret_arg);
+    }
     println!(
         "{seconds} s of floods: {discovery_sessions} discovery sessions, {pending_connections} \
          silent connections; slowest allowed login {slowest:?}"

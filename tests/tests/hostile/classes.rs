@@ -109,8 +109,7 @@ async fn a_write_with_a_hole_is_never_good() {
 /// Defect 2 on the wire: AuthMethod=None before TargetName on a CHAP target.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chap_is_not_skipped_by_key_order() {
-    let secret = std::env::temp_dir().join(format!("ramslog-hostile-chap-{}", std::process::id()));
-    std::fs::write(&secret, "a-long-enough-secret").expect("secret");
+    let secret = ramslog_tests::secret_file("hostile-chap", "a-long-enough-secret");
     let t = TargetProcess::start_with(TargetOptions {
         extra_args: vec![
             "--chap-user".into(),
