@@ -261,3 +261,119 @@ fn a_failed_second_listen_exits_before_the_first_is_served() {
     );
     refused(&out, &[&format!("cannot listen on {busy}"), "--listen"]);
 }
+
+/// A directory others may write to, for the control-socket tests.
+fn open_dir(name: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("ramslog-e2e-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    dir
+}
+
+/// A control socket in a directory another user can write to can be
+/// pre-created by that user, who then answers `status` or swallows `stop`
+/// in the daemon's place: the daemon refuses to bind there and the client
+/// refuses to connect there, each naming the directory and the fix.
+#[test]
+#[should_panic(expected = "a control socket another user could plant")]
+fn control_sockets_in_directories_others_can_write_are_refused() {
+    let dir = open_dir("socket-dir");
+    let socket = dir.join("control.sock");
+    let socket_arg = socket.display().to_string();
+    let port = free_port().to_string();
+    let daemon = Command::new(target_binary())
+        .args(["--size", "16M", "--ephemeral", "--listen"])
+        .arg(format!("127.0.0.1:{port}"))
+        .args(["--control-socket", &socket_arg])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn ramslog-target");
+    let out = exited_within(daemon, std::time::Duration::from_secs(10));
+    let client = Command::new(target_binary())
+        .args(["status", "--control-socket", &socket_arg])
+        .output()
+        .expect("run ramslog-target status");
+    let _ = std::fs::remove_dir_all(&dir);
+    let Some(out) = out else {
+        panic!("the daemon served a control socket another user could plant");
+    };
+    refused(
+        &out,
+        &[&dir.display().to_string(), "writable by group or others"],
+    );
+    let err = String::from_utf8_lossy(&client.stderr);
+    assert!(
+        !client.status.success() && err.contains("writable by group or others"),
+        "the client must refuse that directory, not just fail to connect: {err}"
+    );
+}
+
+/// Without `$XDG_RUNTIME_DIR` a non-root `--ephemeral` daemon has no
+/// directory of its own for the socket (`/tmp/ramslog-<uid>` could be
+/// pre-created by anyone): it refuses and says what to give instead, and a
+/// non-root client's default lookup does not go there either.
+#[test]
+#[should_panic(expected = "a control socket another user could plant")]
+fn a_non_root_daemon_without_a_runtime_directory_names_the_fix() {
+    assert!(
+        is_root(),
+        "this test runs the daemon as nobody (CI runs as root)"
+    );
+    let port = free_port().to_string();
+    // 4 MiB: within the 8 MiB RLIMIT_MEMLOCK an unprivileged user gets.
+    let daemon = Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .arg(target_binary())
+        .args([
+            "--size",
+            "4M",
+            "--ephemeral",
+            "--hugepages",
+            "off",
+            "--listen",
+        ])
+        .arg(format!("127.0.0.1:{port}"))
+        .env_remove("XDG_RUNTIME_DIR")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn ramslog-target as nobody");
+    let out = exited_within(daemon, std::time::Duration::from_secs(10));
+    let Some(out) = out else {
+        panic!("a non-root daemon used a control socket another user could plant");
+    };
+    refused(&out, &["XDG_RUNTIME_DIR", "--control-socket"]);
+    let client = Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .arg(target_binary())
+        .arg("status")
+        .env_remove("XDG_RUNTIME_DIR")
+        .output()
+        .expect("run status as nobody");
+    let err = String::from_utf8_lossy(&client.stderr);
+    assert!(!client.status.success(), "{err}");
+    assert!(
+        !err.contains("/tmp/ramslog-"),
+        "no lookup under /tmp: {err}"
+    );
+}
+
+/// The output of `child` if it exits within `limit`; otherwise it is killed
+/// and None returned.
+fn exited_within(mut child: std::process::Child, limit: std::time::Duration) -> Option<Output> {
+    let deadline = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < deadline {
+        if child.try_wait().ok().flatten().is_some() {
+            return child.wait_with_output().ok();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
