@@ -125,8 +125,12 @@ pub fn demo(netdev: &str, initiator_name: &str) -> Result<()> {
     let listen = format!("{ip}:3260");
     // Its own control socket: the default one may belong to another
     // ephemeral target on this machine (a quick start, a lab script).
-    let control_socket =
-        std::env::temp_dir().join(format!("rdma-bench-softroce-{}.sock", std::process::id()));
+    // In root's runtime directory: the daemon refuses a socket directory
+    // others can write to, such as /tmp.
+    let control_socket = PathBuf::from(format!(
+        "/run/ramslog/rdma-bench-softroce-{}.sock",
+        std::process::id()
+    ));
     let mut child = Command::new(&bin)
         .args(["--size", "256M", "--ephemeral", "--iser-spin", "0"])
         .arg("--control-socket")

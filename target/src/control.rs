@@ -245,7 +245,11 @@ const MAX_REQUEST_LINE: usize = 64 * 1024;
 /// forever.
 pub async fn serve(path: PathBuf, control: Arc<Control>) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    crate::private_dir::check_socket_dir(dir).map_err(std::io::Error::other)?;
     match std::fs::symlink_metadata(&path) {
         Ok(meta) if !meta.file_type().is_socket() => {
             return Err(std::io::Error::new(
@@ -392,6 +396,14 @@ async fn write_reply(
 
 /// Client side: send one request to a running daemon.
 pub async fn request(path: &Path, req: &Request) -> Result<Reply, String> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        match crate::private_dir::check_socket_dir(dir) {
+            // A missing directory is a daemon that is not running: the
+            // connect below says so.
+            Err(crate::private_dir::PrivateDirError::Inspect { .. }) | Ok(()) => {}
+            Err(e) => return Err(format!("refusing to use {}: {e}", path.display())),
+        }
+    }
     let stream = UnixStream::connect(path).await.map_err(|e| {
         format!(
             "cannot reach ramslog-target at {} ({e}); is it running? Point at it with --state-dir or --control-socket",

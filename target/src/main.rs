@@ -88,30 +88,34 @@ impl SocketArgs {
         }
         // A socket file alone proves nothing (a killed daemon leaves one):
         // ask which daemons answer.
-        let [state, runtime] = default_control_sockets();
+        let candidates = default_control_sockets();
         let answer = |p: &Path| std::os::unix::net::UnixStream::connect(p).map(|_| ());
-        match (answer(&state), answer(&runtime)) {
-            (Ok(()), Err(_)) => Ok(state),
-            (Err(_), Ok(())) => Ok(runtime),
-            (Ok(()), Ok(())) => Err(format!(
-                "two ramslog-target daemons answer, at {} (state directory) and {} (--ephemeral): \
-                 choose one with --state-dir or --control-socket",
-                state.display(),
-                runtime.display()
-            )),
-            (Err(a), Err(b)) => {
-                let denied = [a, b]
-                    .iter()
-                    .any(|e| e.kind() == std::io::ErrorKind::PermissionDenied);
+        let tried: Vec<_> = candidates.iter().map(|p| (p, answer(p))).collect();
+        let answering: Vec<_> = tried.iter().filter(|(_, r)| r.is_ok()).collect();
+        let names = |l: &[&(&PathBuf, std::io::Result<()>)]| {
+            l.iter()
+                .map(|(p, _)| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(" and ")
+        };
+        match answering.as_slice() {
+            [(one, _)] => Ok((*one).clone()),
+            [] => {
+                let denied = tried.iter().any(|(_, r)| {
+                    r.as_ref()
+                        .is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied)
+                });
                 Err(format!(
-                    "no ramslog-target control socket answers at {} or {}; is the daemon running?{} \
+                    "no ramslog-target control socket answers at {}; is the daemon running?{} \
                      Point at it with --state-dir or --control-socket",
-                    state.display(),
-                    runtime.display(),
+                    names(&tried.iter().collect::<Vec<_>>()),
                     if denied { " (permission denied: run this as root)" } else { "" }
                 ))
             }
-        }
+            several => Err(format!(
+                "several ramslog-target daemons answer, at {}: choose one with --state-dir or --control-socket",
+                names(several)
+            )),        }
     }
 }
 

@@ -144,6 +144,33 @@ pub fn prepare(dir: &Path, what: &'static str) -> Result<(), PrivateDirError> {
     Ok(())
 }
 
+/// The directory of a control socket, on both sides of it: whoever else can
+/// write there could bind a socket of their own at its path first and
+/// answer `status` or swallow `stop` in the daemon's place. It must belong
+/// to this process's user or root (root may use any user's) and not be
+/// writable by group or others.
+pub fn check_socket_dir(dir: &Path) -> Result<(), PrivateDirError> {
+    let what = "control socket's directory";
+    let meta = std::fs::metadata(dir).map_err(|source| PrivateDirError::Inspect {
+        what,
+        path: dir.into(),
+        source,
+    })?;
+    if daemon_uid() == 0 && meta.uid() != 0 {
+        // Root reaching a non-root daemon: only the write bits matter.
+        let mode = meta.mode() & 0o7777;
+        if mode & 0o022 != 0 {
+            return Err(PrivateDirError::Writable {
+                what,
+                path: dir.into(),
+                mode,
+            });
+        }
+        return Ok(());
+    }
+    check_entry(dir, &meta, what)
+}
+
 /// Owner and write bits of one path.
 fn check_entry(
     path: &Path,

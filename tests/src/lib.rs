@@ -65,6 +65,24 @@ pub fn artefact_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// A directory for control sockets only this user can write to, as the
+/// daemon and its clients require: `$TMPDIR/ramslog-tests-<uid>` (short, for
+/// the 108-byte limit of socket paths), 0700.
+pub fn private_socket_dir() -> PathBuf {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let uid = fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!("ramslog-tests-{uid}"));
+    let _ = fs::DirBuilder::new().mode(0o700).create(&dir);
+    let meta = fs::symlink_metadata(&dir)
+        .unwrap_or_else(|e| panic!("socket directory {}: {e}", dir.display()));
+    assert!(
+        meta.is_dir() && meta.uid() == uid && meta.permissions().mode() & 0o077 == 0,
+        "{} must be a directory of uid {uid}, mode 0700: remove it",
+        dir.display()
+    );
+    dir
+}
+
 /// A CHAP secret file only its owner can read, as the daemon requires:
 /// `build/secrets/<name>-<pid>`.
 pub fn secret_file(name: &str, secret: &str) -> PathBuf {
@@ -217,7 +235,7 @@ impl TargetProcess {
         if opts.ephemeral {
             cmd.arg("--ephemeral");
             if !opts.default_control_socket {
-                let socket = std::env::temp_dir().join(format!(
+                let socket = private_socket_dir().join(format!(
                     "ramslog-test-{}-{}.sock",
                     std::process::id(),
                     n

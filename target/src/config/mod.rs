@@ -22,27 +22,28 @@ pub const DEFAULT_CONFIG: &str = "/etc/ramslog/ramslog.toml";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/ramslog";
 
 /// The control socket of a daemon without a state directory (`--ephemeral`):
-/// `/run/ramslog/control.sock` for root, else under `$XDG_RUNTIME_DIR` (or
-/// `/tmp/ramslog-<uid>`), so `status` finds it without flags.
-pub fn runtime_control_socket() -> PathBuf {
-    let uid = rustix::process::geteuid();
-    let dir = if uid.is_root() {
+/// `/run/ramslog/control.sock` for root, else under `$XDG_RUNTIME_DIR` (the
+/// user's own directory, made by systemd-logind), so `status` finds it
+/// without flags. None for a non-root user without one: any directory
+/// another user could create first (`/tmp/ramslog-<uid>`) would let that
+/// user answer in the daemon's place.
+pub fn runtime_control_socket() -> Option<PathBuf> {
+    let dir = if rustix::process::geteuid().is_root() {
         PathBuf::from("/run/ramslog")
-    } else if let Some(runtime) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
-        PathBuf::from(runtime).join("ramslog")
     } else {
-        PathBuf::from(format!("/tmp/ramslog-{}", uid.as_raw()))
+        PathBuf::from(std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty())?)
+            .join("ramslog")
     };
-    dir.join("control.sock")
+    Some(dir.join("control.sock"))
 }
 
 /// Where `status`, `stop` and `accept-empty` look when given no path: a
-/// daemon with the default state directory, else one started `--ephemeral`.
-pub fn default_control_sockets() -> [PathBuf; 2] {
-    [
-        Path::new(DEFAULT_STATE_DIR).join("control.sock"),
-        runtime_control_socket(),
-    ]
+/// daemon with the default state directory, and one started `--ephemeral`
+/// where this user has a runtime directory.
+pub fn default_control_sockets() -> Vec<PathBuf> {
+    std::iter::once(Path::new(DEFAULT_STATE_DIR).join("control.sock"))
+        .chain(runtime_control_socket())
+        .collect()
 }
 
 #[derive(Debug, Error)]
@@ -433,10 +434,20 @@ impl Config {
             .control_socket
             .clone()
             .or(file.control_socket)
-            .unwrap_or_else(|| match &state_dir {
-                Some(d) => d.join("control.sock"),
-                None => runtime_control_socket(),
-            });
+            .map_or_else(
+                || match &state_dir {
+                    Some(d) => Ok(d.join("control.sock")),
+                    None => runtime_control_socket().ok_or_else(|| {
+                        invalid(
+                            "without a state directory a non-root daemon keeps its control socket under \
+                             $XDG_RUNTIME_DIR, which is not set here: give --control-socket PATH in a \
+                             directory only you can write (or log in through a session that sets \
+                             XDG_RUNTIME_DIR)",
+                        )
+                    }),
+                },
+                Ok,
+            )?;
         let image_dir = state_dir.as_ref().map(|d| {
             args.image_dir
                 .clone()
