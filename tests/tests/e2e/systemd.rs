@@ -65,6 +65,62 @@ fn the_unit_verifies() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The unit confines the daemon without hiding devices or making a mount
+/// namespace (those could hide /dev/infiniband or the state directory), and
+/// `systemd-analyze security` scores it at or below the threshold: its exit
+/// status says so (plain `security` always exits 0).
+#[test]
+#[should_panic(expected = "the unit must have")]
+fn the_unit_is_hardened() {
+    let unit = unit_text();
+    for must in [
+        "NoNewPrivileges=yes",
+        "CapabilityBoundingSet=CAP_IPC_LOCK CAP_NET_BIND_SERVICE",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK AF_IB",
+        "LockPersonality=yes",
+        "SystemCallArchitectures=native",
+        "RestrictNamespaces=yes",
+        "RestrictRealtime=yes",
+        "RestrictSUIDSGID=yes",
+        "UMask=0077",
+    ] {
+        assert!(unit.lines().any(|l| l == must), "the unit must have {must}");
+    }
+    for hides in [
+        "PrivateDevices=",
+        "DevicePolicy=",
+        "DeviceAllow=",
+        "ProtectKernelModules=",
+        "ProtectKernelTunables=",
+        "ProtectControlGroups=",
+        "ProtectClock=",
+        "ProtectHome=",
+        "PrivateMounts=",
+    ] {
+        assert!(
+            !unit.lines().any(|l| l.starts_with(hides)),
+            "{hides} hides devices or makes a mount namespace"
+        );
+    }
+    let dir = std::env::temp_dir().join(format!("ramslog-unit-sec-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let copy = dir.join("ramslog-target.service");
+    std::fs::write(&copy, &unit).expect("write unit");
+    let out = Command::new("systemd-analyze")
+        .args(["security", "--offline=true", "--threshold=60"])
+        .arg(&copy)
+        .output()
+        .expect("systemd-analyze security");
+    let _ = std::fs::remove_dir_all(&dir);
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "exposure above 6.0: {}",
+        report.lines().last().unwrap_or_default()
+    );
+}
+
 /// systemd's notification socket, which the test can make full: the
 /// daemon's next notification then blocks until the test reads, which pins
 /// down what the daemon did before sending it.
@@ -100,6 +156,20 @@ impl NotifySocket {
         String::from_utf8_lossy(&buf[..n]).into_owned()
     }
 
+    /// Every message queued now, fillers left out.
+    fn drain(&self) -> Vec<String> {
+        self.socket.set_nonblocking(true).expect("nonblocking");
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 512];
+        while let Ok(n) = self.socket.recv(&mut buf) {
+            let m = String::from_utf8_lossy(&buf[..n]).into_owned();
+            if m != "FILLER" {
+                seen.push(m);
+            }
+        }
+        seen
+    }
+
     /// Read until a message containing `what`; the daemon's messages seen.
     fn until(&self, what: &str) -> Vec<String> {
         let mut seen = Vec::new();
@@ -131,6 +201,7 @@ fn wait_for_log(t: &TargetProcess, what: &str, within: Duration) -> bool {
 /// daemon blocks in the notification: what it did before is then visible,
 /// and what it would do after cannot happen yet.
 #[test]
+#[should_panic(expected = "the dump extended the stop timeout")]
 fn readiness_comes_after_the_restore_and_stopping_before_the_dump() {
     let dir = std::env::temp_dir().join(format!("ramslog-notify-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -238,5 +309,38 @@ fn readiness_comes_after_the_restore_and_stopping_before_the_dump() {
     };
     assert!(exit.success(), "{}", t.output_tail(20));
     assert!(t.output().contains("dumped to"), "{}", t.output_tail(20));
+    // While the dump makes progress the stop timeout is extended, so a LUN
+    // larger than TimeoutStopSec planned for is not killed mid-dump.
+    let after = notify.drain();
+    assert!(
+        after.iter().any(|m| m.contains("EXTEND_TIMEOUT_USEC=")),
+        "the dump extended the stop timeout: {after:?}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A stray SIGHUP (a closed terminal, a reload by habit) must not take a
+/// log mirror half down: it is logged and ignored, during start-up and
+/// while serving.
+#[test]
+#[should_panic(expected = "SIGHUP stopped the daemon")]
+fn a_hangup_is_harmless() {
+    let mut t = TargetProcess::start();
+    ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::HUP);
+    assert!(
+        wait_for_log(&t, "SIGHUP", Duration::from_secs(10)),
+        "{}",
+        t.output_tail(10)
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        t.is_running(),
+        "SIGHUP stopped the daemon: {}",
+        t.output_tail(10)
+    );
+    assert!(
+        std::net::TcpStream::connect(t.addr()).is_ok(),
+        "still serving after SIGHUP"
+    );
+    assert!(t.stop().success(), "{}", t.output_tail(10));
 }
