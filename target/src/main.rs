@@ -15,7 +15,12 @@ use ramslog_target::notify::notify;
 use ramslog_target::portal::{Acl, Portal, TargetDef};
 use ramslog_target::scsi::ScsiTarget;
 use ramslog_target::tcp;
+use ramslog_target::volume::image;
 use tokio::signal::unix::{signal, SignalKind};
+
+/// How far ahead of now systemd's stop timeout is kept while a dump makes
+/// progress.
+const STOP_EXTENSION: std::time::Duration = std::time::Duration::from_secs(30);
 
 #[derive(Parser)]
 #[command(
@@ -327,10 +332,16 @@ async fn run(args: RunArgs) -> Result<(), String> {
         .map_err(|e| format!("cannot install SIGTERM handler: {e}"))?;
     let mut interrupt = signal(SignalKind::interrupt())
         .map_err(|e| format!("cannot install SIGINT handler: {e}"))?;
-    // The terminal that started the daemon went away: stop cleanly rather
-    // than die without a dump.
+    // A stray SIGHUP (a closed terminal, a `systemctl reload` or `kill -HUP`
+    // by habit) must not take a log half down: nothing here is reloadable
+    // while serving, so it is logged and otherwise ignored.
     let mut hangup =
         signal(SignalKind::hangup()).map_err(|e| format!("cannot install SIGHUP handler: {e}"))?;
+    let hangup_ignored = || {
+        tracing::warn!(
+            "SIGHUP ignored: nothing to reload; stop with SIGTERM or `ramslog-target stop`"
+        )
+    };
     let persistence = lifecycle::open_persistence(&cfg)?;
     notify("STATUS=restoring LUN content");
     let cancelled = Arc::new(AtomicBool::new(false));
@@ -340,11 +351,16 @@ async fn run(args: RunArgs) -> Result<(), String> {
             lifecycle::open_volumes(&cfg, persistence.as_ref(), &cancelled)
         })
     };
-    let opened = tokio::select! {
-        r = &mut opening => r.map_err(|e| format!("start-up failed: {e}"))?,
-        _ = term.recv() => Err(StartError::Cancelled),
-        _ = interrupt.recv() => Err(StartError::Cancelled),
-        _ = hangup.recv() => Err(StartError::Cancelled),
+    let opened = loop {
+        break tokio::select! {
+            r = &mut opening => r.map_err(|e| format!("start-up failed: {e}"))?,
+            _ = term.recv() => Err(StartError::Cancelled),
+            _ = interrupt.recv() => Err(StartError::Cancelled),
+            _ = hangup.recv() => {
+                hangup_ignored();
+                continue;
+            }
+        };
     };
     let volumes = match opened {
         Ok(v) => v,
@@ -438,11 +454,17 @@ async fn run(args: RunArgs) -> Result<(), String> {
     }
 
     notify("READY=1\nSTATUS=serving");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
-        _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
-        _ = hangup.recv() => tracing::info!("SIGHUP: stopping"),
-        _ = stop.notified() => tracing::info!("stop requested on the control socket"),
+    loop {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+            _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
+            _ = hangup.recv() => {
+                hangup_ignored();
+                continue;
+            }
+            _ = stop.notified() => tracing::info!("stop requested on the control socket"),
+        }
+        break;
     }
     notify("STOPPING=1\nSTATUS=fencing and dumping LUN content");
     // Close the listening sockets before anything else, so a host's reconnect
@@ -458,9 +480,24 @@ async fn run(args: RunArgs) -> Result<(), String> {
     }
     let outcome = {
         let portal = portal.clone();
-        tokio::task::spawn_blocking(move || lifecycle::shutdown(&portal))
-            .await
-            .unwrap_or_else(|e| Err(format!("shutdown failed: {e}")))
+        let mut shutdown = tokio::task::spawn_blocking(move || lifecycle::shutdown(&portal));
+        // While the dump moves bytes, keep systemd's stop timeout at least
+        // STOP_EXTENSION away, so a LUN larger than TimeoutStopSec planned
+        // for is not killed mid-dump; a dump that stalls gets no more time.
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+        let mut seen = None;
+        loop {
+            tokio::select! {
+                r = &mut shutdown => break r.unwrap_or_else(|e| Err(format!("shutdown failed: {e}"))),
+                _ = tick.tick() => {
+                    let now = image::bytes_dumped();
+                    if seen != Some(now) {
+                        notify(&format!("EXTEND_TIMEOUT_USEC={}", STOP_EXTENSION.as_micros()));
+                        seen = Some(now);
+                    }
+                }
+            }
+        }
     };
     let _ = stopped_tx.send(Some(outcome.clone()));
     // Let a waiting `ramslog-target stop` read its answer.

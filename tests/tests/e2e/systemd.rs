@@ -70,7 +70,6 @@ fn the_unit_verifies() {
 /// `systemd-analyze security` scores it at or below the threshold: its exit
 /// status says so (plain `security` always exits 0).
 #[test]
-#[should_panic(expected = "the unit must have")]
 fn the_unit_is_hardened() {
     let unit = unit_text();
     for must in [
@@ -108,7 +107,7 @@ fn the_unit_is_hardened() {
     let copy = dir.join("ramslog-target.service");
     std::fs::write(&copy, &unit).expect("write unit");
     let out = Command::new("systemd-analyze")
-        .args(["security", "--offline=true", "--threshold=60"])
+        .args(["security", "--offline=true", "--threshold=56"])
         .arg(&copy)
         .output()
         .expect("systemd-analyze security");
@@ -116,7 +115,7 @@ fn the_unit_is_hardened() {
     let report = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
-        "exposure above 6.0: {}",
+        "exposure above 5.6: {}",
         report.lines().last().unwrap_or_default()
     );
 }
@@ -201,7 +200,6 @@ fn wait_for_log(t: &TargetProcess, what: &str, within: Duration) -> bool {
 /// daemon blocks in the notification: what it did before is then visible,
 /// and what it would do after cannot happen yet.
 #[test]
-#[should_panic(expected = "the dump extended the stop timeout")]
 fn readiness_comes_after_the_restore_and_stopping_before_the_dump() {
     let dir = std::env::temp_dir().join(format!("ramslog-notify-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -323,7 +321,6 @@ fn readiness_comes_after_the_restore_and_stopping_before_the_dump() {
 /// log mirror half down: it is logged and ignored, during start-up and
 /// while serving.
 #[test]
-#[should_panic(expected = "SIGHUP stopped the daemon")]
 fn a_hangup_is_harmless() {
     let mut t = TargetProcess::start();
     ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::HUP);

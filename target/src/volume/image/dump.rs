@@ -2,6 +2,14 @@
 
 use super::*;
 
+/// Bytes every dump of this process has written: progress that the service
+/// manager's stop timeout is extended for.
+static BYTES_DUMPED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+pub fn bytes_dumped() -> u64 {
+    BYTES_DUMPED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// How the image file is written: O_DIRECT where the filesystem takes it.
 struct Output {
     file: File,
@@ -44,12 +52,15 @@ impl Output {
             r => r?,
         }
         self.offset += data.len() as u64;
+        BYTES_DUMPED.fetch_add(data.len() as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
     /// Records straight from the LUN memory (see `Store::write_parts_to`).
     fn write_store(&mut self, store: &Store, parts: &[(&[u8], u64, usize)]) -> std::io::Result<()> {
-        self.offset += store.write_parts_to(&self.file, self.offset, parts)? as u64;
+        let written = store.write_parts_to(&self.file, self.offset, parts)? as u64;
+        self.offset += written;
+        BYTES_DUMPED.fetch_add(written, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 }
