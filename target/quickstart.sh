@@ -35,6 +35,9 @@ cargo build --release --locked -p ramslog-target
 args=("$@")
 ((${#args[@]})) || args=(--size 4G --ephemeral)
 bin=$repo/build/release/ramslog-target
+if [ "$#" = 0 ]; then
+  say "NOTE: this LUN has no ACL and no CHAP: every local user can read and write it (see the README's quick start)"
+fi
 say "starting: $bin ${args[*]}  (status: sudo $bin status; stop: Ctrl-C or sudo $bin stop)"
 if [ "$(id -u)" = 0 ]; then
   exec "$bin" "${args[@]}"
