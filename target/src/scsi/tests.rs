@@ -643,6 +643,69 @@ fn sync_cache_prefetch_start_stop() {
     run(&t, n, 0, &[0x1b, 0, 0, 0, 0, 0], &[]).unwrap();
 }
 
+/// Hold the exclusion WRITE SAME, COMPARE AND WRITE and WRITE AND VERIFY
+/// take for the blocks [lba, lba + blocks).
+fn hold_exclusion(lu: &LogicalUnit, _lba: u64, _blocks: u64) -> impl Drop + '_ {
+    lu.atomic.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn caw(lba: u64, blocks: u8) -> [u8; 16] {
+    let mut c = rw16(0x89, lba, 0);
+    c[10..14].fill(0);
+    c[13] = blocks;
+    c
+}
+
+/// The commands that read and change the medium in one step exclude each
+/// other only where their blocks overlap: a transport worker running one
+/// never waits for another range, so a host's connections cannot stall
+/// every session with them on one LU.
+#[test]
+#[should_panic(expected = "waited for another range")]
+fn medium_exclusion_is_per_range() {
+    let (t, n) = setup(512);
+    let lu = t.lu(0).expect("LU 0").clone();
+    let held = hold_exclusion(&lu, 0, 8);
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let done =
+            |tx: std::sync::mpsc::Sender<&'static str>, what, cdb: Vec<u8>, data: Vec<u8>| {
+                let t = &t;
+                move || {
+                    run(t, n, 0, &cdb, &data).expect(what);
+                    let _ = tx.send(what);
+                }
+            };
+        scope.spawn(done(
+            tx.clone(),
+            "WRITE SAME",
+            rw16(0x93, 64, 8).to_vec(),
+            vec![0xab; 512],
+        ));
+        let elsewhere = rx.recv_timeout(std::time::Duration::from_secs(2));
+        // Blocks 4..6 overlap the held range: this one must wait.
+        scope.spawn(done(
+            tx.clone(),
+            "COMPARE AND WRITE",
+            caw(4, 2).to_vec(),
+            vec![0; 2048],
+        ));
+        let overlapping = rx.recv_timeout(std::time::Duration::from_millis(300));
+        drop(held);
+        let after = rx.recv_timeout(std::time::Duration::from_secs(2));
+        assert_eq!(
+            elsewhere,
+            Ok("WRITE SAME"),
+            "a disjoint WRITE SAME waited for another range's exclusion"
+        );
+        assert!(
+            overlapping.is_err(),
+            "an overlapping COMPARE AND WRITE did not wait"
+        );
+        assert!(after.is_ok(), "released: the overlapping command ran");
+    });
+}
+
 fn pr_out(
     t: &ScsiTarget,
     n: NexusId,
