@@ -102,7 +102,7 @@ impl ScsiTarget {
             }
             Op::WriteVerify { lba, blocks } => {
                 let n = whole_blocks(data_out, blocks, bs);
-                let _g = lu.atomic.lock().unwrap_or_else(|e| e.into_inner());
+                let _g = lu.exclusion.hold(lba, (n / bs) as u64);
                 lu.volume
                     .store()
                     .write(lu.offset(lba), &data_out[..n])
@@ -145,7 +145,7 @@ impl ScsiTarget {
                 Ok(DataIn::None)
             }
             Op::WriteSame { lba, blocks, ndob } => {
-                let _g = lu.atomic.lock().unwrap_or_else(|e| e.into_inner());
+                let _g = lu.exclusion.hold(lba, blocks);
                 let start = lu.offset(lba);
                 let total = blocks * bs as u64;
                 let pattern = if ndob {
@@ -190,7 +190,7 @@ impl ScsiTarget {
                 else {
                     return Err(SenseReason::InvalidFieldInCdb(FieldPointer::cdb(13)));
                 };
-                let _g = lu.atomic.lock().unwrap_or_else(|e| e.into_inner());
+                let _g = lu.exclusion.hold(lba, u64::from(blocks));
                 let mut cur = vec![0u8; n];
                 lu.volume
                     .store()

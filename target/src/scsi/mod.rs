@@ -22,6 +22,7 @@ mod inquiry;
 mod mode;
 mod opcodes;
 mod pr;
+mod ranges;
 mod sense;
 #[cfg(test)]
 mod tests;
@@ -38,6 +39,7 @@ use ramslog_common::scsi_wire::FieldPointer;
 use crate::metrics::{CommandKind, LunMetrics};
 use crate::volume::Volume;
 use pr::PrState;
+use ranges::RangeExclusion;
 use vocab::{opc, Geometry, Op};
 
 pub use crate::volume::Readiness;
@@ -303,8 +305,9 @@ pub struct LogicalUnit {
     /// costs one atomic load until an abort actually happens.
     abort_epoch: AtomicU64,
     state: Mutex<LuState>,
-    /// Makes COMPARE AND WRITE atomic against the writes `execute` performs.
-    atomic: Mutex<()>,
+    /// Makes WRITE SAME, COMPARE AND WRITE and WRITE AND VERIFY atomic
+    /// against each other where their blocks overlap.
+    exclusion: RangeExclusion,
     metrics: LunMetrics,
 }
 
@@ -456,7 +459,7 @@ impl ScsiTarget {
                 attention: AtomicBool::new(false),
                 abort_epoch: AtomicU64::new(0),
                 state: Mutex::new(st),
-                atomic: Mutex::new(()),
+                exclusion: RangeExclusion::default(),
                 metrics: LunMetrics::default(),
             };
             lu.refresh(&lu.lock());

@@ -12,8 +12,8 @@ pub(crate) const VPD_PAGES: [u8; 6] = [0x00, 0x80, 0x83, 0x86, 0xb0, 0xb1];
 /// Limits VPD page as blocks). Bounds the work one command can demand.
 pub(crate) const MAX_TRANSFER_BYTES: u32 = 16 << 20;
 /// Largest WRITE SAME, in bytes of medium touched (advertised as MAXIMUM
-/// WRITE SAME LENGTH). It runs on an I/O thread under the LU's atomic lock,
-/// so it bounds how long one command can hold both.
+/// WRITE SAME LENGTH). It runs on an I/O thread holding its block range
+/// exclusively, so it bounds how long one command can hold both.
 pub(crate) const MAX_WRITE_SAME_BYTES: u64 = 16 << 20;
 /// COMPARE AND WRITE's NUMBER OF LOGICAL BLOCKS is one byte; we can do all of it.
 pub(crate) const MAX_CAW_BLOCKS: u8 = 255;
