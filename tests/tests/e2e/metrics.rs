@@ -33,20 +33,23 @@ fn prometheus_bin(tool: &str) -> PathBuf {
 
 /// One HTTP GET on loopback; (status line, body).
 fn http_get(addr: SocketAddr, path: &str) -> (String, String) {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    try_http_get(addr, path).expect("HTTP GET")
+}
+
+fn try_http_get(addr: SocketAddr, path: &str) -> std::io::Result<(String, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(
         s,
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
+    )?;
     let mut raw = String::new();
-    s.read_to_string(&mut raw).expect("read HTTP answer");
+    s.read_to_string(&mut raw)?;
     let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    (
+    Ok((
         head.lines().next().unwrap_or("").to_string(),
         body.to_string(),
-    )
+    ))
 }
 
 /// The value of the sample whose name and labels start as `prefix`.
@@ -588,4 +591,75 @@ async fn next_pdu(c: &mut ramslog_initiator::Connection) -> ramslog_initiator::P
         .await
         .expect("recv")
         .expect("a PDU")
+}
+
+/// Connect to `to` from the loopback address `from` (all of 127/8 is
+/// loopback on Linux), and send `head` without finishing it.
+fn idle_client(from: std::net::Ipv4Addr, to: SocketAddr, head: &[u8]) -> std::net::TcpStream {
+    let socket = rustix::net::socket(
+        rustix::net::AddressFamily::INET,
+        rustix::net::SocketType::STREAM,
+        None,
+    )
+    .expect("socket");
+    rustix::net::bind(&socket, &std::net::SocketAddrV4::new(from, 0))
+        .expect("bind a loopback source");
+    rustix::net::connect(&socket, &to).expect("connect");
+    let mut s = std::net::TcpStream::from(socket);
+    s.write_all(head).expect("send a partial head");
+    s
+}
+
+/// A few slow or idle clients must never keep Prometheus out (a full block
+/// fires RamslogDown, an intermittent one resets every alert's `for:`): an
+/// idle connection is dropped within half a second, each source holds one
+/// connection, and when every slot is taken a scrape evicts the oldest
+/// connection that has not sent a whole request.
+#[test]
+#[should_panic(expected = "the scrape was kept out")]
+fn slow_clients_never_keep_a_scrape_out() {
+    let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let _t = TargetProcess::start_with(TargetOptions {
+        extra_args: vec!["--metrics".into(), metrics.port().to_string()],
+        ..Default::default()
+    });
+    assert_eq!(http_get(metrics, "/metrics").0, "HTTP/1.1 200 OK");
+    // Many sources, each idling in the middle of its request head.
+    let idle: Vec<_> = (2..40u8)
+        .map(|i| idle_client(std::net::Ipv4Addr::new(127, 0, 0, i), metrics, b"GET /metr"))
+        .collect();
+    // And many connections from the scraper's own address.
+    let same: Vec<_> = (0..8)
+        .map(|_| idle_client(std::net::Ipv4Addr::new(127, 0, 0, 1), metrics, b"GET /"))
+        .collect();
+    // Let the daemon accept them all (well inside the 500 ms head timeout):
+    // a connection it accepts after the scrape's would evict the scrape, as
+    // the oldest that has not sent a whole head.
+    std::thread::sleep(Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let got = try_http_get(metrics, "/metrics");
+    assert!(
+        got.as_ref()
+            .is_ok_and(|(status, body)| status == "HTTP/1.1 200 OK" && body.contains("ramslog_")),
+        "the scrape was kept out: {got:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the scrape was kept out for {:?}",
+        started.elapsed()
+    );
+    // An idle connection is closed within the head timeout (500 ms).
+    let mut quiet = idle_client(std::net::Ipv4Addr::new(127, 0, 0, 77), metrics, b"");
+    quiet
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let started = std::time::Instant::now();
+    let mut buf = [0u8; 64];
+    let _ = quiet.read(&mut buf);
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "an idle connection was kept {:?}",
+        started.elapsed()
+    );
+    drop((idle, same));
 }
