@@ -127,8 +127,19 @@ pub fn target_binary() -> PathBuf {
 
 /// A currently free TCP port on 127.0.0.1 (bind to port 0, read the port, release it).
 pub fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0 to find a free port");
-    l.local_addr().expect("local_addr of probe listener").port()
+    // The kernel may hand the same free port to two probes in a row (the
+    // first is closed again at once): never give one twice in a process,
+    // or a test's portal and metrics port could collide.
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0 to find a free port");
+        let port = l.local_addr().expect("local_addr of probe listener").port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// How to start `ramslog-target`.
