@@ -1,22 +1,17 @@
-//! The opt-in Prometheus endpoint (`--metrics`): an OpenMetrics text page
-//! at `/metrics`, encoded by `prometheus-client` from the counters at
-//! scrape time.
+//! The page of the opt-in Prometheus endpoint (`--metrics`, served by
+//! `endpoint`): OpenMetrics text encoded by `prometheus-client` from the
+//! counters.
 //!
 //! Labels are the configured target names, LUN numbers and fixed word lists;
 //! never a name a peer sent (an IQN), so no peer can grow the page.
 
 use std::fmt;
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 
 use super::{
     bucket_bound_seconds, sense_key_label, CommandKind, LimitHit, LoginRefusal, LunTotals,
@@ -25,16 +20,7 @@ use super::{
 use crate::portal::Portal;
 use crate::scsi::Readiness;
 
-/// Scrapes served at once; more wait for a slot.
-const CONCURRENT_SCRAPES: usize = 4;
-/// Longest request head read.
-const MAX_REQUEST: usize = 8 * 1024;
-/// A scraper gets this long to send its request head…
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
-/// …and this long for the whole exchange.
-const SCRAPE_TIMEOUT: Duration = Duration::from_secs(10);
-
-const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub(super) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Reads the portal's counters at each scrape.
 struct PortalCollector {
@@ -299,123 +285,4 @@ pub fn render(portal: &Arc<Portal>) -> Result<String, fmt::Error> {
     let mut page = String::new();
     prometheus_client::encoding::text::encode(&mut page, &registry)?;
     Ok(page)
-}
-
-/// Bind the endpoint; the returned task serves it until the daemon exits.
-pub async fn serve(addr: SocketAddr, portal: Arc<Portal>) -> std::io::Result<()> {
-    let listener = TcpListener::bind(addr).await?;
-    let bound = listener.local_addr()?;
-    if bound.ip().is_loopback() {
-        tracing::info!("metrics on http://{bound}/metrics");
-    } else {
-        tracing::warn!(
-            "metrics on http://{bound}/metrics, beyond this host: anyone who reaches it sees \
-             target names, LUN sizes and load"
-        );
-    }
-    let slots = Arc::new(Semaphore::new(CONCURRENT_SCRAPES));
-    tokio::spawn(async move {
-        loop {
-            let (stream, _) = match listener.accept().await {
-                Ok(c) => c,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off, go on.
-                    tracing::warn!("metrics: accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            // All slots busy (slow or idle clients): this one is closed at
-            // once, so idle sockets cannot keep a scraper out for long.
-            let Ok(permit) = slots.clone().try_acquire_owned() else {
-                drop(stream);
-                continue;
-            };
-            let portal = portal.clone();
-            tokio::spawn(async move {
-                let _permit = permit;
-                let _ = tokio::time::timeout(SCRAPE_TIMEOUT, answer(stream, &portal)).await;
-            });
-        }
-    });
-    Ok(())
-}
-
-/// One HTTP/1.x request, one answer, then close.
-async fn answer(mut stream: TcpStream, portal: &Arc<Portal>) -> std::io::Result<()> {
-    let mut head = Vec::with_capacity(1024);
-    let mut buf = [0u8; 1024];
-    let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT;
-    let mut scanned = 0usize;
-    while !head[scanned.saturating_sub(3)..]
-        .windows(4)
-        .any(|w| w == b"\r\n\r\n")
-    {
-        if head.len() >= MAX_REQUEST {
-            let status = "431 Request Header Fields Too Large";
-            return reply(&mut stream, status, "text/plain", "", true).await;
-        }
-        scanned = head.len();
-        let n = match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
-            Ok(r) => r?,
-            Err(_) => return Ok(()),
-        };
-        if n == 0 {
-            return Ok(());
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
-    let mut parts = line.split(|&b| b == b' ');
-    let (method, path) = (
-        parts.next().unwrap_or_default(),
-        parts.next().unwrap_or_default(),
-    );
-    let path = path.split(|&b| b == b'?').next().unwrap_or_default();
-    match (method, path) {
-        (b"GET" | b"HEAD", b"/metrics") => {
-            // Scrapes read /proc and lock each LU's registry briefly: off the
-            // runtime's worker threads.
-            let p = portal.clone();
-            let page = tokio::task::spawn_blocking(move || render(&p))
-                .await
-                .map_err(std::io::Error::other)?
-                .map_err(std::io::Error::other)?;
-            let with_body = method == b"GET";
-            reply(&mut stream, "200 OK", CONTENT_TYPE, &page, with_body).await
-        }
-        (b"GET" | b"HEAD", _) => {
-            let body = "only /metrics is served here\n";
-            reply(&mut stream, "404 Not Found", "text/plain", body, true).await
-        }
-        _ => {
-            let body = "GET /metrics\n";
-            reply(
-                &mut stream,
-                "405 Method Not Allowed",
-                "text/plain",
-                body,
-                true,
-            )
-            .await
-        }
-    }
-}
-
-async fn reply(
-    stream: &mut TcpStream,
-    status: &str,
-    ty: &str,
-    body: &str,
-    with_body: bool,
-) -> std::io::Result<()> {
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {ty}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    if with_body {
-        stream.write_all(body.as_bytes()).await?;
-    }
-    stream.shutdown().await
 }

@@ -14,6 +14,7 @@
 //! `CLOCK_MONOTONIC`. The drivers' own `Instant`s are not used for this,
 //! because the iSER driver reads its clock only every few polling rounds.
 
+pub mod endpoint;
 pub mod export;
 
 use std::sync::atomic::{AtomicU64, Ordering};
