@@ -175,7 +175,10 @@ if [ "$fail" = 0 ]; then
   took=$(($(date +%s) - t_flood))
   echo "peer taking nothing: connection closed=$closed after $took s"
   grep -q "no send completed for 10s" "$LOG2" || { echo "the 10 s output stall did not end the connection"; fail=1; }
-  [ "$took" -ge 10 ] || { echo "closed after $took s, before the 10 s output stall"; fail=1; }
+  # date +%s counts whole seconds, and the stall begins when the client
+  # stops taking, a moment before it says so: 9 s on this clock can be the
+  # full 10 s (seen: "closed after 9 s" in a standalone run).
+  [ "$took" -ge 9 ] || { echo "closed after $took s, before the 10 s output stall"; fail=1; }
   [ "$closed" = 1 ] || { echo "the target kept a peer that takes nothing"; fail=1; }
   kill -9 "$SUBJECT" 2>/dev/null; wait "$SUBJECT" 2>/dev/null || true
   kill -0 "$STALL_PID" 2>/dev/null || { echo "the second target died"; fail=1; }
