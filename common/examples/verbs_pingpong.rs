@@ -299,7 +299,7 @@ fn server(addr: SocketAddr) -> Res<()> {
     drop(listener);
     drop(ch);
 
-    let dev = id.device().ok_or("connect request id has no device")?;
+    let dev = id.device()?;
     let attrs = dev.attrs()?;
     println!(
         "server: request from {:?} on {} (guid {:#018x}): responder_resources {} initiator_depth {}; \
@@ -316,10 +316,10 @@ fn server(addr: SocketAddr) -> Res<()> {
         attrs.max_sge
     );
 
-    let pd = ProtectionDomain::new(dev)?;
-    let cch = Arc::new(CompletionChannel::new(dev)?);
+    let pd = ProtectionDomain::new(&dev)?;
+    let cch = Arc::new(CompletionChannel::new(&dev)?);
     cch.set_nonblocking(true)?;
-    let cq = CompletionQueue::new(dev, CQ_SIZE, Some(&cch))?;
+    let cq = CompletionQueue::new(&dev, CQ_SIZE, Some(&cch))?;
     let slots = recv_slots(&pd)?;
     let mut send = RegisteredBuffer::new(&pd, MSG, Access::empty())?;
     let mut data = RegisteredBuffer::new(&pd, DATA, Access::REMOTE_READ | Access::REMOTE_WRITE)?;
@@ -418,11 +418,11 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
     wait_cm(&ch, CmEventKind::AddrResolved, CM_TIMEOUT)?;
     id.resolve_route(2000)?;
     wait_cm(&ch, CmEventKind::RouteResolved, CM_TIMEOUT)?;
-    let dev = id.device().ok_or("resolved id has no device")?;
+    let dev = id.device()?;
     println!("client: {addr} resolved on {}", dev.name());
 
-    let pd = ProtectionDomain::new(dev)?;
-    let cq = CompletionQueue::new(dev, CQ_SIZE, None)?;
+    let pd = ProtectionDomain::new(&dev)?;
+    let cq = CompletionQueue::new(&dev, CQ_SIZE, None)?;
     let slots = recv_slots(&pd)?;
     let mut send = RegisteredBuffer::new(&pd, MSG, Access::empty())?;
     let mut local = RegisteredBuffer::new(&pd, DATA, Access::empty())?;

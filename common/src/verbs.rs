@@ -23,13 +23,15 @@
 //! as the `static inline` functions in `<infiniband/verbs.h>` do.)
 //!
 //! # Devices
-//! A [`Device`] is the `ibv_context` librdmacm opened for an id. librdmacm
-//! keeps it open for the life of the process, with one exception: after a
-//! device is hot-removed (`RDMA_CM_EVENT_DEVICE_REMOVAL`; with SoftRoCE,
-//! `rdma link delete`), it closes the context once the last id on that
-//! device is destroyed. On that event, drop everything made from the device
-//! (memory regions, protection domains, CQs, completion channels) no later
-//! than its last id.
+//! A [`Device`] is the `ibv_context` librdmacm opened for an id, held open
+//! by the handle. librdmacm keeps a context open while an id or such a
+//! handle counts on it; after a device is hot-removed
+//! (`RDMA_CM_EVENT_DEVICE_REMOVAL`; with SoftRoCE, `rdma link delete`) it
+//! closes the context once the last of them is gone, and the kernel may
+//! wait for that to finish the removal. Protection domains, CQs and
+//! completion channels each keep a handle, so nothing made from a device can
+//! outlive its context; on removal, drop them and the ids on the device
+//! ([`Device::is_removed`] tells).
 //!
 //! # Errors
 //! Every failure is an [`Error`]: the C call that failed and the OS error.
@@ -46,6 +48,7 @@ mod ib;
 pub mod wait;
 
 pub use cm::{CmEvent, CmEventKind, CmId, CmWaitError, ConnParam, EventChannel, QpCaps};
+pub use ib::rescan_devices;
 pub use ib::{
     Access, CompletionChannel, CompletionQueue, Device, DeviceAttrs, MemoryRegion, PostError,
     ProtectionDomain, RecvWr, RegisteredBuffer, SendOp, SendWr, Sge, WcOpcode, WcStatus,

@@ -38,7 +38,7 @@ SUITE="600:selftest.sh
 900:lio-baseline.sh
 900:ramslog-open-iscsi.sh tcp
 900:ramslog-open-iscsi.sh iser
-600:xfail:iser-device-removal.sh
+600:iser-device-removal.sh
 900:iser-initiators.sh
 600:bench-floor.sh
 900:bench-iser.sh"

@@ -73,7 +73,7 @@ kill -0 "$TARGET_PID" || { echo "ramslog-target died"; exit 1; }
 wait_for_log "$LOG" "RDMA device under $RXE_ADDR_A:3260 was removed" "$TARGET_PID" 10
 
 step "iSCSI/TCP still serves $RXE_ADDR_A:3260"
-iscsiadm -m discovery -t sendtargets -p "$RXE_ADDR_A:3260" -I default | grep -q "$IQN"
+iscsiadm -m discovery -t sendtargets -p "$RXE_ADDR_A:3260" -I default -o nonpersistent | grep -q "$IQN"
 echo "SendTargets over TCP answered"
 
 step "rdma link add $RXE_DEV_A: the target listens again, the session recovers, the data is intact"

@@ -50,9 +50,11 @@ impl Rdma {
         events.wait_for(CmEventKind::AddrResolved, deadline)?;
         id.resolve_route(RESOLVE_TIMEOUT_MS)?;
         events.wait_for(CmEventKind::RouteResolved, deadline)?;
-        let dev = id
-            .device()
-            .ok_or_else(|| Error::Rdma(format!("{addr}: no RDMA device after route resolution")))?;
+        let dev = id.device().map_err(|e| {
+            Error::Rdma(format!(
+                "{addr}: no RDMA device after route resolution: {e}"
+            ))
+        })?;
         let attrs = dev.attrs()?;
         // Every command may have its response (and a ping) in flight at once.
         let slots = opts.queue_depth + EXTRA_SLOTS;
@@ -65,11 +67,11 @@ impl Rdma {
             )));
         }
         let (recv_slots, send_slots) = (slots, slots);
-        let pd = ProtectionDomain::new(dev)?;
-        let comp = Arc::new(CompletionChannel::new(dev)?);
+        let pd = ProtectionDomain::new(&dev)?;
+        let comp = Arc::new(CompletionChannel::new(&dev)?);
         comp.set_nonblocking(true)?;
-        let recv_cq = CompletionQueue::new(dev, recv_slots as u32, Some(&comp))?;
-        let send_cq = CompletionQueue::new(dev, send_slots as u32, Some(&comp))?;
+        let recv_cq = CompletionQueue::new(&dev, recv_slots as u32, Some(&comp))?;
+        let send_cq = CompletionQueue::new(&dev, send_slots as u32, Some(&comp))?;
         id.create_qp_split(
             &pd,
             &send_cq,

@@ -18,7 +18,7 @@
 //! held and everything behind it waits: order is never traded for speed.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ramslog_common::iser::{
@@ -125,7 +125,7 @@ pub fn start(portal: Arc<Portal>, listen: &[SocketAddr], opts: IserOptions) {
         }
         Ok(_) => {}
     }
-    let channel = match EventChannel::new() {
+    let channel = match EventChannel::new().and_then(|c| c.set_nonblocking(true).map(|()| c)) {
         Ok(c) => c,
         Err(e) => {
             tracing::warn!("iSER disabled: {e}; serving iSCSI/TCP only");
@@ -134,21 +134,19 @@ pub fn start(portal: Arc<Portal>, listen: &[SocketAddr], opts: IserOptions) {
     };
     let mut listeners = Vec::new();
     for addr in listen {
-        let id = match CmId::new(&channel) {
-            Ok(id) => id,
-            Err(e) => {
-                tracing::warn!("iSER disabled: {e}");
-                return;
+        match listen_on(&channel, *addr) {
+            Ok(id) => {
+                tracing::info!("iSER listening on {addr}");
+                listeners.push(Listener {
+                    addr: *addr,
+                    id: Some(id),
+                    gone_since: None,
+                });
             }
-        };
-        if let Err(e) = id.bind(*addr).and_then(|()| id.listen(64)) {
-            tracing::warn!(
+            Err(e) => tracing::warn!(
                 "iSER: not listening on {addr}: {e} (no RDMA device has this address; iSCSI/TCP still serves it)"
-            );
-            continue;
+            ),
         }
-        tracing::info!("iSER listening on {addr}");
-        listeners.push(id);
     }
     if listeners.is_empty() {
         return;
@@ -161,24 +159,46 @@ pub fn start(portal: Arc<Portal>, listen: &[SocketAddr], opts: IserOptions) {
     }
 }
 
+/// How often the listener looks for removed devices (their removal waits
+/// for us to let go of them) and tries again to listen on addresses whose
+/// device went away.
+const DEVICE_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// A portal address the listener serves, and its rdma_cm id while the
+/// address has a device under it.
+struct Listener {
+    addr: SocketAddr,
+    id: Option<CmId>,
+    /// When its device was removed (the id is then gone).
+    gone_since: Option<Instant>,
+}
+
+fn listen_on(channel: &EventChannel, addr: SocketAddr) -> Result<CmId, verbs::Error> {
+    let id = CmId::new(channel)?;
+    id.bind(addr)?;
+    id.listen(64)?;
+    Ok(id)
+}
+
 /// What one RDMA device shares between its connections: the protection
-/// domain and every LUN registered once.
+/// domain and every LUN registered once. The entry holds the device open;
+/// it leaves the cache when the device is removed, and the device closes
+/// once the connections that still hold the entry have ended.
 struct DeviceResources {
-    device: usize,
+    device: Device,
     pd: Arc<ProtectionDomain>,
     regions: Vec<RdmaRegion>,
 }
 
 fn device_resources(
-    cache: &Mutex<Vec<Arc<DeviceResources>>>,
+    cache: &mut Vec<Arc<DeviceResources>>,
     dev: Device,
     portal: &Portal,
 ) -> Result<Arc<DeviceResources>, verbs::Error> {
-    let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(r) = cache.iter().find(|r| r.device == dev.raw_handle()) {
+    if let Some(r) = cache.iter().find(|r| r.device == dev) {
         return Ok(r.clone());
     }
-    let pd = ProtectionDomain::new(dev)?;
+    let pd = ProtectionDomain::new(&dev)?;
     let mut regions = Vec::new();
     for t in &portal.targets {
         for lu in t.scsi.luns() {
@@ -191,7 +211,7 @@ fn device_resources(
         "iSER: LUN memory registered with the RDMA device"
     );
     let r = Arc::new(DeviceResources {
-        device: dev.raw_handle(),
+        device: dev,
         pd,
         regions,
     });
@@ -199,72 +219,152 @@ fn device_resources(
     Ok(r)
 }
 
+/// Drop the cache entries of removed devices, so that a device added back
+/// is registered afresh and the removed one can close.
+fn forget_removed_devices(cache: &mut Vec<Arc<DeviceResources>>) {
+    cache.retain(|r| match r.device.is_removed() {
+        Ok(false) => true,
+        Ok(true) => {
+            tracing::warn!(
+                device = %r.device.name(),
+                "iSER: RDMA device removed; its LUN registrations are released as its connections end"
+            );
+            false
+        }
+        Err(e) => {
+            tracing::warn!("iSER: cannot list RDMA devices: {e}");
+            true
+        }
+    });
+}
+
 fn listen_loop(
     channel: EventChannel,
-    _listeners: Vec<CmId>,
+    mut listeners: Vec<Listener>,
     portal: Arc<Portal>,
     opts: IserOptions,
 ) {
-    let devices = Mutex::new(Vec::new());
+    let mut devices = Vec::new();
+    let mut last_check = Instant::now();
     loop {
+        if last_check.elapsed() >= DEVICE_CHECK_INTERVAL {
+            last_check = Instant::now();
+            // A removed device nothing of ours holds closes now, one we hold
+            // once the connections on it end.
+            if let Err(e) = verbs::rescan_devices() {
+                tracing::debug!("iSER: cannot list RDMA devices: {e}");
+            }
+            forget_removed_devices(&mut devices);
+            listen_again(&channel, &mut listeners);
+        }
         let event = match channel.get_event() {
             Ok(e) => e,
+            Err(e) if e.is_would_block() => {
+                let mut ready = [false];
+                if let Err(e) =
+                    verbs::wait_readable(&[channel.fd()], Some(DEVICE_CHECK_INTERVAL), &mut ready)
+                {
+                    tracing::warn!("iSER: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                continue;
+            }
             Err(e) => {
                 tracing::warn!("iSER: {e}");
                 std::thread::sleep(Duration::from_millis(100));
                 continue;
             }
         };
-        if event.kind != CmEventKind::ConnectRequest {
-            tracing::debug!("iSER listener: {:?} (status {})", event.kind, event.status);
-            continue;
-        }
-        let CmEvent {
-            new_id,
-            private_data,
-            responder_resources,
-            initiator_depth,
-            ..
-        } = event;
-        let Some(id) = new_id else { continue };
-        let peer = id.peer_addr();
-        let source = peer.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |p| p.ip());
-        let permit = match portal.gate.admit(source, Link::Rdma) {
-            Ok(p) => p,
-            Err(why) => {
-                let shown = peer.map_or_else(|| "?".to_string(), |p| p.to_string());
-                portal.gate.log_refusal(format_args!("iSER {shown}"), why);
-                let _ = id.reject(&[]);
-                continue;
-            }
-        };
-        let request = CmRequest::parse(&private_data);
-        let offer = Offer {
-            request,
-            responder_resources,
-            initiator_depth,
-        };
-        match prepare(&id, &devices, &portal) {
-            Ok((res, events)) => {
-                let portal = portal.clone();
-                let spawned =
-                    std::thread::Builder::new()
-                        .name("iser-conn".into())
-                        .spawn(move || {
-                            if let Err(e) =
-                                run_connection(id, events, res, portal, opts, offer, permit)
-                            {
-                                tracing::info!("iSER connection ended: {e}");
-                            }
-                        });
-                if let Err(e) = spawned {
-                    tracing::warn!("iSER: cannot start a connection thread: {e}");
+        match event.kind {
+            CmEventKind::ConnectRequest => accept_request(event, &mut devices, &portal, opts),
+            CmEventKind::DeviceRemoval => {
+                // librdmacm closes a removed device once no id or handle
+                // is left on it: ours go now, the listener's included.
+                for l in listeners.iter_mut() {
+                    if l.id.as_ref().is_some_and(|id| id.raw_handle() == event.id) {
+                        if let Some(id) = l.id.take() {
+                            devices.retain(|r| !id.is_on(&r.device));
+                        }
+                        l.gone_since = Some(Instant::now());
+                        tracing::warn!(
+                            "iSER: the RDMA device under {} was removed; listening there again once it is back (iSCSI/TCP still serves it)",
+                            l.addr
+                        );
+                    }
                 }
+                forget_removed_devices(&mut devices);
             }
-            Err(e) => {
-                tracing::warn!(?peer, "iSER: refusing connection: {e}");
-                let _ = id.reject(&[]);
+            kind => tracing::debug!("iSER listener: {kind:?} (status {})", event.status),
+        }
+    }
+}
+
+/// Listen again on addresses whose device was removed, once it is back.
+fn listen_again(channel: &EventChannel, listeners: &mut [Listener]) {
+    for l in listeners.iter_mut().filter(|l| l.id.is_none()) {
+        match listen_on(channel, l.addr) {
+            Ok(id) => {
+                let after = l.gone_since.map_or(0, |t| t.elapsed().as_secs());
+                tracing::info!(
+                    "iSER listening on {} again ({after} s after its device went away)",
+                    l.addr
+                );
+                l.id = Some(id);
+                l.gone_since = None;
             }
+            Err(e) => tracing::debug!("iSER: not yet listening on {} again: {e}", l.addr),
+        }
+    }
+}
+
+fn accept_request(
+    event: CmEvent,
+    devices: &mut Vec<Arc<DeviceResources>>,
+    portal: &Arc<Portal>,
+    opts: IserOptions,
+) {
+    let CmEvent {
+        new_id,
+        private_data,
+        responder_resources,
+        initiator_depth,
+        ..
+    } = event;
+    let Some(id) = new_id else { return };
+    let peer = id.peer_addr();
+    let source = peer.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |p| p.ip());
+    let permit = match portal.gate.admit(source, Link::Rdma) {
+        Ok(p) => p,
+        Err(why) => {
+            let shown = peer.map_or_else(|| "?".to_string(), |p| p.to_string());
+            portal.gate.log_refusal(format_args!("iSER {shown}"), why);
+            let _ = id.reject(&[]);
+            return;
+        }
+    };
+    let request = CmRequest::parse(&private_data);
+    let offer = Offer {
+        request,
+        responder_resources,
+        initiator_depth,
+    };
+    match prepare(&id, devices, portal) {
+        Ok((res, events)) => {
+            let portal = portal.clone();
+            let spawned = std::thread::Builder::new()
+                .name("iser-conn".into())
+                .spawn(move || {
+                    if let Err(e) = run_connection(id, events, res, portal, opts, offer, permit) {
+                        tracing::info!("iSER connection ended: {e}");
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!("iSER: cannot start a connection thread: {e}");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(?peer, "iSER: refusing connection: {e}");
+            let _ = id.reject(&[]);
         }
     }
 }
@@ -282,13 +382,10 @@ struct Offer {
 /// device's shared resources.
 fn prepare(
     id: &CmId,
-    devices: &Mutex<Vec<Arc<DeviceResources>>>,
+    devices: &mut Vec<Arc<DeviceResources>>,
     portal: &Portal,
 ) -> Result<(Arc<DeviceResources>, EventChannel), verbs::Error> {
-    let dev = id.device().ok_or_else(|| verbs::Error {
-        op: "connect request without a device",
-        source: std::io::Error::from_raw_os_error(libc::ENODEV),
-    })?;
+    let dev = id.device()?;
     let res = device_resources(devices, dev, portal)?;
     let events = EventChannel::new()?;
     id.migrate(&events)?;
@@ -314,9 +411,7 @@ fn run_connection(
     permit: Permit,
 ) -> Result<(), ConnError> {
     let peer = id.peer_addr();
-    let dev = id
-        .device()
-        .ok_or_else(|| ConnError::Protocol("connection lost its device".into()))?;
+    let dev = &res.device;
     let attrs = dev.attrs()?;
     let credit_cap = match offer.request.peer {
         CmPeer::Illumos => usize::from(peer::ILLUMOS_RDMA_READ_CREDITS),

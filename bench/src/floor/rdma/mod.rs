@@ -166,11 +166,11 @@ impl Parts {
     fn new(id: &mut CmId, recv_len: usize) -> Result<Parts> {
         let dev = id
             .device()
-            .ok_or_else(|| anyhow!("the rdma_cm id has no device"))?;
-        let pd = ProtectionDomain::new(dev)?;
-        let comp = Arc::new(CompletionChannel::new(dev)?);
+            .map_err(|e| anyhow!("the rdma_cm id has no device: {e}"))?;
+        let pd = ProtectionDomain::new(&dev)?;
+        let comp = Arc::new(CompletionChannel::new(&dev)?);
         comp.set_nonblocking(true)?;
-        let cq = CompletionQueue::new(dev, CQ_SIZE, Some(&comp))?;
+        let cq = CompletionQueue::new(&dev, CQ_SIZE, Some(&comp))?;
         let mut recv = Vec::with_capacity(RECV_SLOTS);
         for _ in 0..RECV_SLOTS {
             recv.push(buffer(&pd, recv_len, Access::LOCAL_WRITE)?);

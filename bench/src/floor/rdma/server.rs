@@ -115,7 +115,7 @@ fn serve_connection(
     let bs = hello.bs as usize;
     let dev = id
         .device()
-        .ok_or_else(|| anyhow!("connect request without a device"))?;
+        .map_err(|e| anyhow!("connect request without a device: {e}"))?;
     let attrs = dev.attrs()?;
     let parts = Parts::new(&mut id, RDMA_HDR_LEN + bs)?;
     let pd = Arc::clone(&parts.pd);

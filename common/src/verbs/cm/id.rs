@@ -250,11 +250,22 @@ impl CmId {
         Ok(())
     }
 
-    /// The device the id is bound to; `None` before it is bound to one
-    /// (bind to a device address, resolve_addr, or a connect request).
-    pub fn device(&self) -> Option<Device> {
+    /// The device the id is bound to, held open for as long as the handle
+    /// lives (see [`Device`]). ENODEV before the id is bound to a device
+    /// (bind to a device address, resolve_addr, or a connect request) and
+    /// once that device was removed.
+    pub fn device(&self) -> Result<Device> {
+        // SAFETY: the id is alive; `verbs` is a pointer field librdmacm sets,
+        // and the id keeps that context open while we count a holder.
+        Device::hold(unsafe { (*self.as_ptr()).verbs })
+    }
+
+    /// Whether the id is bound to `dev`'s context. Works after the device was
+    /// removed, when [`device`](Self::device) no longer does.
+    pub fn is_on(&self, dev: &Device) -> bool {
         // SAFETY: the id is alive; `verbs` is a pointer field librdmacm sets.
-        Device::from_raw(unsafe { (*self.as_ptr()).verbs })
+        let verbs = unsafe { (*self.as_ptr()).verbs };
+        verbs == dev.as_ptr()
     }
 
     /// Create the id's RC queue pair (`rdma_create_qp`): `cq` for both send

@@ -5,7 +5,7 @@ use super::*;
 // ---------------------------------------------------------------- PD
 
 /// A protection domain (`ibv_alloc_pd`); deallocated when the last `Arc`
-/// goes (memory regions and QPs hold one).
+/// goes (memory regions and QPs hold one). Keeps its device open.
 pub struct ProtectionDomain {
     pd: NonNull<ffi::ibv_pd>,
     dev: Device,
@@ -18,15 +18,18 @@ unsafe impl Send for ProtectionDomain {}
 unsafe impl Sync for ProtectionDomain {}
 
 impl ProtectionDomain {
-    pub fn new(dev: Device) -> Result<Arc<ProtectionDomain>> {
-        // SAFETY: the context is open (Device invariant).
+    pub fn new(dev: &Device) -> Result<Arc<ProtectionDomain>> {
+        // SAFETY: the context is open (held by `dev`).
         let pd = unsafe { ffi::ibv_alloc_pd(dev.as_ptr()) };
         let pd = NonNull::new(pd).ok_or_else(|| Error::last_os_error("ibv_alloc_pd"))?;
-        Ok(Arc::new(ProtectionDomain { pd, dev }))
+        Ok(Arc::new(ProtectionDomain {
+            pd,
+            dev: dev.clone(),
+        }))
     }
 
-    pub fn device(&self) -> Device {
-        self.dev
+    pub fn device(&self) -> &Device {
+        &self.dev
     }
 
     pub(crate) fn as_ptr(&self) -> *mut ffi::ibv_pd {

@@ -20,11 +20,14 @@ unsafe impl Send for CompletionChannel {}
 unsafe impl Sync for CompletionChannel {}
 
 impl CompletionChannel {
-    pub fn new(dev: Device) -> Result<CompletionChannel> {
-        // SAFETY: the context is open (Device invariant).
+    pub fn new(dev: &Device) -> Result<CompletionChannel> {
+        // SAFETY: the context is open (held by `dev`).
         let ch = unsafe { ffi::ibv_create_comp_channel(dev.as_ptr()) };
         let ch = NonNull::new(ch).ok_or_else(|| Error::last_os_error("ibv_create_comp_channel"))?;
-        Ok(CompletionChannel { ch, dev })
+        Ok(CompletionChannel {
+            ch,
+            dev: dev.clone(),
+        })
     }
 
     pub fn fd(&self) -> RawFd {
@@ -68,8 +71,8 @@ impl CompletionChannel {
         Ok(Some(fired))
     }
 
-    pub fn device(&self) -> Device {
-        self.dev
+    pub fn device(&self) -> &Device {
+        &self.dev
     }
 }
 
@@ -115,14 +118,14 @@ impl CompletionQueue {
     /// A CQ with room for at least `cqe` completions, optionally reporting
     /// to `channel` (which must belong to the same device).
     pub fn new(
-        dev: Device,
+        dev: &Device,
         cqe: u32,
         channel: Option<&Arc<CompletionChannel>>,
     ) -> Result<Arc<CompletionQueue>> {
         let n = libc::c_int::try_from(cqe)
             .map_err(|_| Error::from_errno("ibv_create_cq", libc::EINVAL))?;
         let ch = match channel {
-            Some(c) if c.dev != dev => {
+            Some(c) if c.dev != *dev => {
                 return Err(Error::from_errno("ibv_create_cq", libc::EINVAL))
             }
             Some(c) => c.ch.as_ptr(),
@@ -136,7 +139,7 @@ impl CompletionQueue {
         let real = unsafe { cq.as_ref() }.cqe;
         Ok(Arc::new(CompletionQueue {
             cq,
-            dev,
+            dev: dev.clone(),
             cqe: u32::try_from(real).unwrap_or(cqe),
             _channel: channel.cloned(),
         }))
@@ -146,8 +149,8 @@ impl CompletionQueue {
         self.cq.as_ptr()
     }
 
-    pub fn device(&self) -> Device {
-        self.dev
+    pub fn device(&self) -> &Device {
+        &self.dev
     }
 
     /// The CQ's real capacity (at least what was asked for).
