@@ -98,14 +98,27 @@ fn pattern_b(i: usize) -> u8 {
     (i.wrapping_mul(13).wrapping_add(11)) as u8 ^ 0x5a
 }
 
-/// All of a buffer no work request is writing now.
-fn whole(b: &RegisteredBuffer) -> Res<&[u8]> {
-    Ok(b.bytes(0..b.len()).ok_or("buffer range")?)
+/// A copy of all of a buffer (registered memory is copied in and out,
+/// never referenced: the adapter may write it).
+fn whole(b: &RegisteredBuffer) -> Res<Vec<u8>> {
+    let mut out = vec![0; b.len()];
+    b.read(0, &mut out).ok_or("buffer range")?;
+    Ok(out)
 }
 
-fn whole_mut(b: &mut RegisteredBuffer) -> Res<&mut [u8]> {
-    let n = b.len();
-    Ok(b.bytes_mut(0..n).ok_or("buffer range")?)
+/// Change a buffer's content in `f`, on a copy that goes back in.
+fn update(b: &RegisteredBuffer, f: impl FnOnce(&mut [u8])) -> Res<()> {
+    let mut content = whole(b)?;
+    f(&mut content);
+    b.write(0, &content).ok_or("buffer range")?;
+    Ok(())
+}
+
+/// The first `len` bytes of a buffer, copied out.
+fn head(b: &RegisteredBuffer, len: usize) -> Res<Vec<u8>> {
+    let mut out = vec![0; len];
+    b.read(0, &mut out).ok_or("receive slot too small")?;
+    Ok(out)
 }
 
 fn check_pattern(buf: &[u8], f: fn(usize) -> u8, what: &str) -> Res<()> {
@@ -145,7 +158,7 @@ impl Reaper {
             cq,
             channel,
             cm,
-            buf: [WorkCompletion::default(); 16],
+            buf: std::array::from_fn(|_| WorkCompletion::default()),
             head: 0,
             len: 0,
         }
@@ -156,7 +169,7 @@ impl Reaper {
         let mut spins = 0u32;
         loop {
             if self.head < self.len {
-                let wc = self.buf[self.head];
+                let wc = std::mem::take(&mut self.buf[self.head]);
                 self.head += 1;
                 if !wc.is_ok() {
                     return Err(format!(
@@ -321,11 +334,13 @@ fn server(addr: SocketAddr) -> Res<()> {
     cch.set_nonblocking(true)?;
     let cq = CompletionQueue::new(&dev, CQ_SIZE, Some(&cch))?;
     let slots = recv_slots(&pd)?;
-    let mut send = RegisteredBuffer::new(&pd, MSG, Access::empty())?;
-    let mut data = RegisteredBuffer::new(&pd, DATA, Access::REMOTE_READ | Access::REMOTE_WRITE)?;
-    for (i, b) in whole_mut(&mut data)?.iter_mut().enumerate() {
-        *b = pattern_a(i);
-    }
+    let send = RegisteredBuffer::new(&pd, MSG, Access::empty())?;
+    let data = RegisteredBuffer::new(&pd, DATA, Access::REMOTE_READ | Access::REMOTE_WRITE)?;
+    update(&data, |bytes| {
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = pattern_a(i);
+        }
+    })?;
     id.create_qp(&pd, &cq, qp_caps())?;
     let caps = id.qp_caps().ok_or("no QP")?;
     let inline = caps.max_inline_data as usize >= MSG;
@@ -358,7 +373,7 @@ fn server(addr: SocketAddr) -> Res<()> {
         if wc.opcode != WcOpcode::Recv || wc.byte_len as usize != MSG {
             return Err(format!("unexpected completion {wc:?}").into());
         }
-        let msg = Msg::decode(slots[slot].bytes(0..MSG).ok_or("receive slot too small")?)?;
+        let msg = Msg::decode(&head(&slots[slot], MSG)?)?;
         post_recv_slot(&id, &slots, slot)?;
         let reply = match msg.kind {
             PING => {
@@ -372,7 +387,7 @@ fn server(addr: SocketAddr) -> Res<()> {
                 }
             }
             DONE => {
-                let ok = check_pattern(whole(&data)?, pattern_b, "server buffer after RDMA WRITE");
+                let ok = check_pattern(&whole(&data)?, pattern_b, "server buffer after RDMA WRITE");
                 if let Err(e) = &ok {
                     eprintln!("server: {e}");
                 }
@@ -384,7 +399,7 @@ fn server(addr: SocketAddr) -> Res<()> {
             }
             k => return Err(format!("unexpected message kind {k:#x}").into()),
         };
-        reply.encode(whole_mut(&mut send)?);
+        update(&send, |b| reply.encode(b))?;
         id.post_send(&SendWr {
             wr_id: WR_SEND,
             op: SendOp::Send,
@@ -424,8 +439,8 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
     let pd = ProtectionDomain::new(&dev)?;
     let cq = CompletionQueue::new(&dev, CQ_SIZE, None)?;
     let slots = recv_slots(&pd)?;
-    let mut send = RegisteredBuffer::new(&pd, MSG, Access::empty())?;
-    let mut local = RegisteredBuffer::new(&pd, DATA, Access::empty())?;
+    let send = RegisteredBuffer::new(&pd, MSG, Access::empty())?;
+    let local = RegisteredBuffer::new(&pd, DATA, Access::empty())?;
     id.create_qp(&pd, &cq, qp_caps())?;
     post_all_recvs(&id, &slots)?;
     id.connect(&ConnParam {
@@ -451,12 +466,12 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
     let mut remote = None;
     let mut total = Duration::ZERO;
     for seq in 0..round_trips.max(1) {
-        Msg {
+        let ping = Msg {
             kind: PING,
             seq,
             ..Msg::default()
-        }
-        .encode(whole_mut(&mut send)?);
+        };
+        update(&send, |b| ping.encode(b))?;
         let t0 = Instant::now();
         id.post_send(&SendWr {
             wr_id: WR_SEND,
@@ -470,10 +485,11 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
             let wc = reaper.next()?;
             match wc.wr_id {
                 WR_SEND => sent = true,
-                WrId { kind: RECV, slot } if (slot as usize) < RECV_SLOTS => {
+                WrId {
+                    kind: RECV, slot, ..
+                } if (slot as usize) < RECV_SLOTS => {
                     let slot = slot as usize;
-                    let m =
-                        Msg::decode(slots[slot].bytes(0..MSG).ok_or("receive slot too small")?)?;
+                    let m = Msg::decode(&head(&slots[slot], MSG)?)?;
                     post_recv_slot(&id, &slots, slot)?;
                     reply = Some(m);
                 }
@@ -500,21 +516,23 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
     };
     // READ the server's initial pattern.
     rdma_op(&id, &mut reaper, read, WR_READ, sge, WcOpcode::RdmaRead)?;
-    check_pattern(whole(&local)?, pattern_a, "RDMA READ of the server buffer")?;
+    check_pattern(&whole(&local)?, pattern_a, "RDMA READ of the server buffer")?;
 
     // WRITE a new pattern (unsignaled) with a SEND "DONE" chained behind it
     // in one post: RC delivers the SEND only after the WRITE's data is in
     // place (iSER's Data-In + SCSI Response), so the server checks its
     // buffer as soon as DONE arrives.
-    for (i, b) in whole_mut(&mut local)?.iter_mut().enumerate() {
-        *b = pattern_b(i);
-    }
-    Msg {
+    update(&local, |bytes| {
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = pattern_b(i);
+        }
+    })?;
+    let done = Msg {
         kind: DONE,
         seq: round_trips,
         ..Msg::default()
-    }
-    .encode(whole_mut(&mut send)?);
+    };
+    update(&send, |b| done.encode(b))?;
     id.post_send_batch(&[
         SendWr {
             wr_id: WR_WRITE,
@@ -541,11 +559,11 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
         let wc = reaper.next()?;
         match wc.wr_id {
             WR_SEND => sent = true,
-            WrId { kind: RECV, slot } if (slot as usize) < RECV_SLOTS => {
+            WrId {
+                kind: RECV, slot, ..
+            } if (slot as usize) < RECV_SLOTS => {
                 let slot = slot as usize;
-                verdict = Some(
-                    Msg::decode(slots[slot].bytes(0..MSG).ok_or("receive slot too small")?)?.kind,
-                );
+                verdict = Some(Msg::decode(&head(&slots[slot], MSG)?)?.kind);
                 post_recv_slot(&id, &slots, slot)?;
             }
             _ => return Err(format!("unexpected completion {wc:?}").into()),
@@ -556,9 +574,9 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
     }
 
     // READ it back into a cleared buffer.
-    whole_mut(&mut local)?.fill(0);
+    local.fill(0, local.len(), 0).ok_or("buffer range")?;
     rdma_op(&id, &mut reaper, read, WR_READ, sge, WcOpcode::RdmaRead)?;
-    check_pattern(whole(&local)?, pattern_b, "RDMA READ after RDMA WRITE")?;
+    check_pattern(&whole(&local)?, pattern_b, "RDMA READ after RDMA WRITE")?;
 
     id.disconnect()?;
     wait_cm(&ch, CmEventKind::Disconnected, CM_TIMEOUT)?;

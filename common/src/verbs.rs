@@ -14,7 +14,17 @@
 //!   channel when the id is destroyed), and, once it has a QP, the
 //!   [`ProtectionDomain`] and [`CompletionQueue`] the QP uses;
 //! - a [`MemoryRegion`] keeps its protection domain alive;
-//! - a [`CompletionQueue`] keeps its [`CompletionChannel`] alive.
+//! - a [`CompletionQueue`] keeps its [`CompletionChannel`] alive;
+//! - protection domains, CQs and completion channels keep their
+//!   [`Device`] open.
+//!
+//! # Memory the adapter writes
+//! Rust holds a reference into registered memory only where the type
+//! system proves the adapter is not using it: a [`SlotBuffer`]'s [`Slot`]
+//! is taken by the request posted on it and given back by that request's
+//! completion alone. Everything else ([`RegisteredBuffer`]: remote windows,
+//! bounce buffers) is copied in and out with volatile accesses, sound while
+//! the adapter or a peer writes the same bytes.
 //!
 //! # Data path
 //! [`CmId::post_send`], [`CmId::post_recv`] and [`CompletionQueue::poll`]
@@ -45,6 +55,7 @@ use std::time::Duration;
 
 mod cm;
 mod ib;
+mod slots;
 pub mod wait;
 
 pub use cm::{CmEvent, CmEventKind, CmId, CmWaitError, ConnParam, EventChannel, QpCaps};
@@ -54,6 +65,7 @@ pub use ib::{
     ProtectionDomain, RecvWr, RegisteredBuffer, SendOp, SendWr, Sge, WcOpcode, WcStatus,
     WorkCompletion, WrId, MAX_POLL_BATCH,
 };
+pub use slots::{SendFailed, Slot, SlotBuffer};
 
 /// Result of every fallible call in this module.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -371,7 +383,8 @@ mod tests {
         for id in [
             WrId::new(0, 0),
             WrId::new(5, 319),
-            WrId::new(u32::MAX, u32::MAX),
+            // Kinds from 2^31 up are reserved (SlotBuffer's; posting refuses them).
+            WrId::new((1 << 31) - 1, u32::MAX),
         ] {
             assert_eq!(WrId::from_raw(id.to_raw()), id);
         }

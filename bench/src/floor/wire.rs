@@ -204,18 +204,26 @@ impl Frame {
 
     /// Decode the frame of an RDMA message of `b.len()` bytes (headers plus
     /// data) and check that its length matches the frame's `data_len`.
+    #[cfg(test)]
     pub fn decode_rdma(b: &[u8]) -> Result<Frame, WireError> {
-        if b.len() < RDMA_HDR_LEN {
+        Frame::decode_rdma_headers(&b[..b.len().min(RDMA_HDR_LEN)], b.len())
+    }
+
+    /// Decode the frame of an RDMA message of `len` bytes (headers plus
+    /// data) from its first bytes (its headers, or all of it if shorter),
+    /// and check that `len` matches the frame's `data_len`.
+    pub fn decode_rdma_headers(headers: &[u8], len: usize) -> Result<Frame, WireError> {
+        if len < RDMA_HDR_LEN || headers.len() < RDMA_HDR_LEN {
             return Err(WireError::Short {
                 what: "RDMA message",
-                len: b.len(),
+                len,
             });
         }
-        let f = Frame::decode(&b[ISER_LEN..RDMA_HDR_LEN])?;
-        if b.len() - RDMA_HDR_LEN != f.data_len as usize {
+        let f = Frame::decode(&headers[ISER_LEN..RDMA_HDR_LEN])?;
+        if len - RDMA_HDR_LEN != f.data_len as usize {
             return Err(WireError::Short {
                 what: "RDMA message (length and data_len disagree)",
-                len: b.len(),
+                len,
             });
         }
         Ok(f)

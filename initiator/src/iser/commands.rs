@@ -13,23 +13,8 @@ impl IserSession {
         data_out: &[u8],
         data_in_len: u32,
     ) -> Result<Tag, Error> {
-        let len = u32::try_from(data_out.len())
+        let data_out_len = u32::try_from(data_out.len())
             .map_err(|_| Error::InvalidArgument("Data-Out longer than 4 GiB".into()))?;
-        self.submit_in_place(lun, cdb, len, data_in_len, |buf| {
-            buf.copy_from_slice(data_out)
-        })
-    }
-
-    /// Like [`submit`](Self::submit), but `fill` writes the `data_out_len`
-    /// bytes of write data straight into the registered buffer (no copy).
-    pub fn submit_in_place(
-        &mut self,
-        lun: u64,
-        cdb: &[u8],
-        data_out_len: u32,
-        data_in_len: u32,
-        fill: impl FnOnce(&mut [u8]),
-    ) -> Result<Tag, Error> {
         self.check()?;
         if !self.full_feature || self.session_type != SessionType::Normal {
             return Err(Error::InvalidArgument(
@@ -73,18 +58,13 @@ impl IserSession {
             task.generation + 1
         };
         let tag = Tag(u32::from(task.generation) << 16 | slot as u32);
-        if out_len > 0 {
-            let Some(dst) = task.buf.bytes_mut(0..out_len) else {
-                return Err(Error::InvalidArgument(format!(
-                    "{out_len} bytes of Data-Out exceed the task buffer"
-                )));
-            };
-            fill(dst);
+        if out_len > 0 && task.buf.write(0, data_out).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "{out_len} bytes of Data-Out exceed the task buffer"
+            )));
         }
         if data_in_len > 0 && self.opts.poison_reads {
-            if let Some(dst) = task.buf.bytes_mut(0..data_in_len as usize) {
-                dst.fill(POISON);
-            }
+            let _ = task.buf.fill(0, data_in_len as usize, POISON);
         }
         let neg = &self.negotiated;
         let imm_len = if neg.immediate_data {
@@ -132,11 +112,7 @@ impl IserSession {
         while self.rdma.free_send.is_empty() {
             self.turn_or_timeout(deadline, "a free send slot")?;
         }
-        let task = &self.tasks[slot];
-        let imm = task
-            .buf
-            .bytes(0..imm_len)
-            .ok_or_else(|| Error::Rdma("immediate data beyond the task buffer".into()))?;
+        let imm = &data_out[..imm_len];
         if let Err(e) = self.rdma.post_pdu(&header, &b, imm) {
             return Err(self.fail(e));
         }
@@ -201,22 +177,42 @@ impl IserSession {
         }
     }
 
-    /// The read data of a completed command; valid until its slot is reused
+    /// The read data of a completed command, copied out of its registered
+    /// buffer (which the target RDMA-writes); there until its slot is reused
     /// by a later submit after the completion was collected (then
     /// InvalidArgument).
-    pub fn data_in(&self, tag: Tag) -> Result<&[u8], Error> {
+    pub fn data_in(&self, tag: Tag) -> Result<Vec<u8>, Error> {
+        let mut out = vec![0; self.data_in_len(tag)?];
+        self.data_in_into(tag, &mut out)?;
+        Ok(out)
+    }
+
+    /// How many bytes of read data a completed command has.
+    fn data_in_len(&self, tag: Tag) -> Result<usize, Error> {
         match self.tasks.get(tag.slot()) {
             Some(t) if t.generation == tag.generation() => match t.state {
-                TaskState::Done { data_in_len } => t
-                    .buf
-                    .bytes(0..data_in_len as usize)
-                    .ok_or_else(|| Error::Rdma("Data-In beyond the task buffer".into())),
+                TaskState::Done { data_in_len } => Ok(data_in_len as usize),
                 _ => Err(Error::InvalidArgument(format!("{tag:?} has not completed"))),
             },
             _ => Err(Error::InvalidArgument(format!(
                 "{tag:?}: its buffer was reused"
             ))),
         }
+    }
+
+    /// As [`data_in`](Self::data_in), into the start of `out`; returns the
+    /// length (errors when `out` is shorter).
+    pub fn data_in_into(&self, tag: Tag, out: &mut [u8]) -> Result<usize, Error> {
+        let len = self.data_in_len(tag)?;
+        let room = out.len();
+        let dst = out.get_mut(..len).ok_or_else(|| {
+            Error::InvalidArgument(format!("{len} bytes of read data, room for {room}"))
+        })?;
+        self.tasks[tag.slot()]
+            .buf
+            .read(0, dst)
+            .ok_or_else(|| Error::Rdma("Data-In beyond the task buffer".into()))?;
+        Ok(len)
     }
 
     /// Run one command to completion: submit, wait, copy the read data to
@@ -233,8 +229,7 @@ impl IserSession {
         let tag = self.submit(lun, cdb, data_out, in_len)?;
         let st = self.wait_for(tag)?.result?;
         if in_len > 0 {
-            let got = self.data_in(tag)?;
-            data_in[..got.len()].copy_from_slice(got);
+            self.data_in_into(tag, data_in)?;
         }
         Ok(st)
     }

@@ -46,7 +46,7 @@ impl IserSession {
     ) -> Result<usize, Error> {
         self.check()?;
         let mut sent = 0;
-        let mut wcs = [WorkCompletion::default(); 16];
+        let mut wcs: [WorkCompletion; 16] = std::array::from_fn(|_| WorkCompletion::default());
         while sent < count && Instant::now() < deadline {
             let stalled_at = Instant::now();
             while self.rdma.free_send.is_empty() {

@@ -182,7 +182,7 @@ impl IserSession {
     }
 
     pub(super) fn reap(&mut self) -> Result<usize, Error> {
-        let mut wcs = [WorkCompletion::default(); 16];
+        let mut wcs: [WorkCompletion; 16] = std::array::from_fn(|_| WorkCompletion::default());
         let mut total = 0;
         for recv in [true, false] {
             let cq = if recv {
@@ -249,8 +249,9 @@ impl IserSession {
     pub(super) fn message(&mut self, slot: usize, len: usize) -> Result<(), Error> {
         self.stats.largest_message = self.stats.largest_message.max(len as u32);
         let (bhs, rx) = {
-            let msg = self.rdma.recv[slot]
-                .bytes(0..len)
+            let msg = self
+                .rdma
+                .received(slot, len)
                 .ok_or_else(|| Error::Rdma(format!("{len}-byte receive completion")))?;
             let pdu = match Message::parse(msg, self.max_rx_data) {
                 Ok(Message::Pdu(pdu)) => pdu,

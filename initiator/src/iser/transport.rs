@@ -36,6 +36,11 @@ pub(super) struct Rdma {
     pub(super) free_send: Vec<usize>,
     pub(super) pd: Arc<ProtectionDomain>,
     pub(super) recv_len: usize,
+    /// A received message copied out of its registered buffer, and a
+    /// message built before it is copied into one: registered memory is
+    /// only ever copied (the adapter may write it), never referenced.
+    rx_copy: Vec<u8>,
+    tx_copy: Vec<u8>,
 }
 
 impl Rdma {
@@ -102,6 +107,8 @@ impl Rdma {
             free_send: (0..send_slots).rev().collect(),
             pd,
             recv_len,
+            rx_copy: vec![0; recv_len],
+            tx_copy: vec![0; SEND_SLOT_LEN],
         };
         for slot in 0..recv_slots {
             rdma.queue_recv(slot)?;
@@ -152,6 +159,13 @@ impl Rdma {
         Ok(())
     }
 
+    /// The first `len` bytes received into `slot`, copied out.
+    pub(super) fn received(&mut self, slot: usize, len: usize) -> Option<&[u8]> {
+        let out = self.rx_copy.get_mut(..len)?;
+        self.recv.get(slot)?.read(0, out)?;
+        Some(out)
+    }
+
     /// SEND one PDU from a free slot (the caller made sure there is one):
     /// iSER header, BHS (lengths filled in), data unpadded.
     pub(super) fn post_pdu(
@@ -166,20 +180,23 @@ impl Rdma {
                 "a {total}-byte iSER message exceeds the {SEND_SLOT_LEN}-byte send buffer"
             )));
         }
-        let slot = self
-            .free_send
-            .pop()
-            .ok_or_else(|| Error::Rdma("no free send slot".into()))?;
-        let start = slot * SEND_SLOT_LEN;
-        let msg = self
-            .send
-            .bytes_mut(start..start + total)
-            .ok_or_else(|| Error::Rdma(format!("{total}-byte message exceeds its send slot")))?;
+        let msg = &mut self.tx_copy[..total];
         iser::encode_message(header, bhs, data.len(), msg, |dst| {
             dst.copy_from_slice(data);
             true
         })
         .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let slot = self
+            .free_send
+            .pop()
+            .ok_or_else(|| Error::Rdma("no free send slot".into()))?;
+        let start = slot * SEND_SLOT_LEN;
+        if self.send.write(start, msg).is_none() {
+            self.free_send.push(slot);
+            return Err(Error::Rdma(format!(
+                "{total}-byte message exceeds its send slot"
+            )));
+        }
         let sge = self
             .send
             .sge(start, total as u32)

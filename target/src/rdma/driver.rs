@@ -4,16 +4,6 @@
 
 use super::*;
 
-pub(super) fn recv_wr(recv: &SlotRing, slot: u32) -> Result<RecvWr, ConnError> {
-    let sge = recv
-        .sge(slot, RECV_SLOT_LEN)
-        .ok_or_else(|| ConnError::Protocol("receive slot outside its buffer".into()))?;
-    Ok(RecvWr {
-        wr_id: WrId::new(wr::RECV, slot),
-        sge,
-    })
-}
-
 enum Posted {
     Done,
     /// Out of a resource: retry once completions free it.
@@ -27,6 +17,9 @@ pub(super) struct LargeBuffers {
     datain: RegisteredBuffer,
     /// Parameter data, RDMA-read into here.
     bounce: RegisteredBuffer,
+    /// Where a finished parameter-data READ is copied for the engine: the
+    /// registered memory is only ever copied, never referenced.
+    bounce_copy: Vec<u8>,
 }
 
 impl LargeBuffers {
@@ -34,6 +27,7 @@ impl LargeBuffers {
         Ok(LargeBuffers {
             datain: RegisteredBuffer::new(pd, DATAIN_SLOTS * DATAIN_SLOT_LEN, Access::LOCAL_WRITE)?,
             bounce: RegisteredBuffer::new(pd, BOUNCE_SLOTS * BOUNCE_SLOT_LEN, Access::LOCAL_WRITE)?,
+            bounce_copy: vec![0; BOUNCE_SLOT_LEN],
         })
     }
 }
@@ -51,15 +45,14 @@ pub(super) struct Driver<'a> {
     pub(super) large: Option<LargeBuffers>,
     pub(super) regions: &'a [RdmaRegion],
     pub(super) conn: Connection,
-    pub(super) free_send: Vec<u32>,
+    /// Send slots Rust holds (their last SEND completed).
+    pub(super) free_send: Vec<Slot>,
     pub(super) free_datain: Vec<u32>,
     pub(super) free_bounce: Vec<u32>,
     pub(super) reads: ReadTable,
     pub(super) sq_in_flight: usize,
     pub(super) sq_depth: usize,
     pub(super) held: Option<Action>,
-    pub(super) reposts: [RecvWr; 32],
-    pub(super) n_reposts: usize,
     /// Set when the engine asked to close: wait for our SENDs until then.
     pub(super) closing: Option<Instant>,
     pub(super) peer_gone: bool,
@@ -90,7 +83,7 @@ impl Driver<'_> {
         control: &SessionControl,
         opts: IserOptions,
     ) -> Result<(), ConnError> {
-        let mut wcs = [WorkCompletion::default(); 32];
+        let mut wcs: [WorkCompletion; 32] = std::array::from_fn(|_| WorkCompletion::default());
         let mut spin = SpinBudget::new(opts.spin);
         // The timers here are whole seconds: the coarse clock serves them
         // without a system call per round.
@@ -178,12 +171,12 @@ impl Driver<'_> {
             }
             let cq = if recv { self.recv_cq } else { self.send_cq };
             let n = cq.poll(wcs)?;
-            for wc in &wcs[..n] {
+            for wc in &mut wcs[..n] {
                 self.completion(now, wc)?;
             }
             total += n;
         }
-        if self.n_reposts >= REPOST_BATCH {
+        if self.recv.queued() >= REPOST_BATCH {
             self.flush_reposts()?;
         }
         Ok(total)
@@ -214,9 +207,8 @@ impl Driver<'_> {
             .unwrap_or_else(|| "?".into())
     }
 
-    fn completion(&mut self, now: Instant, wc: &WorkCompletion) -> Result<(), ConnError> {
-        let WrId { kind, slot } = wc.wr_id;
-        let slot = slot as usize;
+    fn completion(&mut self, now: Instant, wc: &mut WorkCompletion) -> Result<(), ConnError> {
+        let (kind, slot) = (wc.wr_id.kind, wc.wr_id.slot as usize);
         if kind != wr::RECV {
             self.sq_in_flight = self.sq_in_flight.saturating_sub(1);
         }
@@ -232,20 +224,27 @@ impl Driver<'_> {
         }
         match kind {
             wr::RECV => {
+                let len = wc.byte_len as usize;
+                let Some(slot) = self.recv.reclaim(wc) else {
+                    return Err(ConnError::Protocol(format!(
+                        "receive completion for no slot of ours: {:?}",
+                        wc.wr_id
+                    )));
+                };
                 if self.closing.is_none() {
-                    self.received(now, slot, wc.byte_len as usize)?;
+                    self.received(now, &slot, len)?;
                 }
-                if !self.recv.is_retired(slot as u32) {
-                    self.reposts[self.n_reposts] = recv_wr(&self.recv, slot as u32)?;
-                    self.n_reposts += 1;
-                    if self.n_reposts == self.reposts.len() {
-                        self.flush_reposts()?;
-                    }
-                }
+                self.recv.repost(slot);
             }
             wr::SEND => {
-                if !self.send.is_retired(slot as u32) {
-                    self.free_send.push(slot as u32);
+                let Some(slot) = self.send.reclaim(wc) else {
+                    return Err(ConnError::Protocol(format!(
+                        "send completion for no slot of ours: {:?}",
+                        wc.wr_id
+                    )));
+                };
+                if !self.send.is_retired(&slot) {
+                    self.free_send.push(slot);
                 }
             }
             wr::DATAIN => self.free_datain.push(slot as u32),
@@ -265,13 +264,15 @@ impl Driver<'_> {
                 match read.bounce {
                     Some(b) => {
                         let start = b as usize * BOUNCE_SLOT_LEN;
-                        let Some(large) = &self.large else {
+                        let Some(large) = self.large.as_mut() else {
                             return Err(ConnError::Protocol("no parameter-data buffer".into()));
                         };
-                        let Some(data) = large.bounce.bytes(start..start + read.len as usize)
-                        else {
+                        let Some(data) = large.bounce_copy.get_mut(..read.len as usize) else {
                             return Err(ConnError::Protocol("RDMA READ beyond its buffer".into()));
                         };
+                        if large.bounce.read(start, data).is_none() {
+                            return Err(ConnError::Protocol("RDMA READ beyond its buffer".into()));
+                        }
                         self.conn.handle(
                             now,
                             Input::RdmaReadDone {
@@ -302,16 +303,13 @@ impl Driver<'_> {
     }
 
     fn flush_reposts(&mut self) -> Result<(), ConnError> {
-        if self.n_reposts > 0 {
-            self.id.post_recv(&self.reposts[..self.n_reposts])?;
-            self.n_reposts = 0;
-        }
+        self.recv.flush(self.id, Vec::new())?;
         Ok(())
     }
 
     /// One received message: an iSCSI PDU behind its iSER header, or a Hello.
-    fn received(&mut self, now: Instant, slot: usize, len: usize) -> Result<(), ConnError> {
-        let Some(msg) = self.recv.bytes(slot as u32, len) else {
+    fn received(&mut self, now: Instant, slot: &Slot, len: usize) -> Result<(), ConnError> {
+        let Some(msg) = self.recv.bytes(slot, len) else {
             return Err(ConnError::Protocol(
                 "receive slot outside its buffer".into(),
             ));
@@ -376,20 +374,16 @@ impl Driver<'_> {
         if self.recv.is_full() {
             return Ok(());
         }
-        let received = self.recv.grow(self.pd, self.full_recv_slots)?;
-        let mut wrs = Vec::with_capacity(received.len());
-        for slot in received {
-            wrs.push(recv_wr(&self.recv, slot)?);
-        }
-        self.id.post_recv(&wrs)?;
-        let sent = self.send.grow(self.pd, SEND_SLOTS)?;
-        // Login slots still in flight retire as they complete.
-        self.free_send = sent.rev().collect();
+        let received = self.recv.grow(self.pd, self.full_recv_slots as u32)?;
+        self.recv.flush(self.id, received)?;
+        // Login slots still in flight retire as they complete; free ones
+        // are dropped here.
+        self.free_send = self.send.grow(self.pd, SEND_SLOTS as u32)?;
         Ok(())
     }
 
     fn send_hello_reply(&mut self, reject: bool) -> Result<(), ConnError> {
-        let Some(slot) = self.free_send.pop() else {
+        let Some(mut slot) = self.free_send.pop() else {
             return Err(ConnError::Protocol(
                 "no send slot for the HelloReply".into(),
             ));
@@ -402,19 +396,20 @@ impl Driver<'_> {
         };
         let slot_buf = self
             .send
-            .slot_mut(slot)
+            .slot_mut(&mut slot)
             .ok_or_else(|| ConnError::Protocol("send slot outside its buffer".into()))?;
         reply
             .encode_into(&mut slot_buf[..HEADER_LEN])
             .map_err(|e| ConnError::Protocol(e.to_string()))?;
-        let sge = self.send_sge(slot, HEADER_LEN)?;
-        self.post(WrId::new(wr::SEND, slot), SendOp::Send, sge)
+        self.post_send_slot(slot, HEADER_LEN)
     }
 
-    fn send_sge(&self, slot: u32, len: usize) -> Result<verbs::Sge, ConnError> {
-        self.send
-            .sge(slot, len)
-            .ok_or_else(|| ConnError::Protocol("send slot outside its buffer".into()))
+    /// SEND the first `len` bytes of a send slot; its completion gives the
+    /// slot back.
+    fn post_send_slot(&mut self, slot: Slot, len: usize) -> Result<(), ConnError> {
+        self.send.post_send(self.id, slot, len, SendOp::Send)?;
+        self.sq_in_flight += 1;
+        Ok(())
     }
 
     fn buffer_sge(
@@ -481,22 +476,21 @@ impl Driver<'_> {
     }
 
     fn post_pdu(&mut self, pdu: OutPdu) -> Result<Posted, ConnError> {
-        let Some(slot) = self.free_send.pop() else {
+        let Some(mut slot) = self.free_send.pop() else {
             return Ok(Posted::Blocked(Action::Send(pdu)));
         };
-        let Some(slot_buf) = self.send.slot_mut(slot) else {
-            self.free_send.push(slot);
-            return Err(ConnError::Protocol("send slot outside its buffer".into()));
+        let encoded = match self.send.slot_mut(&mut slot) {
+            Some(slot_buf) => encode_pdu(&self.conn, &pdu, slot_buf).map_err(ConnError::Protocol),
+            None => Err(ConnError::Protocol("send slot outside its buffer".into())),
         };
-        let total = match encode_pdu(&self.conn, &pdu, slot_buf) {
+        let total = match encoded {
             Ok(n) => n,
             Err(e) => {
                 self.free_send.push(slot);
-                return Err(ConnError::Protocol(e));
+                return Err(e);
             }
         };
-        let sge = self.send_sge(slot, total)?;
-        self.post(WrId::new(wr::SEND, slot), SendOp::Send, sge)?;
+        self.post_send_slot(slot, total)?;
         if let Some(served) = pdu.served {
             // A fresh reading: the loop's `now` may be rounds old.
             self.conn.served(served, metrics::clock().raw());
@@ -553,15 +547,14 @@ impl Driver<'_> {
                     }));
                 };
                 let start = slot as usize * DATAIN_SLOT_LEN;
-                let Some(large) = self.large.as_mut() else {
+                let Some(large) = self.large.as_ref() else {
                     return Err(ConnError::Protocol("Data-In before login".into()));
                 };
-                let Some(dst) = large.datain.bytes_mut(start..start + v.len()) else {
+                if large.datain.write(start, &v).is_none() {
                     return Err(ConnError::Protocol(
                         "Data-In slot outside its buffer".into(),
                     ));
-                };
-                dst.copy_from_slice(&v);
+                }
                 let sge = Self::buffer_sge(&large.datain, start, v.len())?;
                 self.post(WrId::new(wr::DATAIN, slot), op, sge)?;
                 Ok(Posted::Done)

@@ -10,7 +10,9 @@
 //! A connection registers a few receive and send slots at connect time and
 //! its full rings and large buffers when its normal session begins (see
 //! `slots`); the I/O path neither allocates nor locks nor copies payload
-//! (immediate data excepted: it arrives in a receive buffer).
+//! (immediate data excepted: it arrives in a receive buffer; and the small
+//! parameter data and non-LUN read data, copied in and out of their
+//! registered buffers).
 //!
 //! Work requests are posted in the order the engine queued its actions, so an
 //! RDMA WRITE of read data always precedes the SCSI Response that follows it.
@@ -27,7 +29,7 @@ use ramslog_common::iser::{
 use ramslog_common::verbs::wait::{self, SpinBudget};
 use ramslog_common::verbs::{
     self, Access, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam,
-    Device, EventChannel, ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr,
+    Device, EventChannel, ProtectionDomain, QpCaps, RegisteredBuffer, SendOp, SendWr, Slot,
     WcOpcode, WorkCompletion, WrId,
 };
 
@@ -87,7 +89,7 @@ mod reads;
 mod slots;
 
 pub use driver::encode_pdu;
-use driver::{recv_wr, Driver};
+use driver::Driver;
 use reads::{PendingRead, ReadTable};
 use slots::SlotRing;
 
@@ -472,13 +474,11 @@ fn run_connection(
     )?;
     // The full rings, Data-In and parameter-data buffers (16 MiB) are
     // registered only once a normal session begins.
-    let recv = SlotRing::new(&res.pd, RECV_SLOT_LEN, LOGIN_RECV_SLOTS)?;
-    let send = SlotRing::new(&res.pd, SEND_SLOT_LEN, LOGIN_SEND_SLOTS)?;
-    let mut initial = Vec::with_capacity(LOGIN_RECV_SLOTS);
-    for slot in recv.login_range() {
-        initial.push(recv_wr(&recv, slot)?);
-    }
-    id.post_recv(&initial)?;
+    let (mut recv, receives) =
+        SlotRing::new(&res.pd, wr::RECV, RECV_SLOT_LEN, LOGIN_RECV_SLOTS as u32)?;
+    let (send, free_send) =
+        SlotRing::new(&res.pd, wr::SEND, SEND_SLOT_LEN, LOGIN_SEND_SLOTS as u32)?;
+    recv.flush(&id, receives)?;
     id.accept(&ConnParam {
         private_data: &[],
         responder_resources: offer
@@ -514,7 +514,7 @@ fn run_connection(
         id: &id,
         send_cq: &send_cq,
         recv_cq: &recv_cq,
-        free_send: send.login_range().rev().collect(),
+        free_send,
         recv,
         full_recv_slots,
         pd: &res.pd,
@@ -528,11 +528,6 @@ fn run_connection(
         sq_in_flight: 0,
         sq_depth,
         held: None,
-        reposts: [RecvWr {
-            wr_id: WrId::default(),
-            sge: verbs::Sge::default(),
-        }; 32],
-        n_reposts: 0,
         closing: None,
         peer_gone: false,
         hello_credits: credits as u16,

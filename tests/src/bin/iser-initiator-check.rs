@@ -519,7 +519,8 @@ fn zero_alloc(s: &mut IserSession, d: &mut Disk) -> Result<(), String> {
         for _ in 0..depth {
             let c = s.wait().map_err(fail)?;
             c.result.and_then(|st| st.check()).map_err(fail)?;
-            if s.data_in(c.tag).map_err(fail)? != data.as_slice() {
+            let n = s.data_in_into(c.tag, back).map_err(fail)?;
+            if &back[..n] != data.as_slice() {
                 return Err("zero-allocation loop: read data differs".to_string());
             }
         }
@@ -600,7 +601,7 @@ fn pipelined(s: &mut IserSession, d: &mut Disk) -> Result<(), String> {
         let got = s
             .data_in(c.tag)
             .map_err(|e| format!("pipelined read {i}: {e}"))?;
-        compare(&format!("pipelined read {i}"), &datas[i], got)?;
+        compare(&format!("pipelined read {i}"), &datas[i], &got)?;
         seen += 1;
     }
     println!("{depth} pipelined writes and reads of {len} bytes verified");

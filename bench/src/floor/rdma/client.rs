@@ -39,13 +39,8 @@ impl Client {
         let parts = Parts::new(&mut id, RDMA_HDR_LEN)?;
         let pd = Arc::clone(&parts.pd);
         let bsz = bs as usize;
-        let mut msg = buffer(&pd, RDMA_HDR_LEN + bsz, Access::empty())?;
-        let payload = msg
-            .bytes_mut(RDMA_HDR_LEN..RDMA_HDR_LEN + bsz)
-            .context("message buffer")?;
-        for (i, b) in payload.iter_mut().enumerate() {
-            *b = i as u8;
-        }
+        let msg = buffer(&pd, RDMA_HDR_LEN + bsz, Access::empty())?;
+        put_pattern(&msg, RDMA_HDR_LEN, bsz)?;
         let ctl = buffer(&pd, RDMA_HDR_LEN, Access::empty())?;
         let block = buffer(&pd, bsz, Access::REMOTE_READ)?;
         let read_dst = buffer(&pd, bsz, Access::LOCAL_WRITE)?;
@@ -111,7 +106,7 @@ impl Client {
     }
 
     fn control(&mut self, f: Frame) -> Result<()> {
-        f.encode_rdma(whole_mut(&mut self.ctl)?);
+        put_headers(&self.ctl, &f)?;
         let s = sge(&self.ctl, RDMA_HDR_LEN)?;
         self.conn.post(WR_SEND, SendOp::Send, s)?;
         self.await_reply(f.seq)
@@ -125,11 +120,11 @@ impl Client {
     /// Shape `send`: SEND headers + block, SEND back. Returns ns.
     pub(in crate::floor) fn send_block(&mut self) -> Result<u64> {
         let seq = self.next_seq();
-        Frame {
+        let frame = Frame {
             data_len: self.bs as u32,
             ..Frame::new(Op::Data, seq)
-        }
-        .encode_rdma(whole_mut(&mut self.msg)?);
+        };
+        put_headers(&self.msg, &frame)?;
         let s = sge(&self.msg, RDMA_HDR_LEN + self.bs)?;
         let t = Instant::now();
         self.conn.post(WR_SEND, SendOp::Send, s)?;
@@ -172,8 +167,8 @@ impl Client {
     /// Put the server into ib_write_lat mode.
     pub(in crate::floor) fn wlat_start(&mut self) -> Result<()> {
         let last = self.bs - 1;
-        set_byte(&mut self.wdst, last, 0)?;
-        set_byte(&mut self.wsrc, last, 0)?;
+        set_byte(&self.wdst, last, 0)?;
+        set_byte(&self.wsrc, last, 0)?;
         self.wlat_n = 0;
         let seq = self.next_seq();
         self.control(Frame {
@@ -192,7 +187,7 @@ impl Client {
         let want = marker(self.wlat_n);
         self.wlat_n += 1;
         // The previous WRITE from wsrc has completed (reaped below).
-        set_byte(&mut self.wsrc, last, want)?;
+        set_byte(&self.wsrc, last, want)?;
         let s = sge(&self.wsrc, self.bs)?;
         let op = SendOp::RdmaWrite {
             remote_addr: self.accept.write_addr,

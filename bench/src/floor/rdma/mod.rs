@@ -118,16 +118,25 @@ fn buffer(pd: &Arc<ProtectionDomain>, len: usize, access: Access) -> Result<Regi
     })
 }
 
-/// All of a buffer that no work request is writing now.
-fn whole_mut(b: &mut RegisteredBuffer) -> Result<&mut [u8]> {
-    let n = b.len();
-    b.bytes_mut(0..n).context("buffer range")
+/// A frame's RDMA headers, copied to the start of `b` (registered memory
+/// is copied in and out, never referenced: the adapter may write it).
+fn put_headers(b: &RegisteredBuffer, f: &Frame) -> Result<()> {
+    let mut headers = [0u8; RDMA_HDR_LEN];
+    f.encode_rdma(&mut headers);
+    b.write(0, &headers)
+        .context("buffer shorter than the RDMA headers")
+}
+
+/// `len` bytes of the pattern `i as u8` from `offset`.
+fn put_pattern(b: &RegisteredBuffer, offset: usize, len: usize) -> Result<()> {
+    let pattern: Vec<u8> = (0..len).map(|i| i as u8).collect();
+    b.write(offset, &pattern)
+        .context("pattern outside its buffer")
 }
 
 /// One byte of a buffer (the flag byte the write-latency loop polls).
-fn set_byte(b: &mut RegisteredBuffer, at: usize, v: u8) -> Result<()> {
-    b.bytes_mut(at..at + 1).context("byte outside its buffer")?[0] = v;
-    Ok(())
+fn set_byte(b: &RegisteredBuffer, at: usize, v: u8) -> Result<()> {
+    b.write(at, &[v]).context("byte outside its buffer")
 }
 
 fn sge(b: &RegisteredBuffer, len: usize) -> Result<Sge> {
@@ -221,7 +230,7 @@ impl Parts {
             recv_len,
             max_inline: self.max_inline,
             spin,
-            wcs: [WorkCompletion::default(); 16],
+            wcs: std::array::from_fn(|_| WorkCompletion::default()),
             head: 0,
             len: 0,
             peer,
@@ -265,7 +274,7 @@ impl Conn {
             self.len = self.cq.poll(&mut self.wcs)?;
         }
         if self.head < self.len {
-            let wc = self.wcs[self.head];
+            let wc = std::mem::take(&mut self.wcs[self.head]);
             self.head += 1;
             return check(wc).map(Some);
         }
@@ -338,7 +347,12 @@ impl Conn {
             .ok_or_else(|| anyhow!("receive completion for unknown slot {slot}"))?;
         let len = (wc.byte_len as usize).min(b.len());
         // The slot's receive has completed: nothing writes it until repost.
-        let f = Frame::decode_rdma(b.bytes(0..len).context("receive beyond its slot")?)
+        // Only the headers are copied out (the data may be megabytes).
+        let mut headers = [0u8; RDMA_HDR_LEN];
+        let have = len.min(RDMA_HDR_LEN);
+        b.read(0, &mut headers[..have])
+            .context("receive beyond its slot")?;
+        let f = Frame::decode_rdma_headers(&headers[..have], len)
             .with_context(|| format!("message from {}", self.peer));
         self.repost(slot)?;
         f

@@ -119,10 +119,8 @@ fn serve_connection(
     let attrs = dev.attrs()?;
     let parts = Parts::new(&mut id, RDMA_HDR_LEN + bs)?;
     let pd = Arc::clone(&parts.pd);
-    let mut rsrc = buffer(&pd, bs, Access::REMOTE_READ)?;
-    for (i, b) in whole_mut(&mut rsrc)?.iter_mut().enumerate() {
-        *b = i as u8;
-    }
+    let rsrc = buffer(&pd, bs, Access::REMOTE_READ)?;
+    put_pattern(&rsrc, 0, bs)?;
     let mut bufs = ServerBufs {
         bs,
         reply: buffer(&pd, RDMA_HDR_LEN, Access::empty())?,
@@ -184,7 +182,7 @@ impl Replier {
                 _ => return Err(unexpected(&wc)),
             }
         }
-        Frame::new(Op::Reply, seq).encode_rdma(whole_mut(&mut bufs.reply)?);
+        put_headers(&bufs.reply, &Frame::new(Op::Reply, seq))?;
         conn.post(WR_SEND, SendOp::Send, sge(&bufs.reply, RDMA_HDR_LEN)?)?;
         self.send_done = false;
         Ok(())
@@ -222,8 +220,8 @@ fn message_loop(conn: &mut Conn, bufs: &mut ServerBufs) -> Result<()> {
                             );
                         }
                         let last = bufs.bs - 1;
-                        set_byte(&mut bufs.wdst, last, 0)?;
-                        set_byte(&mut bufs.wsrc, last, 0)?;
+                        set_byte(&bufs.wdst, last, 0)?;
+                        set_byte(&bufs.wsrc, last, 0)?;
                         rep.reply(conn, bufs, f.seq)?;
                         let stop = write_lat(conn, bufs, &mut rep, &f)?;
                         rep.reply(conn, bufs, stop)?;
@@ -314,7 +312,7 @@ fn write_lat(conn: &mut Conn, bufs: &mut ServerBufs, rep: &mut Replier, f: &Fram
                 _ => return Err(unexpected(&wc)),
             }
         }
-        set_byte(&mut bufs.wsrc, last, want)?;
+        set_byte(&bufs.wsrc, last, want)?;
         conn.post(WR_WRITE, op, sge(&bufs.wsrc, bufs.bs)?)?;
         write_pending = true;
         n += 1;

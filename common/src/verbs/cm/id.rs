@@ -419,13 +419,19 @@ impl CmId {
     /// Post one send-queue work request (`ibv_post_send`). ENOTCONN if the
     /// id has no QP; ENOMEM when the send queue is full.
     pub fn post_send(&self, wr: &SendWr) -> Result<()> {
-        let qp = self.qp_or_err("ibv_post_send")?;
-        ib::post_send(qp, std::slice::from_ref(wr)).map_err(Error::from)
+        self.post_send_batch(std::slice::from_ref(wr))
+            .map_err(Error::from)
     }
 
     /// Post several send-queue work requests, chained (16 per call into the
     /// provider). On failure, [`PostError::posted`] says how many went.
     pub fn post_send_batch(&self, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+        refuse_reserved_ids("ibv_post_send", wrs.iter().map(|w| w.wr_id))?;
+        self.post_send_lent(wrs)
+    }
+
+    /// Post without the check on ids: for SlotBuffer, whose lent ids it is.
+    pub(crate) fn post_send_lent(&self, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
         let qp = self
             .qp_or_err("ibv_post_send")
             .map_err(|error| PostError { posted: 0, error })?;
@@ -442,11 +448,32 @@ impl CmId {
     /// As [`post_recv`](Self::post_recv), reporting how many were posted
     /// before a failure.
     pub fn post_recv_batch(&self, wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
+        refuse_reserved_ids("ibv_post_recv", wrs.iter().map(|w| w.wr_id))?;
+        self.post_recv_lent(wrs)
+    }
+
+    /// Post without the check on ids: for SlotBuffer, whose lent ids it is.
+    pub(crate) fn post_recv_lent(&self, wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
         let qp = self
             .qp_or_err("ibv_post_recv")
             .map_err(|error| PostError { posted: 0, error })?;
         ib::post_recv(qp, wrs)
     }
+}
+
+/// EINVAL, with nothing posted, when an id is one only a SlotBuffer may
+/// post (its completion would give one of its slots back).
+fn refuse_reserved_ids(
+    op: &'static str,
+    mut ids: impl Iterator<Item = ib::WrId>,
+) -> std::result::Result<(), PostError> {
+    if ids.any(|id| id.is_reserved()) {
+        return Err(PostError {
+            posted: 0,
+            error: Error::from_errno(op, libc::EINVAL),
+        });
+    }
+    Ok(())
 }
 
 impl CmId {

@@ -246,6 +246,79 @@ impl Mapping {
         Ok(Mapping { ptr, len })
     }
 
+    /// Copy `out.len()` bytes from `offset` into `out`; `None` (nothing
+    /// copied) when the range is not inside the buffer.
+    fn read(&self, offset: usize, out: &mut [u8]) -> Option<()> {
+        let end = offset.checked_add(out.len())?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: [offset, end) is inside the live mapping.
+        let src = unsafe { self.ptr.as_ptr().add(offset) };
+        let mut i = 0;
+        while i < out.len() {
+            // SAFETY: src + i is inside the mapping (i < out.len()). Volatile
+            // reads through a raw pointer make no reference, so the adapter
+            // may write these bytes meanwhile; whole aligned words where they
+            // fit (the mapping is page-aligned), single bytes around them.
+            unsafe {
+                let p = src.add(i);
+                if (p as usize).is_multiple_of(8) && out.len() - i >= 8 {
+                    let w = p.cast::<u64>().read_volatile();
+                    out[i..i + 8].copy_from_slice(&w.to_ne_bytes());
+                    i += 8;
+                } else {
+                    out[i] = p.read_volatile();
+                    i += 1;
+                }
+            }
+        }
+        Some(())
+    }
+
+    /// Copy `data` to `offset`; `None` (nothing copied) when the range is
+    /// not inside the buffer.
+    fn write(&self, offset: usize, data: &[u8]) -> Option<()> {
+        let end = offset.checked_add(data.len())?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: [offset, end) is inside the live mapping.
+        let dst = unsafe { self.ptr.as_ptr().add(offset) };
+        let mut i = 0;
+        while i < data.len() {
+            // SAFETY: dst + i is inside the mapping; volatile stores through a
+            // raw pointer make no reference, words where aligned as in `read`.
+            unsafe {
+                let p = dst.add(i);
+                if (p as usize).is_multiple_of(8) && data.len() - i >= 8 {
+                    let mut w = [0u8; 8];
+                    w.copy_from_slice(&data[i..i + 8]);
+                    p.cast::<u64>().write_volatile(u64::from_ne_bytes(w));
+                    i += 8;
+                } else {
+                    p.write_volatile(data[i]);
+                    i += 1;
+                }
+            }
+        }
+        Some(())
+    }
+
+    /// Fill `len` bytes from `offset` with `byte`; `None` when the range is
+    /// not inside the buffer.
+    fn fill(&self, offset: usize, len: usize, byte: u8) -> Option<()> {
+        let end = offset.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        for i in offset..end {
+            // SAFETY: inside the live mapping, as in `write`.
+            unsafe { self.ptr.as_ptr().add(i).write_volatile(byte) };
+        }
+        Some(())
+    }
+
     /// The byte at `offset` by a volatile load, `None` past the end.
     fn load_volatile(&self, offset: usize) -> Option<u8> {
         if offset >= self.len {
@@ -268,25 +341,29 @@ impl Drop for Mapping {
 }
 
 /// Owned page-aligned memory, registered with `LOCAL_WRITE` plus the access
-/// given. For message buffers and bounce buffers.
+/// given. For memory the adapter or a peer may write at any time: remote
+/// windows, bounce buffers, the message buffers of tools.
 ///
-/// The HCA writes into this memory (receives, RDMA READ results, remote
-/// writes): look at a range with [`bytes`](Self::bytes) only when no work
-/// request or remote access that writes it is outstanding. Access is by
-/// range (a slot), never the whole buffer at once.
+/// Rust never holds a reference into it: [`read`](Self::read) and
+/// [`write`](Self::write) copy with volatile loads and stores, sound while
+/// the adapter writes the same bytes (the copy may then be torn: look only
+/// after a completion says the bytes are in place). For slots Rust reads in
+/// place, see [`SlotBuffer`](crate::verbs::SlotBuffer).
 ///
 /// ```
 /// # use ramslog_common::verbs::RegisteredBuffer;
-/// fn first_slot(b: &RegisteredBuffer) -> Option<&[u8]> {
-///     b.bytes(0..512)
+/// fn first_byte(b: &RegisteredBuffer) -> Option<u8> {
+///     let mut out = [0u8; 1];
+///     b.read(0, &mut out)?;
+///     Some(out[0])
 /// }
 /// ```
 ///
 /// ```compile_fail,E0599
 /// # use ramslog_common::verbs::RegisteredBuffer;
-/// // The whole buffer, while the adapter may write other slots: gone.
-/// fn everything(b: &RegisteredBuffer) -> &[u8] {
-///     b.as_slice()
+/// // A slice over memory the adapter may be writing: gone.
+/// fn slot(b: &RegisteredBuffer) -> Option<&[u8]> {
+///     b.bytes(0..512)
 /// }
 /// ```
 pub struct RegisteredBuffer {
@@ -295,8 +372,9 @@ pub struct RegisteredBuffer {
     mem: Mapping,
 }
 
-// SAFETY: owns its memory and MR; shared access hands out only &[u8], and
-// mutable access needs &mut self.
+// SAFETY: owns its memory and MR; every access is a volatile copy through a
+// raw pointer, which makes no reference (concurrent copies race benignly,
+// as the adapter's writes do).
 unsafe impl Send for RegisteredBuffer {}
 // SAFETY: see Send.
 unsafe impl Sync for RegisteredBuffer {}
@@ -312,34 +390,22 @@ impl RegisteredBuffer {
         Ok(RegisteredBuffer { mr, mem })
     }
 
-    /// The bytes in `range`, or `None` when it is not inside the buffer.
-    ///
-    /// Only the range is borrowed: the adapter may be writing other parts
-    /// of the buffer (other slots' receives) meanwhile. The caller looks
-    /// only at a range no outstanding work request or remote access writes.
-    pub fn bytes(&self, range: std::ops::Range<usize>) -> Option<&[u8]> {
-        if range.start > range.end || range.end > self.mem.len {
-            return None;
-        }
-        // SAFETY: the range lies inside `mem`, a live mapping zero-filled at
-        // creation (every byte initialised). The reference covers this range
-        // only, which the caller owns for as long as it holds it.
-        Some(unsafe {
-            std::slice::from_raw_parts(self.mem.ptr.as_ptr().add(range.start), range.len())
-        })
+    /// Copy `out.len()` bytes from `offset` into `out`; `None` (nothing
+    /// copied) when the range is not inside the buffer.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Option<()> {
+        self.mem.read(offset, out)
     }
 
-    /// The bytes in `range` for writing, or `None` when it is not inside
-    /// the buffer. As [`bytes`](Self::bytes); `&mut self` makes this the
-    /// only Rust reference into the buffer.
-    pub fn bytes_mut(&mut self, range: std::ops::Range<usize>) -> Option<&mut [u8]> {
-        if range.start > range.end || range.end > self.mem.len {
-            return None;
-        }
-        // SAFETY: as in `bytes`, and no other Rust reference exists.
-        Some(unsafe {
-            std::slice::from_raw_parts_mut(self.mem.ptr.as_ptr().add(range.start), range.len())
-        })
+    /// Copy `data` to `offset`; `None` (nothing copied) when the range is
+    /// not inside the buffer.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Option<()> {
+        self.mem.write(offset, data)
+    }
+
+    /// Fill `len` bytes from `offset` with `byte`; `None` when the range is
+    /// not inside the buffer.
+    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Option<()> {
+        self.mem.fill(offset, len, byte)
     }
 
     /// Raw pointer to the start, for callers that do their own
@@ -395,6 +461,43 @@ impl fmt::Debug for RegisteredBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mapping_copies_in_and_out_at_any_alignment() {
+        let m = Mapping::new(4096).unwrap();
+        let data: Vec<u8> = (0..100u8).collect();
+        for offset in [0, 1, 7, 8, 9, 4096 - 100] {
+            for len in [0, 1, 7, 8, 9, 17, 100] {
+                m.fill(0, 4096, 0xee).unwrap();
+                m.write(offset, &data[..len]).unwrap();
+                let mut back = vec![0u8; len + 2];
+                let start = offset.saturating_sub(1);
+                let n = (len + 2).min(4096 - start);
+                m.read(start, &mut back[..n]).unwrap();
+                let lead = offset - start;
+                assert_eq!(
+                    &back[lead..lead + len],
+                    &data[..len],
+                    "offset {offset} len {len}"
+                );
+                if lead == 1 {
+                    assert_eq!(back[0], 0xee, "the byte before, offset {offset} len {len}");
+                }
+                if lead + len < n {
+                    assert_eq!(
+                        back[lead + len],
+                        0xee,
+                        "the byte after, offset {offset} len {len}"
+                    );
+                }
+            }
+        }
+        let mut one = [0u8; 1];
+        assert_eq!(m.read(4096, &mut one), None);
+        assert_eq!(m.write(4095, &[1, 2]), None);
+        assert_eq!(m.fill(usize::MAX, 2, 0), None);
+        assert_eq!(m.read(usize::MAX, &mut one), None);
+    }
 
     #[test]
     fn mapping_load_volatile() {

@@ -262,27 +262,79 @@ impl WcOpcode {
 }
 
 /// A work request's id, the one encoding every user of this module shares:
-/// what kind of request it was (each user numbers its own kinds) and which
-/// slot of that kind it used. A completion hands it back unchanged.
+/// what kind of request it was (each user numbers its own kinds, below
+/// 2^31) and which slot of that kind it used. A completion hands it back
+/// unchanged.
+///
+/// Requests a [`SlotBuffer`](crate::verbs::SlotBuffer) posts carry more:
+/// which buffer lent which slot, in bits only that type sets (and posting
+/// refuses from anyone else), so their completions give the slot back to
+/// it alone.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct WrId {
     pub kind: u32,
     pub slot: u32,
+    /// The raw id of a request a SlotBuffer posted; 0 for all others.
+    lent: u64,
 }
+
+/// Bit 63 of a raw wr_id: a SlotBuffer's request. Its kind (7 bits) sits
+/// above its buffer's number (40 bits), above its slot (16 bits).
+pub(crate) const LENT: u64 = 1 << 63;
+pub(crate) const LENT_KIND_SHIFT: u32 = 56;
+pub(crate) const LENT_KIND_MAX: u32 = 0x7f;
+pub(crate) const LENT_BUFFER_SHIFT: u32 = 16;
+pub(crate) const LENT_BUFFER_MAX: u64 = (1 << 40) - 1;
+pub(crate) const LENT_SLOT_MAX: u32 = 0xffff;
 
 impl WrId {
     pub const fn new(kind: u32, slot: u32) -> WrId {
-        WrId { kind, slot }
+        WrId {
+            kind,
+            slot,
+            lent: 0,
+        }
+    }
+
+    /// The id of slot `slot` of buffer `buffer`, lent for a request of
+    /// `kind` (all three within their bit widths: SlotBuffer checks).
+    pub(crate) const fn lent(kind: u32, buffer: u64, slot: u32) -> WrId {
+        WrId {
+            kind,
+            slot,
+            lent: LENT
+                | ((kind as u64) << LENT_KIND_SHIFT)
+                | (buffer << LENT_BUFFER_SHIFT)
+                | slot as u64,
+        }
+    }
+
+    /// Whether posting this id is refused to everyone but a SlotBuffer: a
+    /// lent id (copied from a completion) or a kind that would set the
+    /// lent bit.
+    pub(crate) const fn is_reserved(self) -> bool {
+        self.lent != 0 || self.kind >= 1 << 31
     }
 
     pub(crate) const fn to_raw(self) -> u64 {
+        if self.lent != 0 {
+            return self.lent;
+        }
         ((self.kind as u64) << 32) | self.slot as u64
     }
 
     pub(crate) const fn from_raw(raw: u64) -> WrId {
+        if raw & LENT != 0 {
+            return WrId {
+                kind: ((raw >> LENT_KIND_SHIFT) as u32) & LENT_KIND_MAX,
+                slot: (raw as u32) & LENT_SLOT_MAX,
+                lent: raw,
+            };
+        }
         WrId {
             kind: (raw >> 32) as u32,
             slot: raw as u32,
+            lent: 0,
         }
     }
 }
@@ -325,7 +377,19 @@ impl WcStatus {
 }
 
 /// One completion (the parts of `ibv_wc` an RC user needs).
-#[derive(Clone, Copy, Debug, Default)]
+///
+/// Neither `Clone` nor `Copy`, and only [`CompletionQueue::poll`] makes one
+/// that can give a slot back: a request's completion returns its
+/// [`SlotBuffer`](crate::verbs::SlotBuffer) slot once, to that buffer alone.
+///
+/// ```compile_fail,E0277
+/// # use ramslog_common::verbs::WorkCompletion;
+/// // A second copy would give the same slot back twice: gone.
+/// fn twice(wc: &WorkCompletion) -> (WorkCompletion, WorkCompletion) {
+///     (WorkCompletion::clone(wc), WorkCompletion::clone(wc))
+/// }
+/// ```
+#[derive(Debug, Default)]
 pub struct WorkCompletion {
     pub wr_id: WrId,
     pub status: WcStatus,
@@ -333,6 +397,10 @@ pub struct WorkCompletion {
     /// Bytes received (receive completions only).
     pub byte_len: u32,
     pub vendor_err: u32,
+    /// The raw id as the adapter returned it, for a SlotBuffer's request
+    /// (0 otherwise, or once the slot went back). Private: what gives a
+    /// slot back cannot be forged or edited.
+    pub(crate) lent: u64,
 }
 
 impl WorkCompletion {
@@ -343,6 +411,7 @@ impl WorkCompletion {
             opcode: WcOpcode::from_raw(wc.opcode),
             byte_len: wc.byte_len,
             vendor_err: wc.vendor_err,
+            lent: if wc.wr_id & LENT != 0 { wc.wr_id } else { 0 },
         }
     }
 
@@ -363,5 +432,50 @@ impl WorkCompletion {
         // is linked, never unloaded).
         let s: &'static CStr = unsafe { CStr::from_ptr(p) };
         s.to_str().unwrap_or("unknown")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ordinary_ids_round_trip_and_may_be_posted() {
+        for (kind, slot) in [(0, 0), (1, 7), (5, u32::MAX), ((1 << 31) - 1, 3)] {
+            let id = WrId::new(kind, slot);
+            assert_eq!(WrId::from_raw(id.to_raw()), id);
+            assert!(!id.is_reserved());
+        }
+    }
+
+    #[test]
+    fn lent_ids_carry_kind_buffer_and_slot_and_no_one_else_may_post_them() {
+        let id = WrId::lent(LENT_KIND_MAX, LENT_BUFFER_MAX, LENT_SLOT_MAX);
+        let back = WrId::from_raw(id.to_raw());
+        assert_eq!(back, id);
+        assert_eq!((back.kind, back.slot), (LENT_KIND_MAX, LENT_SLOT_MAX));
+        assert!(back.is_reserved());
+        let id = WrId::lent(3, 42, 9);
+        let raw = id.to_raw();
+        assert_eq!(raw & LENT, LENT);
+        assert_eq!((raw >> LENT_BUFFER_SHIFT) & LENT_BUFFER_MAX, 42);
+        assert_eq!((WrId::from_raw(raw).kind, WrId::from_raw(raw).slot), (3, 9));
+        // An ordinary id whose kind would set the lent bit is refused too.
+        assert!(WrId::new(1 << 31, 0).is_reserved());
+        assert_eq!(WrId::new(1 << 31, 0).to_raw() & LENT, LENT);
+    }
+
+    #[test]
+    fn only_a_polled_lent_completion_can_give_a_slot_back() {
+        let made = WorkCompletion::default();
+        assert_eq!(made.lent, 0);
+        // SAFETY: all-zero is a valid ibv_wc (integers and a union of them).
+        let mut raw: ffi::ibv_wc = unsafe { MaybeUninit::zeroed().assume_init() };
+        raw.wr_id = WrId::new(2, 5).to_raw();
+        assert_eq!(WorkCompletion::from_raw(&raw).lent, 0);
+        raw.wr_id = WrId::lent(2, 11, 5).to_raw();
+        let polled = WorkCompletion::from_raw(&raw);
+        assert_eq!(polled.lent, raw.wr_id);
+        assert_eq!((polled.wr_id.kind, polled.wr_id.slot), (2, 5));
     }
 }

@@ -48,3 +48,15 @@ fn event_kinds() {
     );
     assert_eq!(CmEventKind::from_raw(99), CmEventKind::Other(99));
 }
+
+#[test]
+fn posting_refuses_ids_only_a_slot_buffer_may_use() {
+    let ordinary = [ib::WrId::new(1, 0), ib::WrId::new((1 << 31) - 1, u32::MAX)];
+    assert!(refuse_reserved_ids("post", ordinary.into_iter()).is_ok());
+    for reserved in [ib::WrId::new(1 << 31, 0), ib::WrId::lent(1, 7, 3)] {
+        let e = refuse_reserved_ids("post", [ib::WrId::new(1, 0), reserved].into_iter())
+            .expect_err("a reserved id is refused");
+        assert_eq!(e.posted, 0);
+        assert_eq!(e.error.source.raw_os_error(), Some(libc::EINVAL));
+    }
+}
