@@ -43,5 +43,5 @@ step "client to a port nobody listens on: rejected, clean exit 1"
 rc=0
 timeout 60 "$BIN" client "$RXE_ADDR_A:7472" 1 >"$LOGDIR/reject.log" 2>&1 || rc=$?
 cat "$LOGDIR/reject.log"
-[ "$rc" = 1 ] && grep -q 'got Rejected' "$LOGDIR/reject.log" || { echo "VERBS PINGPONG FAILED: expected a rejection (exit $rc)"; exit 1; }
+[ "$rc" = 1 ] && grep -q 'rejected the connection' "$LOGDIR/reject.log" || { echo "VERBS PINGPONG FAILED: expected a rejection (exit $rc)"; exit 1; }
 echo "VERBS PINGPONG PASSED"
