@@ -420,7 +420,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
     }
 
     if let Some(addr) = cfg.metrics {
-        ramslog_target::metrics::endpoint::serve(addr, portal.clone())
+        ramslog_target::metrics::endpoint::serve(addr, cfg.metrics_allow.clone(), portal.clone())
             .await
             .map_err(|e| format!("cannot serve metrics on {addr}: {e} (change --metrics)"))?;
     }

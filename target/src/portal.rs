@@ -139,18 +139,13 @@ impl std::str::FromStr for AclEntry {
         }
         let network = match net {
             None => None,
-            Some(n) => Some(
-                n.parse::<IpNet>()
-                    .or_else(|_| n.parse::<IpAddr>().map(IpNet::from))
-                    .map_err(|_| {
-                        format!(
-                            "ACL entry '{}': '{}' is not a network (write IQN@192.0.2.0/24 or IQN@2001:db8::/64)",
-                            s.escape_debug(),
-                            n.escape_debug()
-                        )
-                    })?
-                    .trunc(),
-            ),
+            Some(n) => Some(parse_network(n).ok_or_else(|| {
+                format!(
+                    "ACL entry '{}': '{}' is not a network (write IQN@192.0.2.0/24 or IQN@2001:db8::/64)",
+                    s.escape_debug(),
+                    n.escape_debug()
+                )
+            })?),
         };
         Ok(AclEntry {
             initiator: name.to_string(),
@@ -416,4 +411,19 @@ impl Portal {
             e.control.terminate();
         }
     }
+}
+
+/// `NETWORK/PREFIX` or a bare address (that one host), host bits cleared.
+pub fn parse_network(s: &str) -> Option<IpNet> {
+    s.parse::<IpNet>()
+        .or_else(|_| s.parse::<IpAddr>().map(IpNet::from))
+        .ok()
+        .map(|n| n.trunc())
+}
+
+/// Whether `ip` is in one of `networks` (an IPv4 client of an IPv6 socket,
+/// `::ffff:a.b.c.d`, counts as `a.b.c.d`).
+pub fn in_networks(networks: &[IpNet], ip: IpAddr) -> bool {
+    let ip = ip.to_canonical();
+    networks.iter().any(|n| n.contains(&ip))
 }

@@ -12,7 +12,7 @@ use toml::Spanned;
 
 use super::{
     chap, check_block_size, check_lun_number, check_lun_size, check_setting, check_target_name,
-    open_access, parse_metrics_addr, parse_size, ConfigError,
+    open_access, parse_metrics_addr, parse_metrics_network, parse_size, ConfigError,
 };
 use crate::portal::AclEntry;
 use crate::store::HugePages;
@@ -48,6 +48,7 @@ pub(super) struct FileConfig {
     pub iser_spin: Option<u32>,
     pub discovery_chap: Option<Spanned<FileChap>>,
     pub metrics: Option<Spanned<String>>,
+    pub metrics_allow: Option<Spanned<Vec<String>>>,
     #[serde(default)]
     pub target: Vec<Spanned<FileTarget>>,
 }
@@ -255,6 +256,13 @@ fn problems(text: &str, file: &FileConfig, exposure: Exposure) -> Vec<Problem> {
             refuse(m.span(), format!("metrics: {e}"));
         }
     }
+    if let Some(nets) = &file.metrics_allow {
+        for n in nets.get_ref() {
+            if let Err(e) = parse_metrics_network(n) {
+                refuse(nets.span(), format!("metrics_allow: {e}"));
+            }
+        }
+    }
     if let Some(c) = &file.discovery_chap {
         if let Err(e) = chap(Some(c.get_ref().clone())) {
             refuse(c.span(), format!("discovery_chap: {e}"));
@@ -362,6 +370,13 @@ mod tests {
         assert!(p[0].2.contains("ADDR:PORT"), "{p:#?}");
         assert!(problems_of("metrics = \"9105\"\n").is_empty());
         assert!(problems_of("metrics = \"[::1]:9105\"\n").is_empty());
+        let p = problems_of("metrics_allow = [\"192.0.2.0/24\", \"example\"]\n");
+        assert_eq!(p.len(), 1, "{p:#?}");
+        assert!(
+            p[0].2.contains("metrics_allow") && p[0].2.contains("example"),
+            "{p:#?}"
+        );
+        assert!(problems_of("metrics_allow = [\"192.0.2.0/24\", \"2001:db8::1\"]\n").is_empty());
     }
 
     #[test]

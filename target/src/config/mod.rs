@@ -215,6 +215,17 @@ pub struct RunArgs {
     /// 127.0.0.1; give an address to expose them beyond this host.
     #[arg(long, value_name = "[ADDR:]PORT", value_parser = parse_metrics_addr)]
     pub metrics: Option<SocketAddr>,
+    /// Answer metrics requests only from this network (`192.0.2.0/24`,
+    /// `2001:db8::/64` or one address); repeatable. Others are closed at once.
+    #[arg(long, value_name = "NETWORK", value_parser = parse_metrics_network)]
+    pub metrics_allow: Vec<ipnet::IpNet>,
+}
+
+/// `--metrics-allow`: a network or one address.
+pub fn parse_metrics_network(s: &str) -> Result<ipnet::IpNet, String> {
+    crate::portal::parse_network(s).ok_or_else(|| {
+        format!("{s:?} is not a network (e.g. 192.0.2.0/24, 2001:db8::/64 or 192.0.2.7)")
+    })
 }
 
 /// `--metrics`: `PORT` (loopback) or `ADDR:PORT`.
@@ -263,6 +274,8 @@ pub struct Config {
     pub iser_spin: u32,
     /// Where the Prometheus endpoint listens; off when `None`.
     pub metrics: Option<SocketAddr>,
+    /// The networks the endpoint answers; every source when empty.
+    pub metrics_allow: Vec<ipnet::IpNet>,
 }
 
 impl Config {
@@ -591,6 +604,22 @@ impl Config {
             (None, Some(m)) => Some(parse_metrics_addr(m.get_ref()).map_err(invalid)?),
             (None, None) => None,
         };
+        let metrics_allow = if !args.metrics_allow.is_empty() {
+            args.metrics_allow.clone()
+        } else {
+            file.metrics_allow
+                .iter()
+                .flat_map(|l| l.get_ref().iter())
+                .map(|n| {
+                    parse_metrics_network(n).map_err(|e| invalid(format!("metrics_allow: {e}")))
+                })
+                .collect::<Result<_, _>>()?
+        };
+        if metrics.is_none() && !metrics_allow.is_empty() {
+            return Err(invalid(
+                "--metrics-allow (metrics_allow) limits the metrics endpoint, which is off: add --metrics [ADDR:]PORT".to_string(),
+            ));
+        }
 
         let cli_target_flags =
             args.size.is_some() || args.target_name.is_some() || args.block_size.is_some();
@@ -678,6 +707,7 @@ impl Config {
             iser,
             iser_spin,
             metrics,
+            metrics_allow,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -16,13 +16,14 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use ipnet::IpNet;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
 use super::export::{render, CONTENT_TYPE};
-use crate::portal::Portal;
+use crate::portal::{in_networks, Portal};
 
 /// Sources served at once, one connection each.
 const SLOTS: usize = 16;
@@ -174,15 +175,27 @@ impl Endpoint {
 }
 
 /// Bind the endpoint; the spawned tasks serve it until the daemon exits.
-pub async fn serve(addr: SocketAddr, portal: Arc<Portal>) -> std::io::Result<()> {
+/// Only sources in `allow` are answered (every source when it is empty);
+/// others are closed at once, before they take a slot.
+pub async fn serve(
+    addr: SocketAddr,
+    allow: Vec<IpNet>,
+    portal: Arc<Portal>,
+) -> std::io::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
-    if bound.ip().is_loopback() {
+    if !allow.is_empty() {
+        let nets: Vec<String> = allow.iter().map(|n| n.to_string()).collect();
+        tracing::info!(
+            "metrics on http://{bound}/metrics for {} only",
+            nets.join(", ")
+        );
+    } else if bound.ip().is_loopback() {
         tracing::info!("metrics on http://{bound}/metrics");
     } else {
         tracing::warn!(
             "metrics on http://{bound}/metrics, beyond this host: anyone who reaches it sees \
-             target names, LUN sizes and load"
+             target names, LUN sizes and load (limit it with --metrics-allow NETWORK)"
         );
     }
     let (publish, page) = watch::channel(None);
@@ -203,6 +216,11 @@ pub async fn serve(addr: SocketAddr, portal: Arc<Portal>) -> std::io::Result<()>
                     continue;
                 }
             };
+            if !allow.is_empty() && !in_networks(&allow, peer.ip()) {
+                tracing::debug!(%peer, "metrics: not in --metrics-allow; closed");
+                drop(stream);
+                continue;
+            }
             tokio::spawn(connection(endpoint.clone(), stream, peer.ip()));
         }
     });

@@ -662,3 +662,79 @@ fn slow_clients_never_keep_a_scrape_out() {
     );
     drop((idle, same));
 }
+
+/// `--metrics-allow`: sources outside the networks are closed at once, the
+/// others answered; the flag without `--metrics` names the fix.
+#[test]
+fn metrics_allow_answers_only_its_networks() {
+    let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let _t = TargetProcess::start_with(TargetOptions {
+        extra_args: vec![
+            "--metrics".into(),
+            metrics.port().to_string(),
+            "--metrics-allow".into(),
+            "127.0.0.2".into(),
+            "--metrics-allow".into(),
+            "127.0.1.0/24".into(),
+        ],
+        ..Default::default()
+    });
+    let scrape_from = |from: std::net::Ipv4Addr| -> String {
+        let mut s = idle_client(
+            from,
+            metrics,
+            b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n",
+        );
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut raw = String::new();
+        let _ = s.read_to_string(&mut raw);
+        raw
+    };
+    for allowed in [[127, 0, 0, 2], [127, 0, 1, 9]] {
+        let raw = scrape_from(allowed.into());
+        assert!(
+            raw.starts_with("HTTP/1.1 200 OK") && raw.contains("ramslog_"),
+            "{allowed:?}: {raw}"
+        );
+    }
+    for refused in [[127, 0, 0, 1], [127, 0, 0, 3], [127, 0, 2, 9]] {
+        let raw = scrape_from(refused.into());
+        assert!(raw.is_empty(), "{refused:?} was answered: {raw}");
+    }
+
+    let out = Command::new(ramslog_tests::target_binary())
+        .args([
+            "--ephemeral",
+            "--size",
+            "16M",
+            "--metrics-allow",
+            "10.0.0.0/8",
+        ])
+        .output()
+        .expect("run ramslog-target");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--metrics-allow") && err.contains("--metrics [ADDR:]PORT"),
+        "{err}"
+    );
+    let out = Command::new(ramslog_tests::target_binary())
+        .args([
+            "--ephemeral",
+            "--size",
+            "16M",
+            "--metrics",
+            "0",
+            "--metrics-allow",
+            "10.0.0.300",
+        ])
+        .output()
+        .expect("run ramslog-target");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--metrics-allow") && err.contains("not a network"),
+        "{err}"
+    );
+}
