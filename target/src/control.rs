@@ -12,8 +12,7 @@ use tokio::net::{UnixListener, UnixStream};
 
 use crate::metrics::{LimitHit, LoginRefusal, LunIo, ProcessMemory};
 use crate::portal::Portal;
-use crate::scsi::{Identity, Readiness};
-use crate::state::naa_hex;
+use crate::volume::{naa_hex, Identity, Readiness};
 
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "kebab-case")]

@@ -2,9 +2,11 @@
 //!
 //! Layers, top to bottom (each only calls the ones below it):
 //! `tcp`, `rdma` (transport drivers) → `engine` (sans-IO iSCSI) → `scsi` (one SBC
-//! device) → `volume` (a LUN's memory, identity, readiness and persistence) →
-//! `store` (the memory itself). `config`, `admission` (which connections
-//! are kept), `portal`, `state` and
+//! device) → `volume` (a LUN's memory, identity, readiness, the fence and
+//! persistence: generations, the state directory, images) → `store` (the
+//! memory itself). `volume` and `store` name nothing above them
+//! (`tests/layers.rs` checks it), so another front end can stand on them.
+//! `config`, `admission` (which connections are kept), `portal` and
 //! `control` form the control plane and stay off the I/O path.
 
 pub mod admission;
@@ -19,7 +21,6 @@ pub mod portal;
 pub mod private_dir;
 pub mod rdma;
 pub mod scsi;
-pub mod state;
 pub mod store;
 pub mod tcp;
 #[cfg(any(test, feature = "testkit"))]

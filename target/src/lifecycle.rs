@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 use crate::config::Config;
 use crate::portal::Portal;
 use crate::private_dir;
-use crate::state::{naa_hex, Recall, StateDir};
 use crate::store::Store;
 use crate::volume::image::{self, ImageError, ImageIdentity};
+use crate::volume::naa_hex;
+use crate::volume::state::{Recall, StateDir};
 use crate::volume::{Identity, Persistence, Readiness, Restored, Volume, VolumeConfig};
 
 /// How long shutdown waits for connections to end before it dumps anyway

@@ -12,8 +12,9 @@ use ramslog_common::iser::CmPeer;
 use crate::admission::SessionControl;
 use crate::engine::{ConnInfo, Connection, Input};
 use crate::portal::{Acl, ChapSecret, Limits, Portal, TargetDef};
-use crate::scsi::{Identity, Readiness, ScsiTarget};
+use crate::scsi::ScsiTarget;
 use crate::store::{HugePages, Store};
+use crate::volume::{Identity, Readiness};
 use crate::volume::{Volume, VolumeConfig};
 
 /// The address every testkit portal claims to listen on.

@@ -374,8 +374,6 @@ fn violations(modules: &[&str], allowed: impl Fn(&str) -> bool) -> Vec<String> {
 }
 
 #[test]
-// Expected to fail until the volume layer stands alone (issue 25).
-#[should_panic(expected = "reaches above itself")]
 fn the_storage_layer_names_only_itself_and_leaves() {
     let found = violations(STORAGE, |n| STORAGE.contains(&n) || LEAVES.contains(&n));
     assert!(

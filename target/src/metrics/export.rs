@@ -18,7 +18,7 @@ use super::{
     ProcessMemory, FINITE_BUCKETS,
 };
 use crate::portal::Portal;
-use crate::scsi::Readiness;
+use crate::volume::Readiness;
 
 pub(super) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 

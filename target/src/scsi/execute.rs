@@ -13,7 +13,7 @@ impl ScsiTarget {
         plan: &Plan,
         data_out: &[u8],
         data_in: &mut Vec<u8>,
-    ) -> Result<DataIn, SenseReason> {
+    ) -> Result<DataIn, Failure> {
         data_in.clear();
         let lu = self.lu(plan.lun);
         match (plan.op, lu) {
@@ -68,7 +68,7 @@ impl ScsiTarget {
                 }
                 Ok(finish(data_in, alloc))
             }
-            (_, None) => Err(SenseReason::LuNotSupported),
+            (_, None) => Err(SenseReason::LuNotSupported.into()),
             (op, Some(lu)) => self.execute_lu(nexus, lu, op, data_out, data_in),
         }
     }
@@ -80,7 +80,7 @@ impl ScsiTarget {
         op: Op,
         data_out: &[u8],
         data_in: &mut Vec<u8>,
-    ) -> Result<DataIn, SenseReason> {
+    ) -> Result<DataIn, Failure> {
         let geo = lu.geo;
         let bs = geo.block_size as usize;
         let store_err = |_| SenseReason::InternalTargetFailure;
@@ -139,7 +139,8 @@ impl ScsiTarget {
                         let base = if bytchk == 3 { 0 } else { i * bs };
                         return Err(SenseReason::Miscompare {
                             offset: (base + j) as u32,
-                        });
+                        }
+                        .into());
                     }
                 }
                 Ok(DataIn::None)
@@ -188,7 +189,7 @@ impl ScsiTarget {
                 }
                 let (Some(verify), Some(write)) = (data_out.get(..n), data_out.get(n..2 * n))
                 else {
-                    return Err(SenseReason::InvalidFieldInCdb(FieldPointer::cdb(13)));
+                    return Err(SenseReason::InvalidFieldInCdb(FieldPointer::cdb(13)).into());
                 };
                 let _g = lu.exclusion.hold(lba, u64::from(blocks));
                 let mut cur = vec![0u8; n];
@@ -197,7 +198,7 @@ impl ScsiTarget {
                     .read(lu.offset(lba), &mut cur)
                     .map_err(store_err)?;
                 if let Some(j) = first_diff(&cur, verify) {
-                    return Err(SenseReason::Miscompare { offset: j as u32 });
+                    return Err(SenseReason::Miscompare { offset: j as u32 }.into());
                 }
                 lu.volume
                     .store()
@@ -250,11 +251,11 @@ impl ScsiTarget {
                 let mut st = lu.lock();
                 // RESERVE/RELEASE(6) yield to persistent reservations (SPC-4 5.13.3).
                 if st.pr.active() {
-                    return Err(SenseReason::ReservationConflict);
+                    return Err(SenseReason::ReservationConflict.into());
                 }
                 match (op, st.spc2) {
                     (Op::Reserve6, Some(h)) if h != nexus => {
-                        return Err(SenseReason::ReservationConflict)
+                        return Err(SenseReason::ReservationConflict.into())
                     }
                     (Op::Reserve6, _) => st.spc2 = Some(nexus),
                     // Releasing someone else's reservation is a no-op, GOOD.

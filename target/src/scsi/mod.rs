@@ -37,12 +37,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ramslog_common::scsi_wire::FieldPointer;
 
 use crate::metrics::{CommandKind, LunMetrics};
-use crate::volume::Volume;
+use crate::volume::{Identity, Readiness, Volume, VolumeError};
 use pr::PrState;
 use ranges::RangeExclusion;
 use vocab::{opc, Geometry, Op};
-
-pub use crate::volume::Readiness;
 
 /// What a command with this operation code does, for counting.
 pub fn command_kind(opcode: u8) -> CommandKind {
@@ -64,6 +62,32 @@ pub fn command_kind(opcode: u8) -> CommandKind {
 }
 pub use sense::SenseReason;
 pub use transfers::{CopyGuard, Transfers};
+
+/// How a command ends without GOOD status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The status (and sense) `SenseReason` names.
+    Status(SenseReason),
+    /// The volume was fenced for shutdown after the command's data landed:
+    /// no status at all. The front end ends the connection, so the host
+    /// retries the command against the next run.
+    Fenced,
+}
+
+impl From<SenseReason> for Failure {
+    fn from(reason: SenseReason) -> Failure {
+        Failure::Status(reason)
+    }
+}
+
+impl From<VolumeError> for Failure {
+    fn from(e: VolumeError) -> Failure {
+        match e {
+            VolumeError::Fenced => Failure::Fenced,
+            VolumeError::NotReady => Failure::Status(SenseReason::NotReadyManualIntervention),
+        }
+    }
+}
 
 /// One I_T nexus (an iSCSI session).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -88,36 +112,6 @@ impl Nexus {
             let _ = write!(s, "{b:02x}");
         }
         s
-    }
-}
-
-/// What makes a LU a particular device to hosts: the NAA designator in VPD
-/// 83h and the serial number in VPD 80h. A LU whose content was lost must
-/// come back under a new identity (see docs/design.md, "The identity rule").
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Identity {
-    /// NAA 3h (locally assigned) designator, 8 bytes, first nibble 3.
-    pub naa: [u8; 8],
-    /// UUID text.
-    pub serial: String,
-}
-
-impl Identity {
-    /// A fresh random identity.
-    pub fn generate() -> Identity {
-        let mut naa: [u8; 8] = rand::random();
-        naa[0] = 0x30 | (naa[0] & 0x0f);
-        let mut u: [u8; 16] = rand::random();
-        u[6] = (u[6] & 0x0f) | 0x40; // UUID version 4
-        u[8] = (u[8] & 0x3f) | 0x80; // RFC 4122 variant
-        let mut serial = String::with_capacity(36);
-        for (i, b) in u.iter().enumerate() {
-            if matches!(i, 4 | 6 | 8 | 10) {
-                serial.push('-');
-            }
-            let _ = write!(serial, "{b:02x}");
-        }
-        Identity { naa, serial }
     }
 }
 
@@ -396,7 +390,7 @@ impl LogicalUnit {
 
     /// `blocks` from `lba` changed: see [`Volume::commit_write`]; an error
     /// means the command is not acknowledged.
-    fn commit_write(&self, lba: u64, blocks: u64) -> Result<(), SenseReason> {
+    fn commit_write(&self, lba: u64, blocks: u64) -> Result<(), VolumeError> {
         self.volume
             .commit_write(self.offset(lba), blocks * u64::from(self.geo.block_size))
     }

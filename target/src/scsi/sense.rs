@@ -55,11 +55,6 @@ pub enum SenseReason {
     /// ILLEGAL REQUEST, INVALID FIELD IN CDB (24h/00h) without a field
     /// pointer: a transfer larger than this transport's buffers can stage.
     TransferTooLargeForTransport,
-    /// The volume was fenced for shutdown after the command's data landed:
-    /// the command gets no status at all and the connection closes, so the
-    /// host retries it after the restart (see `Volume::fence`). Never sent;
-    /// BUSY if a path ever did.
-    Fenced,
 }
 
 impl SenseReason {
@@ -68,7 +63,7 @@ impl SenseReason {
         match self {
             SenseReason::ReservationConflict => status::RESERVATION_CONFLICT,
             SenseReason::TaskSetFull => status::TASK_SET_FULL,
-            SenseReason::Busy | SenseReason::Fenced => status::BUSY,
+            SenseReason::Busy => status::BUSY,
             _ => status::CHECK_CONDITION,
         }
     }
@@ -99,10 +94,9 @@ impl SenseReason {
             SenseReason::ProtocolServiceCrcError => (ABORTED_COMMAND, 0x47, 0x05, None, None),
             SenseReason::InvalidFieldInCommandIu => (ILLEGAL_REQUEST, 0x0e, 0x03, None, None),
             SenseReason::TransferTooLargeForTransport => (ILLEGAL_REQUEST, 0x24, 0, None, None),
-            SenseReason::ReservationConflict
-            | SenseReason::TaskSetFull
-            | SenseReason::Busy
-            | SenseReason::Fenced => return None,
+            SenseReason::ReservationConflict | SenseReason::TaskSetFull | SenseReason::Busy => {
+                return None
+            }
         };
         Some(Sense {
             key,

@@ -72,7 +72,11 @@ fn run(
         OutPlacement::None => &[][..],
     };
     let mut data_in = vec![0xee; 7]; // execute must clear it
-    match t.execute(n, &plan, buf_out, &mut data_in)? {
+    let executed = t.execute(n, &plan, buf_out, &mut data_in);
+    match executed.map_err(|f| match f {
+        Failure::Status(reason) => reason,
+        Failure::Fenced => panic!("fenced without a fence"),
+    })? {
         DataIn::None => Ok(Vec::new()),
         DataIn::Buffer { len } => {
             assert!(len <= plan.data_in_len, "{len} > {}", plan.data_in_len);
@@ -1187,6 +1191,22 @@ fn fast_path_read_write_do_not_lock() {
     );
     let p = t.prepare(n, 0, &rw10(0x2a, 8, 8)).unwrap();
     assert_eq!(t.execute(n, &p, &[], &mut v).unwrap(), DataIn::None);
+}
+
+/// The volume's refusals reach the front end as what they are: NOT READY
+/// as its sense, the shutdown fence as no status at all (never a sense).
+#[test]
+fn volume_refusals_end_commands_as_status_or_fence() {
+    let (t, n) = setup(512);
+    let write = t.prepare(n, 0, &rw10(0x2a, 0, 1)).unwrap();
+    let mut v = Vec::new();
+    t.lu(0).unwrap().volume().fence();
+    assert_eq!(t.execute(n, &write, &[], &mut v), Err(Failure::Fenced));
+
+    assert_eq!(
+        Failure::from(VolumeError::NotReady),
+        Failure::Status(SenseReason::NotReadyManualIntervention)
+    );
 }
 
 proptest! {

@@ -1,5 +1,8 @@
-//! A volume: one LUN's memory, its identity, its readiness and its
-//! persistence across restarts. SCSI (and later NVMe) sit on top of it.
+//! A volume: one unit of served memory (a SCSI LU today, an NVMe namespace
+//! next), its identity, its readiness, the shutdown fence and its
+//! persistence across restarts. It names nothing of the front ends on top
+//! of it: a refused write is a [`VolumeError`], which each front end says in
+//! its own protocol.
 //!
 //! Persistence in one paragraph (docs/persistence.md has the whole story):
 //! the state directory keeps a generation per volume. The first command of a
@@ -10,18 +13,34 @@
 //! image is loaded only if it is the current, clean generation of this very
 //! identity and every byte of it verifies.
 
+mod identity;
 pub mod image;
+pub mod state;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::SystemTime;
 
-use crate::scsi::SenseReason;
-use crate::state::StateDir;
 use crate::store::Store;
+use state::StateDir;
 
-pub use crate::scsi::Identity;
+pub use identity::{naa_hex, Identity};
+
+/// Why a volume refused a write. Each front end says it in its own protocol
+/// (SCSI sense, an NVMe status) or, for [`VolumeError::Fenced`], not at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum VolumeError {
+    /// Shutdown fenced the volume after the write's bytes landed. The write
+    /// must get no status at all: the front end ends the connection, so the
+    /// host retries it against the next run (see [`Volume::fence`]).
+    #[error("the volume is fenced for shutdown")]
+    Fenced,
+    /// The content is not trusted (lost at start, or this run's generation
+    /// could not be made durable) until the admin accepts the empty volume.
+    #[error("the volume is not ready: manual intervention required")]
+    NotReady,
+}
 
 /// Granularity of written-chunk tracking and of the image.
 pub const CHUNK_SIZE: u64 = 1 << 20;
@@ -297,14 +316,14 @@ impl Volume {
     /// `fenced` is read (SeqCst), and the fence sets `fenced` before the dump
     /// reads the bits. So either this write is refused, or the dump sees its
     /// chunk and the bytes that were stored before it.
-    pub fn commit_write(&self, offset: u64, len: u64) -> Result<(), SenseReason> {
+    pub fn commit_write(&self, offset: u64, len: u64) -> Result<(), VolumeError> {
         if len == 0 {
             return Ok(());
         }
         // Fenced: no status, and above all no generation bump, which would
         // make the image the dump is writing (or has written) stale.
         if self.fenced.load(Ordering::SeqCst) {
-            return Err(SenseReason::Fenced);
+            return Err(VolumeError::Fenced);
         }
         self.written.mark(offset, len);
         if !self.dirty.load(Ordering::Relaxed) {
@@ -314,7 +333,7 @@ impl Volume {
             self.open_generation()?;
         }
         if self.fenced.load(Ordering::SeqCst) {
-            return Err(SenseReason::Fenced);
+            return Err(VolumeError::Fenced);
         }
         Ok(())
     }
@@ -322,7 +341,7 @@ impl Volume {
     /// Bump the generation, once per run, before the first write is
     /// acknowledged: from then on the previous image is no longer the
     /// current one, so a crash cannot bring it back. One fsync, once.
-    fn open_generation(&self) -> Result<(), SenseReason> {
+    fn open_generation(&self) -> Result<(), VolumeError> {
         let Some(p) = &self.persistence else {
             self.generation_open.store(true, Ordering::Release);
             return Ok(());
@@ -334,10 +353,10 @@ impl Volume {
         // Under the lock the dump takes its snapshot with: once fenced, the
         // generation stays what the dump saw.
         if self.fenced.load(Ordering::SeqCst) {
-            return Err(SenseReason::Fenced);
+            return Err(VolumeError::Fenced);
         }
         if m.readiness != Readiness::Ready {
-            return Err(SenseReason::NotReadyManualIntervention);
+            return Err(VolumeError::NotReady);
         }
         match p.state().bump_generation(&self.target, self.lun) {
             Ok(g) => {
@@ -354,7 +373,7 @@ impl Volume {
                 m.readiness = Readiness::NeedsAcceptance;
                 m.not_ready_reason = Some(reason);
                 self.ready.store(false, Ordering::Release);
-                Err(SenseReason::NotReadyManualIntervention)
+                Err(VolumeError::NotReady)
             }
         }
     }
@@ -595,8 +614,8 @@ pub fn now_unix() -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use super::state::Recall;
     use super::*;
-    use crate::state::Recall;
     use crate::store::HugePages;
 
     fn persistent_volume(name: &str) -> (std::path::PathBuf, Volume) {
@@ -643,7 +662,7 @@ mod tests {
 
         let (dir2, fenced) = persistent_volume("fenced");
         fenced.fence();
-        assert_eq!(fenced.commit_write(0, 512), Err(SenseReason::Fenced));
+        assert_eq!(fenced.commit_write(0, 512), Err(VolumeError::Fenced));
         assert_eq!(state_generation(&fenced), 1, "a fenced write must not bump");
         assert!(
             fenced.accept_empty(Identity::generate(), || {}).is_err(),
@@ -748,7 +767,7 @@ mod tests {
             "a missing image is written again"
         );
         // Fenced: nothing more is acknowledged, and the image stays current.
-        assert_eq!(v.commit_write(0, 512), Err(SenseReason::Fenced));
+        assert_eq!(v.commit_write(0, 512), Err(VolumeError::Fenced));
         assert_eq!(state_generation(&v), generation);
         let _ = std::fs::remove_dir_all(dir);
     }

@@ -217,15 +217,35 @@ impl Session {
                 let src = DataSource::Buffer(&data_in);
                 self.send_data_in(out, itt, lun, src, len, edtl_in, read_buffer);
             }
-            Err(reason) => self.fail(out, itt, reason, residual),
+            Err(failure) => self.fail_command(out, itt, failure, residual),
         }
         self.data_in = data_in;
     }
 
-    /// A command that failed: its CHECK CONDITION (or other status), or,
-    /// for a write that met the shutdown fence, no status and the end of
-    /// the connection: the host then retries the write after the restart
+    /// A command that failed in execution: its status, or, for a write
+    /// that met the shutdown fence, no status and the end of the
+    /// connection: the host then retries the write after the restart
     /// instead of seeing it fail.
+    pub(super) fn fail_command(
+        &mut self,
+        out: &mut Out,
+        itt: u32,
+        failure: Failure,
+        residual: Residual,
+    ) {
+        match failure {
+            Failure::Status(reason) => self.fail(out, itt, reason, residual),
+            Failure::Fenced => {
+                tracing::info!(
+                    itt,
+                    "write met the shutdown fence: no status, closing the connection"
+                );
+                out.close();
+            }
+        }
+    }
+
+    /// A command that failed: its CHECK CONDITION (or other status).
     pub(super) fn fail(
         &mut self,
         out: &mut Out,
@@ -233,14 +253,6 @@ impl Session {
         reason: SenseReason,
         residual: Residual,
     ) {
-        if reason == SenseReason::Fenced {
-            tracing::info!(
-                itt,
-                "write met the shutdown fence: no status, closing the connection"
-            );
-            out.close();
-            return;
-        }
         self.respond(out, itt, reason.status(), reason.sense(), residual);
     }
 

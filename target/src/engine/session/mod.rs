@@ -34,7 +34,8 @@ use crate::admission::SessionControl;
 use crate::metrics::{self, CommandKind, LimitHit, Served, SessionMetrics};
 use crate::portal::{OpenSessionError, OpenedSession, Portal, SessionKey};
 use crate::scsi::{
-    command_kind, DataIn, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason, Transfers,
+    command_kind, DataIn, Failure, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason,
+    Transfers,
 };
 pub use aborts::ABORT_CUT_OFF;
 use aborts::{Answer, Deferred};

@@ -248,7 +248,7 @@ impl Session {
                 self.answer_after(out, answer, waits);
             }
             Ok(_) => self.respond(out, itt, status::GOOD, None, residual),
-            Err(reason) => self.fail(out, itt, reason, residual),
+            Err(failure) => self.fail_command(out, itt, failure, residual),
         }
     }
 

@@ -831,7 +831,7 @@ fn a_unit_attention_is_not_lost_to_task_set_full() {
         .expect("LUN 0")
         .volume()
         .set_not_ready("the test lost its content".into());
-    scsi.accept_empty(0, crate::scsi::Identity::generate())
+    scsi.accept_empty(0, crate::volume::Identity::generate())
         .expect("accept-empty");
     let (mut seen, mut full) = (Vec::new(), 0);
     for _ in 0..4 {

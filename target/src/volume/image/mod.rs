@@ -22,9 +22,8 @@ use std::time::Instant;
 
 use thiserror::Error;
 
-use super::{Identity, CHUNK_SIZE};
+use super::{naa_hex, Identity, CHUNK_SIZE};
 use crate::private_dir::{create_private, open_regular};
-use crate::state::naa_hex;
 use crate::store::Store;
 
 const BLOCK: usize = 4096;

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use super::identity::{naa_hex, Identity};
 use crate::private_dir::{self, PrivateDirError};
-use crate::scsi::Identity;
 
 const FILE: &str = "luns.toml";
 
@@ -106,10 +106,6 @@ pub struct StateDir {
     file: StateFile,
     /// Holds the exclusive lock for as long as the daemon runs.
     _lock: std::fs::File,
-}
-
-pub fn naa_hex(naa: &[u8; 8]) -> String {
-    naa.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn parse_naa(s: &str) -> Option<[u8; 8]> {
