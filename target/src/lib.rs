@@ -14,6 +14,7 @@ pub mod clock;
 pub mod config;
 pub mod control;
 pub mod engine;
+pub mod exposition;
 pub mod lifecycle;
 pub mod metrics;
 pub mod notify;

@@ -420,9 +420,13 @@ async fn run(args: RunArgs) -> Result<(), String> {
     }
 
     if let Some(addr) = cfg.metrics {
-        ramslog_target::metrics::endpoint::serve(addr, cfg.metrics_allow.clone(), portal.clone())
-            .await
-            .map_err(|e| format!("cannot serve metrics on {addr}: {e} (change --metrics)"))?;
+        ramslog_target::exposition::endpoint::serve(
+            addr,
+            cfg.metrics_allow.clone(),
+            portal.clone(),
+        )
+        .await
+        .map_err(|e| format!("cannot serve metrics on {addr}: {e} (change --metrics)"))?;
     }
     // Every address is bound before any is served: a start that fails on
     // the second must not have accepted a host's write on the first.

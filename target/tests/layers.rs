@@ -384,8 +384,6 @@ fn the_storage_layer_names_only_itself_and_leaves() {
 }
 
 #[test]
-// Expected to fail until the volume layer stands alone (issue 25).
-#[should_panic(expected = "is listed as a leaf")]
 fn leaves_name_nothing_of_the_crate() {
     for leaf in LEAVES {
         let found = violations(&[leaf], |n| n == *leaf);
@@ -398,8 +396,6 @@ fn leaves_name_nothing_of_the_crate() {
 }
 
 #[test]
-// Expected to fail until the volume layer stands alone (issue 25).
-#[should_panic(expected = "names a layer above")]
 fn metrics_names_nothing_of_scsi_or_above() {
     let found = violations(&["metrics"], |n| !ABOVE_METRICS.contains(&n));
     assert!(

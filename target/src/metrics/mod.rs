@@ -14,9 +14,6 @@
 //! `CLOCK_MONOTONIC`. The drivers' own `Instant`s are not used for this,
 //! because the iSER driver reads its clock only every few polling rounds.
 
-pub mod endpoint;
-pub mod export;
-
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -546,15 +543,16 @@ impl ProcessMemory {
 /// to their LUs when the session ends.
 #[derive(Debug, Default)]
 pub struct SessionMetrics {
-    luns: Vec<(u64, Arc<crate::scsi::LogicalUnit>, Arc<LunCounters>)>,
+    luns: Vec<(u64, Arc<LunMetrics>, Arc<LunCounters>)>,
 }
 
 impl SessionMetrics {
-    pub fn join(lus: impl Iterator<Item = Arc<crate::scsi::LogicalUnit>>) -> SessionMetrics {
+    /// Join the counters of each (LUN, its metrics).
+    pub fn join(lus: impl Iterator<Item = (u64, Arc<LunMetrics>)>) -> SessionMetrics {
         let luns = lus
-            .map(|lu| {
-                let c = lu.metrics().join();
-                (lu.lun(), lu, c)
+            .map(|(lun, metrics)| {
+                let c = metrics.join();
+                (lun, metrics, c)
             })
             .collect();
         SessionMetrics { luns }
@@ -579,7 +577,7 @@ impl SessionMetrics {
 impl Drop for SessionMetrics {
     fn drop(&mut self) {
         for (_, lu, c) in &self.luns {
-            lu.metrics().leave(c);
+            lu.leave(c);
         }
     }
 }
@@ -620,11 +618,11 @@ mod tests {
         a.completed(CommandKind::Write, status::GOOD, None, 4096);
         a.served(CommandKind::Write, 3_000);
         b.completed(CommandKind::Flush, status::GOOD, None, 0);
-        let s = crate::scsi::SenseReason::NotReadyManualIntervention.sense();
+        let not_ready = Sense::new(sense_key::NOT_READY, 0x04, 0x03);
         b.completed(
             CommandKind::Write,
             status::CHECK_CONDITION,
-            s.as_ref(),
+            Some(&not_ready),
             4096,
         );
         lu.leave(&a);

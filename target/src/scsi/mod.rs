@@ -302,7 +302,7 @@ pub struct LogicalUnit {
     /// Makes WRITE SAME, COMPARE AND WRITE and WRITE AND VERIFY atomic
     /// against each other where their blocks overlap.
     exclusion: RangeExclusion,
-    metrics: LunMetrics,
+    metrics: Arc<LunMetrics>,
 }
 
 impl std::fmt::Debug for LogicalUnit {
@@ -326,7 +326,7 @@ impl LogicalUnit {
     pub fn blocks(&self) -> u64 {
         self.geo.blocks
     }
-    pub fn metrics(&self) -> &LunMetrics {
+    pub fn metrics(&self) -> &Arc<LunMetrics> {
         &self.metrics
     }
 
@@ -454,7 +454,7 @@ impl ScsiTarget {
                 abort_epoch: AtomicU64::new(0),
                 state: Mutex::new(st),
                 exclusion: RangeExclusion::default(),
-                metrics: LunMetrics::default(),
+                metrics: Arc::default(),
             };
             lu.refresh(&lu.lock());
             out.push(Arc::new(lu));

@@ -259,7 +259,9 @@ impl Session {
         let transfers = Transfers::new(control);
         let scsi = target.map(|t| t.scsi.clone());
         let metrics = match &scsi {
-            Some(scsi) => SessionMetrics::join(scsi.luns().cloned()),
+            Some(scsi) => {
+                SessionMetrics::join(scsi.luns().map(|lu| (lu.lun(), lu.metrics().clone())))
+            }
             None => SessionMetrics::default(),
         };
         if let Some(scsi) = &scsi {

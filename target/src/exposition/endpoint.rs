@@ -22,7 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
-use super::export::{render, CONTENT_TYPE};
+use super::{render, CONTENT_TYPE};
 use crate::portal::{in_networks, Portal};
 
 /// Sources served at once, one connection each.

@@ -1,6 +1,7 @@
-//! The page of the opt-in Prometheus endpoint (`--metrics`, served by
-//! `endpoint`): OpenMetrics text encoded by `prometheus-client` from the
-//! counters.
+//! The opt-in Prometheus endpoint (`--metrics`): a face over the portal,
+//! beside `control`. This module renders the page, OpenMetrics text encoded
+//! by `prometheus-client` from the counters `metrics` keeps; `endpoint`
+//! serves it.
 //!
 //! Labels are the configured target names, LUN numbers and fixed word lists;
 //! never a name a peer sent (an IQN), so no peer can grow the page.
@@ -13,14 +14,16 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, NoLabelSet}
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use super::{
+pub mod endpoint;
+
+use crate::metrics::{
     bucket_bound_seconds, sense_key_label, CommandKind, LimitHit, LoginRefusal, LunTotals,
     ProcessMemory, FINITE_BUCKETS,
 };
 use crate::portal::Portal;
 use crate::volume::Readiness;
 
-pub(super) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Reads the portal's counters at each scrape.
 struct PortalCollector {
