@@ -12,7 +12,7 @@ use crate::store::Store;
 use crate::volume::image::{self, ImageError, ImageIdentity};
 use crate::volume::naa_hex;
 use crate::volume::state::{Recall, StateDir};
-use crate::volume::{Identity, Persistence, Readiness, Restored, Volume, VolumeConfig};
+use crate::volume::{Identity, Persistence, Readiness, Restored, Volume, VolumeConfig, Volumes};
 
 /// How long shutdown waits for connections to end before it dumps anyway
 /// (the volumes are fenced either way: nothing more is acknowledged).
@@ -49,10 +49,9 @@ pub fn open_volumes(
     cfg: &Config,
     persistence: Option<&Arc<Persistence>>,
     cancelled: &AtomicBool,
-) -> Result<Vec<Vec<Arc<Volume>>>, StartError> {
-    let mut out = Vec::new();
+) -> Result<Volumes, StartError> {
+    let mut volumes = Vec::new();
     for t in &cfg.targets {
-        let mut volumes = Vec::new();
         for l in &t.luns {
             let store = Store::new(l.size, cfg.hugepages)
                 .map_err(|e| format!("target {} LUN {}: {e}", t.name, l.lun))?;
@@ -71,11 +70,10 @@ pub fn open_volumes(
                 ),
                 Some(p) => recall(p, &t.name, l.lun, l.block_size, store, cancelled)?,
             };
-            volumes.push(Arc::new(volume));
+            volumes.push(volume);
         }
-        out.push(volumes);
     }
-    Ok(out)
+    Ok(Volumes::new(volumes))
 }
 
 fn recall(

@@ -379,12 +379,14 @@ async fn run(args: RunArgs) -> Result<(), String> {
     for warning in cfg.warnings() {
         tracing::warn!("{warning}");
     }
-    for (t, volumes) in cfg.targets.iter().zip(volumes) {
+    for t in &cfg.targets {
+        let own = volumes.iter().filter(|v| v.target() == t.name).cloned();
         targets.push(TargetDef {
             name: t.name.clone(),
             alias: t.alias.clone(),
             scsi: Arc::new(
-                ScsiTarget::try_new(volumes).map_err(|e| format!("target {}: {e}", t.name))?,
+                ScsiTarget::try_new(own.collect())
+                    .map_err(|e| format!("target {}: {e}", t.name))?,
             ),
             acl: if t.open_access {
                 Acl::Any
@@ -395,7 +397,12 @@ async fn run(args: RunArgs) -> Result<(), String> {
             mutual_chap: t.mutual_chap.clone(),
         });
     }
-    let mut portal = Portal::new(targets, cfg.limits.clone(), cfg.listen.clone());
+    let mut portal = Portal::new(
+        Arc::new(volumes),
+        targets,
+        cfg.limits.clone(),
+        cfg.listen.clone(),
+    );
     portal.discovery_chap = cfg.discovery_chap.clone();
     portal.service_times = cfg.metrics.is_some();
     if portal.service_times {

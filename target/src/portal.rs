@@ -15,6 +15,7 @@ use std::time::Duration;
 use crate::admission::{ConnectionGate, ConnectionLimits, SessionControl};
 use crate::metrics::PortalCounters;
 use crate::scsi::{NexusId, ScsiTarget};
+use crate::volume::Volumes;
 
 /// Values the target offers in login negotiation, and its queueing limits.
 #[derive(Debug, Clone)]
@@ -223,6 +224,9 @@ pub enum OpenSessionError {
 }
 
 pub struct Portal {
+    /// Every volume the targets' LUs stand on: what the drivers resolve a
+    /// [`VolumeId`](crate::volume::VolumeId) with.
+    pub volumes: Arc<Volumes>,
     pub targets: Vec<TargetDef>,
     pub limits: Limits,
     pub discovery_chap: Option<ChapSecret>,
@@ -287,9 +291,15 @@ impl StagingBudget {
 }
 
 impl Portal {
-    pub fn new(targets: Vec<TargetDef>, limits: Limits, listen: Vec<SocketAddr>) -> Portal {
+    pub fn new(
+        volumes: Arc<Volumes>,
+        targets: Vec<TargetDef>,
+        limits: Limits,
+        listen: Vec<SocketAddr>,
+    ) -> Portal {
         let gate = Arc::new(ConnectionGate::new(limits.connections));
         Portal {
+            volumes,
             targets,
             staging: StagingBudget::new(limits.staging_budget),
             gate: gate.clone(),

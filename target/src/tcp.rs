@@ -319,7 +319,9 @@ pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) -> bool {
                     dst.copy_from_slice(v);
                     true
                 }
-                OutData::Store { lun, offset, .. } => conn.read_store(*lun, *offset, dst),
+                OutData::Store { volume, offset, .. } => {
+                    conn.portal().volumes.read(*volume, *offset, dst)
+                }
             },
         );
     // The engine builds no PDU the framing cannot carry: its data segments

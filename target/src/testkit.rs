@@ -14,7 +14,7 @@ use crate::engine::{ConnInfo, Connection, Input};
 use crate::portal::{Acl, ChapSecret, Limits, Portal, TargetDef};
 use crate::scsi::ScsiTarget;
 use crate::store::{HugePages, Store};
-use crate::volume::{Identity, Readiness};
+use crate::volume::{Identity, Readiness, Volumes};
 use crate::volume::{Volume, VolumeConfig};
 
 /// The address every testkit portal claims to listen on.
@@ -113,17 +113,21 @@ impl RamPortal {
     }
 
     pub fn build(self) -> Arc<Portal> {
-        let volume = ram_volume(&self.target_name, 0, self.size);
+        let volumes = Arc::new(Volumes::new(vec![ram_volume(
+            &self.target_name,
+            0,
+            self.size,
+        )]));
         let target = TargetDef {
             name: self.target_name,
             alias: None,
-            scsi: Arc::new(ScsiTarget::new(vec![Arc::new(volume)])),
+            scsi: Arc::new(ScsiTarget::new(volumes.iter().cloned().collect())),
             acl: self.acl,
             chap: self.chap,
             mutual_chap: self.mutual_chap,
         };
         let address = PORTAL_ADDRESS.parse().expect("address");
-        let mut portal = Portal::new(vec![target], self.limits, vec![address]);
+        let mut portal = Portal::new(volumes, vec![target], self.limits, vec![address]);
         portal.discovery_chap = self.discovery_chap;
         portal.service_times = self.service_times;
         Arc::new(portal)
@@ -314,13 +318,10 @@ impl SimulatedHca {
             .map(<[u8]>::to_vec)
             .expect("the initiator registered the buffer the READ names");
         let data = match read.dest {
-            crate::engine::ReadDest::Store { lun, offset } => {
-                let scsi = conn.scsi_target().expect("a session").clone();
-                let lu = scsi.lu(lun).expect("the LUN");
-                lu.volume()
-                    .store()
-                    .write(offset, &bytes)
-                    .expect("in the LUN");
+            crate::engine::ReadDest::Store { volume, offset } => {
+                let volumes = &conn.portal().volumes;
+                let volume = volumes.get(volume).expect("a volume of the portal");
+                volume.store().write(offset, &bytes).expect("in the volume");
                 if let Some(t) = &self.transfers {
                     t.end();
                 }

@@ -106,9 +106,14 @@ impl Run {
                             }
                         }
                     }
-                    if let OutData::Store { lun, offset, len } = p.data {
+                    if let OutData::Store {
+                        volume,
+                        offset,
+                        len,
+                    } = p.data
+                    {
                         let mut buf = vec![0u8; len as usize];
-                        assert!(self.conn.read_store(lun, offset, &mut buf));
+                        assert!(self.conn.portal().volumes.read(volume, offset, &mut buf));
                     }
                 }
                 Action::RdmaRead { tag, len, dest, .. } => {
@@ -268,8 +273,8 @@ fuzz_target!(|data: &[u8]| {
                             let itt = (off / REGION) as u32;
                             let rel = (off % REGION) as u32;
                             let bytes: Vec<u8> = (0..len).map(|o| pattern(itt, rel + o)).collect();
-                            if let Some(s) = run.conn.scsi_target().and_then(|t| t.lu(0)) {
-                                let _ = s.volume().store().write(off, &bytes);
+                            if let Some(v) = run.conn.portal().volumes.iter().next() {
+                                let _ = v.store().write(off, &bytes);
                             }
                         }
                         trace!("READ-DONE tag={tag} off={off} len={len}");
@@ -283,7 +288,10 @@ fuzz_target!(|data: &[u8]| {
         if store_check {
             for (itt, len) in std::mem::take(&mut run.goods) {
                 let mut got = vec![0u8; len as usize];
-                assert!(run.conn.read_store(0, u64::from(itt) * REGION, &mut got));
+                let volumes = &run.conn.portal().volumes;
+                let first = volumes.iter().next().map(|v| v.id());
+                let at = u64::from(itt) * REGION;
+                assert!(first.is_some_and(|v| volumes.read(v, at, &mut got)));
                 for (o, b) in got.iter().enumerate() {
                     assert_eq!(
                         *b,

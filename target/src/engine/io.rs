@@ -7,6 +7,7 @@ use ramslog_common::iscsi::Bhs;
 use ramslog_common::iser::RemoteBuffer;
 
 use crate::metrics::Served;
+use crate::volume::VolumeId;
 
 /// Where a connection runs, for logs, `status` and SendTargets.
 #[derive(Debug, Clone, Copy)]
@@ -20,9 +21,10 @@ pub struct ConnInfo {
 pub enum OutData {
     None,
     Owned(Vec<u8>),
-    /// Bytes of a LUN's memory: the driver copies (TCP) or RDMA-writes (iSER) them.
+    /// Bytes of a volume, by its id in the portal's [`Volumes`](crate::volume::Volumes): the driver
+    /// copies (TCP) or RDMA-writes (iSER) them. SCSI checked the range.
     Store {
-        lun: u64,
+        volume: VolumeId,
         offset: u64,
         len: u32,
     },
@@ -90,8 +92,8 @@ pub enum Action {
 /// Where an RDMA READ puts the initiator's data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadDest {
-    /// Straight into LUN memory.
-    Store { lun: u64, offset: u64 },
+    /// Straight into a volume's memory (SCSI checked the range).
+    Store { volume: VolumeId, offset: u64 },
     /// Into the driver's own buffer; its bytes come back with the completion
     /// (parameter lists and other data the SCSI device must see first).
     Buffer,

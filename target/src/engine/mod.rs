@@ -37,7 +37,8 @@ pub use session::{ABORT_CUT_OFF, ISER_BUFFERED_READ_MAX};
 use crate::admission::{LoggedIn, SessionControl};
 use crate::metrics::{LimitHit, LoginRefusal, Served};
 use crate::portal::Portal;
-use crate::scsi::{ScsiTarget, Transfers};
+use crate::scsi::Transfers;
+use crate::volume::VolumeId;
 use login::{Login, Next};
 use session::Session;
 
@@ -113,8 +114,6 @@ pub struct Connection {
     login_cmdsn: Option<u32>,
     rx_header_digest: bool,
     rx_data_digest: bool,
-    /// The session's LUs, kept past the session's end for queued Data-In.
-    scsi: Option<Arc<ScsiTarget>>,
     transport: Transport,
     /// When the connection was made: the login timeout runs from here.
     started: Instant,
@@ -187,7 +186,6 @@ impl Connection {
             login_cmdsn: None,
             rx_header_digest: false,
             rx_data_digest: false,
-            scsi: None,
             transport,
             started: now,
             heard_from: false,
@@ -209,11 +207,6 @@ impl Connection {
             Phase::FullFeature(s) => s.params.iser_peer(),
             _ => None,
         }
-    }
-
-    /// The logged-in session's LUs (kept after the session ends, like [`Self::read_store`]).
-    pub fn scsi_target(&self) -> Option<&Arc<ScsiTarget>> {
-        self.scsi.as_ref()
     }
 
     /// The one way in: whatever the transport delivers, at `now`.
@@ -351,19 +344,6 @@ impl Connection {
         if let Phase::FullFeature(session) = &self.phase {
             session.served(s, now_raw);
         }
-    }
-
-    /// Copy LUN bytes named by [`OutData::Store`] into `out`.
-    ///
-    /// This keeps working after the session ended, so Data-In queued before a
-    /// failure is sent with the LUN's bytes; `false` means the range does not
-    /// exist, and the driver must then drop the PDU and close rather than send
-    /// anything in its place.
-    pub fn read_store(&self, lun: u64, offset: u64, out: &mut [u8]) -> bool {
-        self.scsi
-            .as_ref()
-            .and_then(|s| s.lu(lun))
-            .is_some_and(|lu| lu.volume().store().read(offset, out).is_ok())
     }
 
     fn data_digest_error(&mut self, now: Instant, bhs: &Bhs) {
@@ -564,7 +544,6 @@ impl Connection {
         self.push_login_response(rsp, text);
         self.rx_header_digest = session.params.header_digest;
         self.rx_data_digest = session.params.data_digest;
-        self.scsi = session.scsi_target();
         self.phase = Phase::FullFeature(Box::new(session));
         self.timers.clear(Timer::Login);
         self.timers
@@ -719,7 +698,7 @@ enum Queued {
 /// their order; the bytes are read from the LUN only as each PDU is encoded.
 pub(crate) struct DataInStream {
     itt: u32,
-    lun: u64,
+    volume: VolumeId,
     lun_wire: u64,
     /// LUN offset of the transfer's first byte.
     base: u64,
@@ -766,7 +745,7 @@ impl DataInStream {
         let pdu = OutPdu {
             bhs: b,
             data: OutData::Store {
-                lun: self.lun,
+                volume: self.volume,
                 offset: self.base + u64::from(off),
                 len,
             },

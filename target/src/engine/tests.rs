@@ -81,9 +81,14 @@ impl Harness {
                     let data = match p.data {
                         OutData::None => Vec::new(),
                         OutData::Owned(d) => d,
-                        OutData::Store { lun, offset, len } => {
+                        OutData::Store {
+                            volume,
+                            offset,
+                            len,
+                        } => {
                             let mut d = vec![0; len as usize];
-                            assert!(self.conn.read_store(lun, offset, &mut d));
+                            let volumes = &self.conn.portal().volumes;
+                            assert!(volumes.read(volume, offset, &mut d));
                             d
                         }
                     };
@@ -93,6 +98,14 @@ impl Harness {
             }
         }
         v
+    }
+
+    /// Bytes of the test portal's LUN 0, as the initiator would read them.
+    fn read_lun(&self, offset: u64, out: &mut [u8]) -> bool {
+        self.conn
+            .portal()
+            .volumes
+            .read(first_volume(self), offset, out)
     }
 
     fn login_pdu(&mut self, flags: u8, keys: &[(&str, &str)]) -> Vec<Rsp> {
@@ -745,7 +758,7 @@ fn abort_task_on_a_waiting_write() {
     d.set_final(true).set_itt(itt).set_ttt(RESERVED_TAG);
     assert!(h.send(&d, &[0x6bu8; 4096]).is_empty());
     let mut lun = vec![0xffu8; 4096];
-    assert!(h.conn.read_store(0, 0, &mut lun));
+    assert!(h.read_lun(0, &mut lun));
     assert!(
         lun.iter().all(|&b| b == 0),
         "the aborted write's data landed"
@@ -932,6 +945,17 @@ fn waiting_commands_are_bounded_by_the_window() {
 }
 
 // ---- iSER ------------------------------------------------------------------
+
+/// The volume of the test portal's LUN 0.
+fn first_volume(h: &Harness) -> crate::volume::VolumeId {
+    h.conn
+        .portal()
+        .volumes
+        .iter()
+        .next()
+        .expect("a volume")
+        .id()
+}
 
 fn iser_buf(va: u64) -> Option<ramslog_common::iser::RemoteBuffer> {
     Some(ramslog_common::iser::RemoteBuffer { stag: 0x77, va })
@@ -1124,7 +1148,7 @@ fn iser_read_is_one_rdma_write_before_the_response() {
             stag: 0x77,
             remote_addr: 0x1000,
             data: OutData::Store {
-                lun: 0,
+                volume: first_volume(&h),
                 offset: 0,
                 len: 8192
             }
@@ -1175,19 +1199,19 @@ fn iser_write_takes_immediate_data_and_rdma_reads_the_rest() {
     };
     // Linux points the write VA at the first byte not sent as immediate data.
     assert_eq!((stag, remote_addr, len), (0x77, 0x9000, 12288));
-    let ReadDest::Store { lun: 0, offset } = dest else {
+    let ReadDest::Store { volume, offset } = dest else {
         panic!("LUN writes are read straight into the store: {dest:?}");
     };
     assert_eq!(offset, 4 * 512 + 4096);
     // Play the HCA: place the bytes, then report the completion.
+    assert_eq!(volume, first_volume(&h));
     let lu_store = h
         .conn
-        .scsi
-        .as_ref()
+        .portal()
+        .volumes
+        .iter()
+        .next()
         .unwrap()
-        .lu(0)
-        .unwrap()
-        .volume()
         .store()
         .clone();
     lu_store.write(offset, &data[4096..]).unwrap();
@@ -1296,3 +1320,44 @@ mod lifetimes;
 mod reinstatement;
 mod transfer_length;
 mod trust;
+
+/// The I/O path searches for a command's LU once; every later step (the
+/// placement of its data, the abort check, execution, its counters)
+/// indexes. Checked for a 4 KiB WRITE over TCP (immediate data) and over
+/// iSER (an RDMA READ the simulated adapter completes).
+#[test]
+fn a_write_searches_for_its_lu_once() {
+    const WRITES: u32 = 4;
+    let mut h = Harness::new(RamPortal::new(IQN).build());
+    h.login(&[("ImmediateData", "Yes"), ("InitialR2T", "No")]);
+    let before = crate::scsi::lu_lookups();
+    for i in 0..WRITES {
+        let (_, r) = h.command(&write10(i * 8, 8), 0xa1, 4096, &[0x5a; 4096]);
+        assert_eq!(r[0].bhs.scsi_status(), status::GOOD);
+    }
+    assert_eq!(crate::scsi::lu_lookups() - before, u64::from(WRITES), "TCP");
+
+    let (mut h, _) = iser_login(&[("RDMAExtensions", "Yes")]);
+    let mut hca = crate::testkit::SimulatedHca::new(4);
+    let before = crate::scsi::lu_lookups();
+    for i in 0..WRITES {
+        let (stag, va) = (0x100 + i, 0x10_0000 * u64::from(i + 1));
+        hca.register(stag, va, vec![0xa5; 4096]);
+        let buf = Some(ramslog_common::iser::RemoteBuffer { stag, va });
+        let (_, r) = h.iser_command(&write10(i * 8, 8), 0xa1, 4096, &[], buf, None);
+        assert!(r.is_empty(), "the write waits for its data");
+        let actions: Vec<Action> = h.rdma.drain(..).map(|(_, a)| a).collect();
+        assert!(hca.take(&h.conn, actions).is_empty());
+        assert!(hca.complete_one(&mut h.conn, h.now));
+        let r = h.drain();
+        assert_eq!(r[0].bhs.scsi_status(), status::GOOD);
+    }
+    assert_eq!(
+        crate::scsi::lu_lookups() - before,
+        u64::from(WRITES),
+        "iSER"
+    );
+    let mut lun = vec![0u8; 4096];
+    assert!(h.read_lun(0, &mut lun));
+    assert!(lun.iter().all(|&b| b == 0xa5), "the READ's bytes landed");
+}

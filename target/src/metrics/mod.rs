@@ -543,40 +543,31 @@ impl ProcessMemory {
 /// to their LUs when the session ends.
 #[derive(Debug, Default)]
 pub struct SessionMetrics {
-    luns: Vec<(u64, Arc<LunMetrics>, Arc<LunCounters>)>,
+    luns: Vec<(Arc<LunMetrics>, Arc<LunCounters>)>,
 }
 
 impl SessionMetrics {
-    /// Join the counters of each (LUN, its metrics).
-    pub fn join(lus: impl Iterator<Item = (u64, Arc<LunMetrics>)>) -> SessionMetrics {
+    /// Join the counters of each LU, in the target's order: slot `i` is
+    /// the `i`th LU's.
+    pub fn join(lus: impl Iterator<Item = Arc<LunMetrics>>) -> SessionMetrics {
         let luns = lus
-            .map(|(lun, metrics)| {
+            .map(|metrics| {
                 let c = metrics.join();
-                (lun, metrics, c)
+                (metrics, c)
             })
             .collect();
         SessionMetrics { luns }
     }
 
-    /// The counters of `lun`, as a slot number for [`Self::slot`].
-    #[inline]
-    pub fn slot_of(&self, lun: u64) -> Option<u16> {
-        self.luns
-            .iter()
-            .position(|(l, _, _)| *l == lun)
-            .and_then(|i| u16::try_from(i).ok())
-            .filter(|&i| i != u16::MAX)
-    }
-
     #[inline]
     pub fn slot(&self, slot: u16) -> Option<&LunCounters> {
-        self.luns.get(slot as usize).map(|(_, _, c)| &**c)
+        self.luns.get(slot as usize).map(|(_, c)| &**c)
     }
 }
 
 impl Drop for SessionMetrics {
     fn drop(&mut self) {
-        for (_, lu, c) in &self.luns {
+        for (lu, c) in &self.luns {
             lu.leave(c);
         }
     }

@@ -498,19 +498,15 @@ impl Driver<'_> {
         Ok(Posted::Done)
     }
 
-    fn lun_sge(&self, lun: u64, offset: u64, len: u32) -> Result<verbs::Sge, ConnError> {
-        self.conn
-            .scsi_target()
-            .and_then(|s| s.lu(lun))
-            .and_then(|lu| {
-                self.regions
-                    .iter()
-                    .find(|r| Arc::ptr_eq(r.store(), lu.volume().store()))
-            })
+    /// The registered bytes of a volume: `regions` is indexed by [`VolumeId`].
+    fn volume_sge(&self, volume: VolumeId, offset: u64, len: u32) -> Result<verbs::Sge, ConnError> {
+        self.regions
+            .get(volume.index())
             .and_then(|r| r.sge(offset, len))
             .ok_or_else(|| {
                 ConnError::Protocol(format!(
-                    "RDMA names LUN {lun} bytes {offset}+{len} outside a registered LUN"
+                    "RDMA names bytes {offset}+{len} of volume {} outside its registration",
+                    volume.index()
                 ))
             })
     }
@@ -527,8 +523,12 @@ impl Driver<'_> {
         };
         match data {
             OutData::None => Ok(Posted::Done),
-            OutData::Store { lun, offset, len } => {
-                let sge = self.lun_sge(lun, offset, len)?;
+            OutData::Store {
+                volume,
+                offset,
+                len,
+            } => {
+                let sge = self.volume_sge(volume, offset, len)?;
                 self.post(WrId::new(wr::WRITE_STORE, 0), op, sge)?;
                 Ok(Posted::Done)
             }
@@ -597,7 +597,7 @@ impl Driver<'_> {
             return Ok(Posted::Done);
         }
         let (sge, bounce) = match dest {
-            ReadDest::Store { lun, offset } => match self.lun_sge(lun, offset, len) {
+            ReadDest::Store { volume, offset } => match self.volume_sge(volume, offset, len) {
                 Ok(sge) => (sge, None),
                 Err(e) => {
                     if let Some(t) = &self.transfers {
@@ -656,7 +656,9 @@ pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, out: &mut [u8]) -> Result<usi
                 dst.copy_from_slice(v);
                 true
             }
-            OutData::Store { lun, offset, .. } => conn.read_store(*lun, *offset, dst),
+            OutData::Store { volume, offset, .. } => {
+                conn.portal().volumes.read(*volume, *offset, dst)
+            }
         },
     )
     .map_err(|e| match e {

@@ -43,6 +43,7 @@ use crate::metrics::{self, LimitHit};
 use crate::portal::Portal;
 use crate::scsi::Transfers;
 use crate::store::RdmaRegion;
+use crate::volume::VolumeId;
 
 /// Data segment room of each receive buffer: our TargetRecvDataSegmentLength
 /// (and MaxRecvDataSegmentLength for the illumos initiator).
@@ -183,9 +184,10 @@ fn listen_on(channel: &EventChannel, addr: SocketAddr) -> Result<CmId, verbs::Er
 }
 
 /// What one RDMA device shares between its connections: the protection
-/// domain and every LUN registered once. The entry holds the device open;
-/// it leaves the cache when the device is removed, and the device closes
-/// once the connections that still hold the entry have ended.
+/// domain and every volume registered once (`regions[i]` for `VolumeId`
+/// i). The entry holds the device open; it leaves the cache when the
+/// device is removed, and the device closes once the connections that still
+/// hold the entry have ended.
 struct DeviceResources {
     device: Device,
     pd: Arc<ProtectionDomain>,
@@ -201,12 +203,11 @@ fn device_resources(
         return Ok(r.clone());
     }
     let pd = ProtectionDomain::new(&dev)?;
-    let mut regions = Vec::new();
-    for t in &portal.targets {
-        for lu in t.scsi.luns() {
-            regions.push(lu.volume().store().register_rdma(&pd)?);
-        }
-    }
+    let regions = portal
+        .volumes
+        .iter()
+        .map(|v| v.store().register_rdma(&pd))
+        .collect::<Result<Vec<_>, _>>()?;
     tracing::info!(
         device = %dev.name(),
         luns = regions.len(),

@@ -15,12 +15,13 @@ impl ScsiTarget {
         data_in: &mut Vec<u8>,
     ) -> Result<DataIn, Failure> {
         data_in.clear();
-        let lu = self.lu(plan.lun);
+        let lu = self.lu_of(plan);
         match (plan.op, lu) {
             (Op::Read { lba, blocks }, Some(lu)) => Ok(if blocks == 0 {
                 DataIn::None
             } else {
                 DataIn::Store {
+                    volume: lu.volume.id(),
                     offset: lu.offset(lba),
                     len: plan.data_in_len,
                 }

@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ramslog_common::scsi_wire::FieldPointer;
 
 use crate::metrics::{CommandKind, LunMetrics};
-use crate::volume::{Identity, Readiness, Volume, VolumeError};
+use crate::volume::{Identity, Readiness, Volume, VolumeError, VolumeId};
 use pr::PrState;
 use ranges::RangeExclusion;
 use vocab::{opc, Geometry, Op};
@@ -62,6 +62,19 @@ pub fn command_kind(opcode: u8) -> CommandKind {
 }
 pub use sense::SenseReason;
 pub use transfers::{CopyGuard, Transfers};
+
+#[cfg(test)]
+thread_local! {
+    /// LUN → LU searches on this thread, for the tests that hold the I/O
+    /// path to one per command.
+    static LU_LOOKUPS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// LUN → LU searches made on this thread so far.
+#[cfg(test)]
+pub fn lu_lookups() -> u64 {
+    LU_LOOKUPS.with(|n| n.get())
+}
 
 /// How a command ends without GOOD status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,9 +140,10 @@ pub enum ResetScope {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OutPlacement {
     None,
-    /// Plain WRITE: the engine copies Data-Out byte `i` to store offset
-    /// `offset + i`.
+    /// Plain WRITE: the engine copies Data-Out byte `i` to byte
+    /// `offset + i` of `volume` (checked to be inside it).
     Store {
+        volume: VolumeId,
         offset: u64,
     },
     /// Everything else with Data-Out: the engine gathers it and passes it
@@ -141,8 +155,9 @@ pub enum OutPlacement {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DataIn {
     None,
-    /// READ: `len` bytes of the store from `offset`.
+    /// READ: `len` bytes of `volume` from `offset` (checked to be inside it).
     Store {
+        volume: VolumeId,
         offset: u64,
         len: u32,
     },
@@ -157,6 +172,10 @@ pub enum DataIn {
 #[derive(Debug, Clone, Copy)]
 pub struct Plan {
     pub lun: u64,
+    /// Where the LU sits in its target ([`ScsiTarget::lu_of`]); `None` for
+    /// a LUN with no LU. Found once, when the command is prepared: the
+    /// rest of the command indexes, it never looks the LUN up again.
+    lu_index: Option<usize>,
     /// Data-Out bytes the CDB demands (blocks × block size, or the
     /// parameter list length).
     pub data_out_len: u32,
@@ -463,8 +482,25 @@ impl ScsiTarget {
         Ok(ScsiTarget { lus: out })
     }
 
+    /// The LU of `lun`, for the control plane. The I/O path searches once
+    /// per command, with [`Self::lu_index`].
     pub fn lu(&self, lun: u64) -> Option<&Arc<LogicalUnit>> {
-        self.lus.iter().find(|l| l.lun == lun)
+        self.lu_index(lun).map(|i| &self.lus[i])
+    }
+
+    /// Where `lun`'s LU sits in this target (in [`Self::luns`] order): the
+    /// one search a command makes. [`Self::prepare`] takes it, and the
+    /// command's later steps index with [`Self::lu_of`].
+    pub fn lu_index(&self, lun: u64) -> Option<usize> {
+        #[cfg(test)]
+        LU_LOOKUPS.with(|n| n.set(n.get() + 1));
+        self.lus.iter().position(|l| l.lun == lun)
+    }
+
+    /// The LU a prepared command addresses, by index.
+    #[inline]
+    pub fn lu_of(&self, plan: &Plan) -> Option<&Arc<LogicalUnit>> {
+        self.lus.get(plan.lu_index?)
     }
 
     pub fn luns(&self) -> impl Iterator<Item = &Arc<LogicalUnit>> {
@@ -590,7 +626,7 @@ impl ScsiTarget {
     /// (PREEMPT AND ABORT, a reset by another nexus) after it arrived: it
     /// must then place no more data and complete with no status.
     pub fn is_aborted(&self, nexus: NexusId, plan: &Plan) -> bool {
-        let Some(lu) = self.lu(plan.lun) else {
+        let Some(lu) = self.lu_of(plan) else {
             return false;
         };
         if lu.abort_epoch.load(Ordering::SeqCst) == plan.abort_epoch {
@@ -603,13 +639,23 @@ impl ScsiTarget {
     }
 
     /// Phase 1: decode and validate; see the module docs.
-    pub fn prepare(&self, nexus: NexusId, lun: u64, cdb: &[u8]) -> Result<Plan, SenseReason> {
-        let Some(lu) = self.lu(lun) else {
+    /// `lu_index` is [`Self::lu_index`] of `lun`.
+    pub fn prepare(
+        &self,
+        nexus: NexusId,
+        lun: u64,
+        lu_index: Option<usize>,
+        cdb: &[u8],
+    ) -> Result<Plan, SenseReason> {
+        let Some((index, lu)) =
+            lu_index.and_then(|i| Some((i, self.lus.get(i).filter(|lu| lu.lun == lun)?)))
+        else {
             return prepare_absent(lun, cdb);
         };
+        let at = Some((index, lu.volume.id()));
         let epoch = lu.abort_epoch.load(Ordering::Acquire);
         if !lu.attention.load(Ordering::Acquire) && lu.volume.is_ready() {
-            return Ok(plan(lun, cdb::decode(cdb, lu.geo)?, epoch));
+            return Ok(plan(lun, at, cdb::decode(cdb, lu.geo)?, epoch));
         }
         let mut st = lu.lock();
         let opcode = cdb.first().copied().unwrap_or(0xff);
@@ -629,18 +675,20 @@ impl ScsiTarget {
         if st.pr.conflicts(&st.port(nexus), d.op.access()) {
             return Err(SenseReason::ReservationConflict);
         }
-        Ok(plan(lun, d, epoch))
+        Ok(plan(lun, at, d, epoch))
     }
 }
 
-fn plan(lun: u64, d: cdb::Decoded, abort_epoch: u64) -> Plan {
-    let out_placement = match d.out_to_store {
-        Some(offset) => OutPlacement::Store { offset },
-        None if d.data_out_len > 0 => OutPlacement::Buffer,
-        None => OutPlacement::None,
+/// `at`: the LU's index and its volume, `None` for a LUN with no LU.
+fn plan(lun: u64, at: Option<(usize, VolumeId)>, d: cdb::Decoded, abort_epoch: u64) -> Plan {
+    let out_placement = match (d.out_to_store, at) {
+        (Some(offset), Some((_, volume))) => OutPlacement::Store { volume, offset },
+        _ if d.data_out_len > 0 => OutPlacement::Buffer,
+        _ => OutPlacement::None,
     };
     Plan {
         lun,
+        lu_index: at.map(|(index, _)| index),
         data_out_len: d.data_out_len,
         data_in_len: d.data_in_len,
         out_placement,
@@ -659,7 +707,7 @@ fn prepare_absent(lun: u64, cdb: &[u8]) -> Result<Plan, SenseReason> {
                 blocks: 0,
                 block_size: 512,
             };
-            Ok(plan(lun, cdb::decode(cdb, geo)?, 0))
+            Ok(plan(lun, None, cdb::decode(cdb, geo)?, 0))
         }
         _ => Err(SenseReason::LuNotSupported),
     }

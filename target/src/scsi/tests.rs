@@ -56,10 +56,10 @@ fn run(
     cdb: &[u8],
     out: &[u8],
 ) -> Result<Vec<u8>, SenseReason> {
-    let plan = t.prepare(n, lun, cdb)?;
+    let plan = t.prepare(n, lun, t.lu_index(lun), cdb)?;
     let out = &out[..out.len().min(plan.data_out_len as usize)];
     let buf_out = match plan.out_placement {
-        OutPlacement::Store { offset } => {
+        OutPlacement::Store { offset, .. } => {
             t.lu(lun)
                 .unwrap()
                 .volume()
@@ -82,7 +82,7 @@ fn run(
             assert!(len <= plan.data_in_len, "{len} > {}", plan.data_in_len);
             Ok(data_in[..len as usize].to_vec())
         }
-        DataIn::Store { offset, len } => {
+        DataIn::Store { offset, len, .. } => {
             assert_eq!(len, plan.data_in_len);
             let mut v = vec![0; len as usize];
             t.lu(lun)
@@ -170,15 +170,24 @@ fn read_write_all_sizes_round_trip() {
     assert_eq!(run(&t, n, 0, &[0x08, 0, 0, 5, 2, 0], &[]).unwrap(), data);
     run(&t, n, 0, &[0x0a, 0, 0, 9, 1, 0], &data[..512]).unwrap();
     // READ(6) length 0 means 256 blocks.
-    let p = t.prepare(n, 0, &[0x08, 0, 0, 0, 0, 0]).unwrap();
+    let p = t
+        .prepare(n, 0, t.lu_index(0), &[0x08, 0, 0, 0, 0, 0])
+        .unwrap();
     assert_eq!(p.data_in_len, 256 * 512);
     // Plain WRITE goes straight to the store at the right offset.
-    let p = t.prepare(n, 0, &rw10(0x2a, 3, 4)).unwrap();
-    assert_eq!(p.out_placement, OutPlacement::Store { offset: 3 * 512 });
+    let p = t.prepare(n, 0, t.lu_index(0), &rw10(0x2a, 3, 4)).unwrap();
+    let volume = t.lu(0).unwrap().volume().id();
+    assert_eq!(
+        p.out_placement,
+        OutPlacement::Store {
+            volume,
+            offset: 3 * 512
+        }
+    );
     assert_eq!(p.data_out_len, 2048);
     assert!(p.is_write() && !p.is_read());
     // Zero-length transfers move nothing.
-    let p = t.prepare(n, 0, &rw10(0x2a, 0, 0)).unwrap();
+    let p = t.prepare(n, 0, t.lu_index(0), &rw10(0x2a, 0, 0)).unwrap();
     assert_eq!(p.out_placement, OutPlacement::None);
     assert!(run(&t, n, 0, &rw10(0x28, 0, 0), &[]).unwrap().is_empty());
     // DPO/FUA/FUA_NV and a group number are accepted.
@@ -239,8 +248,8 @@ fn invalid_opcode_and_reserved_bits() {
     c[1] = 0x12; // GET LBA STATUS
     assert_eq!(invalid_cdb(run(&t, n, 0, &c, &[])).byte, 1);
     // Truncated CDB.
-    assert!(t.prepare(n, 0, &[0x28, 0]).is_err());
-    assert!(t.prepare(n, 0, &[]).is_err());
+    assert!(t.prepare(n, 0, t.lu_index(0), &[0x28, 0]).is_err());
+    assert!(t.prepare(n, 0, t.lu_index(0), &[]).is_err());
     // Transfer longer than the advertised maximum.
     let geo = Geometry {
         blocks: 1 << 40,
@@ -486,7 +495,7 @@ fn verify_and_write_verify() {
     let mut wv = rw10(0x2e, 10, 2);
     wv[1] = 0x12; // DPO, BYTCHK
     assert_eq!(
-        t.prepare(n, 0, &wv).unwrap().out_placement,
+        t.prepare(n, 0, t.lu_index(0), &wv).unwrap().out_placement,
         OutPlacement::Buffer
     );
     run(&t, n, 0, &wv, &data).unwrap();
@@ -500,7 +509,7 @@ fn verify_and_write_verify() {
     assert_eq!(s.information, Some(700));
     // BYTCHK=0: medium verify only, no data.
     let v0 = rw10(0x2f, 10, 2);
-    assert_eq!(t.prepare(n, 0, &v0).unwrap().data_out_len, 0);
+    assert_eq!(t.prepare(n, 0, t.lu_index(0), &v0).unwrap().data_out_len, 0);
     run(&t, n, 0, &v0, &[]).unwrap();
     // BYTCHK=3: one block compared against each.
     let mut v3 = rw16(0x8f, 10, 2);
@@ -535,7 +544,7 @@ fn write_same() {
     pat[0] = 0xab;
     pat[511] = 0xcd;
     let c = rw10(0x41, 100, 3);
-    let p = t.prepare(n, 0, &c).unwrap();
+    let p = t.prepare(n, 0, t.lu_index(0), &c).unwrap();
     assert_eq!(
         (p.data_out_len, p.out_placement),
         (512, OutPlacement::Buffer)
@@ -552,7 +561,10 @@ fn write_same() {
     // NDOB: zeros, no data.
     let mut c16 = rw16(0x93, 101, 1);
     c16[1] = 0x01;
-    assert_eq!(t.prepare(n, 0, &c16).unwrap().data_out_len, 0);
+    assert_eq!(
+        t.prepare(n, 0, t.lu_index(0), &c16).unwrap().data_out_len,
+        0
+    );
     run(&t, n, 0, &c16, &[]).unwrap();
     assert!(run(&t, n, 0, &rw10(0x28, 101, 1), &[])
         .unwrap()
@@ -601,7 +613,7 @@ fn compare_and_write() {
     c[13] = 2;
     let mut buf = a.clone();
     buf.extend_from_slice(&[b'B'; 1024]);
-    let p = t.prepare(n, 0, &c).unwrap();
+    let p = t.prepare(n, 0, t.lu_index(0), &c).unwrap();
     assert_eq!(p.data_out_len, 2048);
     p.check_expected_len(2048).unwrap();
     assert_eq!(
@@ -623,7 +635,7 @@ fn compare_and_write() {
     // NUMBER OF LOGICAL BLOCKS 0 with data: a CAW of 256 blocks as libiscsi
     // encodes it must fail the length check.
     c[13] = 0;
-    let p = t.prepare(n, 0, &c).unwrap();
+    let p = t.prepare(n, 0, t.lu_index(0), &c).unwrap();
     assert!(p.check_expected_len(2 * 256 * 512).is_err());
     run(&t, n, 0, &c, &[]).unwrap();
     // Short data.
@@ -1180,16 +1192,17 @@ fn fast_path_read_write_do_not_lock() {
     assert!(!lu.attention.load(Ordering::Relaxed));
     // Hold the state lock: READ/WRITE must still get through both phases.
     let _g = lu.lock();
-    let p = t.prepare(n, 0, &rw16(0x88, 8, 8)).unwrap();
+    let p = t.prepare(n, 0, t.lu_index(0), &rw16(0x88, 8, 8)).unwrap();
     let mut v = Vec::new();
     assert_eq!(
         t.execute(n, &p, &[], &mut v).unwrap(),
         DataIn::Store {
+            volume: lu.volume().id(),
             offset: 8 * 512,
             len: 4096
         }
     );
-    let p = t.prepare(n, 0, &rw10(0x2a, 8, 8)).unwrap();
+    let p = t.prepare(n, 0, t.lu_index(0), &rw10(0x2a, 8, 8)).unwrap();
     assert_eq!(t.execute(n, &p, &[], &mut v).unwrap(), DataIn::None);
 }
 
@@ -1198,7 +1211,7 @@ fn fast_path_read_write_do_not_lock() {
 #[test]
 fn volume_refusals_end_commands_as_status_or_fence() {
     let (t, n) = setup(512);
-    let write = t.prepare(n, 0, &rw10(0x2a, 0, 1)).unwrap();
+    let write = t.prepare(n, 0, t.lu_index(0), &rw10(0x2a, 0, 1)).unwrap();
     let mut v = Vec::new();
     t.lu(0).unwrap().volume().fence();
     assert_eq!(t.execute(n, &write, &[], &mut v), Err(Failure::Fenced));
@@ -1288,7 +1301,7 @@ fn accept_empty_aborts_the_old_identitys_writes() {
     let n = n.id;
     let _ = run(&t, n, 0, &[0; 6], &[]);
     let plan = t
-        .prepare(n, 0, &rw10(0x2a, 0, 1))
+        .prepare(n, 0, t.lu_index(0), &rw10(0x2a, 0, 1))
         .expect("a write, under way");
     t.lu(0).expect("LU").volume().set_not_ready("lost".into());
     t.accept_empty(0, Identity::generate())

@@ -42,6 +42,68 @@ pub enum VolumeError {
     NotReady,
 }
 
+/// A volume's place in the daemon's [`Volumes`]: what the I/O path names
+/// memory by (with an offset and a length the front end already checked),
+/// and what drivers index their per-volume resources (RDMA registrations)
+/// with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VolumeId(u32);
+
+impl VolumeId {
+    #[inline]
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// Every volume of the daemon, indexed by [`VolumeId`]. Built once at start;
+/// front ends (SCSI LUs today) hold the same `Arc<Volume>`s.
+#[derive(Debug, Default)]
+pub struct Volumes {
+    list: Vec<Arc<Volume>>,
+}
+
+impl Volumes {
+    /// Number the volumes in order: the `i`th gets `VolumeId(i)`.
+    pub fn new(volumes: Vec<Volume>) -> Volumes {
+        let list = volumes
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut v)| {
+                v.id = VolumeId(u32::try_from(i).expect("fewer than 2^32 volumes"));
+                Arc::new(v)
+            })
+            .collect();
+        Volumes { list }
+    }
+
+    #[inline]
+    pub fn get(&self, id: VolumeId) -> Option<&Arc<Volume>> {
+        self.list.get(id.index())
+    }
+
+    /// In [`VolumeId`] order.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Volume>> {
+        self.list.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// Copy `out.len()` bytes of volume `id` from `offset`; false when the
+    /// range is not there (nothing must then be sent in its place).
+    #[inline]
+    pub fn read(&self, id: VolumeId, offset: u64, out: &mut [u8]) -> bool {
+        self.get(id)
+            .is_some_and(|v| v.store().read(offset, out).is_ok())
+    }
+}
+
 /// Granularity of written-chunk tracking and of the image.
 pub const CHUNK_SIZE: u64 = 1 << 20;
 
@@ -172,6 +234,8 @@ pub struct VolumeStatus {
 }
 
 pub struct Volume {
+    /// Its index in the daemon's [`Volumes`].
+    id: VolumeId,
     target: String,
     lun: u64,
     block_size: u32,
@@ -214,6 +278,7 @@ impl Volume {
     ) -> Volume {
         let ready = cfg.readiness == Readiness::Ready;
         Volume {
+            id: VolumeId(0),
             target: cfg.target,
             lun: cfg.lun,
             block_size: cfg.block_size,
@@ -244,6 +309,11 @@ impl Volume {
         self.meta.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Where the daemon's [`Volumes`] keep it (0 for a volume outside one).
+    #[inline]
+    pub fn id(&self) -> VolumeId {
+        self.id
+    }
     pub fn target(&self) -> &str {
         &self.target
     }

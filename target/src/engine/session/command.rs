@@ -76,8 +76,13 @@ impl Session {
             self.reject(out, bhs, RejectReason::ProtocolError);
             return;
         }
-        self.counting.slot = self.metrics.slot_of(lun.number()).unwrap_or(NO_SLOT);
-        let plan = match scsi.prepare(self.nexus, lun.number(), cdb) {
+        // The command's one LUN search: its counters' slot is its LU's index.
+        let lu_index = scsi.lu_index(lun.number());
+        self.counting.slot = lu_index
+            .and_then(|i| u16::try_from(i).ok())
+            .filter(|&i| self.metrics.slot(i).is_some())
+            .unwrap_or(NO_SLOT);
+        let plan = match scsi.prepare(self.nexus, lun.number(), lu_index, cdb) {
             Ok(p) => p,
             Err(reason) => {
                 self.fail(out, itt, reason, Residual::None);
@@ -208,8 +213,12 @@ impl Session {
         let result = scsi.execute(self.nexus, plan, data_out, &mut data_in);
         match result {
             Ok(DataIn::None) => self.respond(out, itt, status::GOOD, None, residual),
-            Ok(DataIn::Store { offset, len }) => {
-                let src = DataSource::Store(offset);
+            Ok(DataIn::Store {
+                volume,
+                offset,
+                len,
+            }) => {
+                let src = DataSource::Store { volume, offset };
                 self.send_data_in(out, itt, lun, src, len, edtl_in, read_buffer)
             }
             Ok(DataIn::Buffer { len }) => {

@@ -191,8 +191,11 @@ impl Session {
             return false;
         };
         let dest = match task.plan.out_placement {
-            OutPlacement::Store { offset: base } => ReadDest::Store {
-                lun: task.lun.number(),
+            OutPlacement::Store {
+                volume,
+                offset: base,
+            } => ReadDest::Store {
+                volume,
                 offset: base + u64::from(offset),
             },
             _ => ReadDest::Buffer,
@@ -234,19 +237,17 @@ impl Session {
         match self.data_path {
             DataPath::Pdus => self.data_in_pdus(out, itt, lun, src, xfer, residual),
             DataPath::Rdma(_) => {
-                self.data_in_rdma_write(out, itt, lun, src, xfer, residual, read_buffer)
+                self.data_in_rdma_write(out, itt, src, xfer, residual, read_buffer)
             }
         }
     }
 
     /// iSER: one RDMA WRITE of the read data to the buffer the command named,
     /// straight from the volume extent, then the SCSI Response.
-    #[allow(clippy::too_many_arguments)]
     fn data_in_rdma_write(
         &mut self,
         out: &mut Out,
         itt: u32,
-        lun: Lun,
         src: DataSource,
         xfer: u32,
         residual: Residual,
@@ -259,8 +260,8 @@ impl Session {
             return;
         };
         let data = match src {
-            DataSource::Store(offset) => OutData::Store {
-                lun: lun.number(),
+            DataSource::Store { volume, offset } => OutData::Store {
+                volume,
                 offset,
                 len: xfer,
             },
@@ -290,11 +291,14 @@ impl Session {
         let burst = self.params.max_burst_len.max(seg);
         let buffer = match src {
             DataSource::Buffer(v) => v,
-            DataSource::Store(base) => {
+            DataSource::Store {
+                volume,
+                offset: base,
+            } => {
                 let statsn = out.take_statsn();
                 let mut stream = DataInStream {
                     itt,
-                    lun: lun.number(),
+                    volume,
                     lun_wire: lun.to_wire(),
                     base,
                     xfer,

@@ -37,6 +37,7 @@ use crate::scsi::{
     command_kind, DataIn, Failure, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason,
     Transfers,
 };
+use crate::volume::VolumeId;
 pub use aborts::ABORT_CUT_OFF;
 use aborts::{Answer, Deferred};
 
@@ -259,9 +260,7 @@ impl Session {
         let transfers = Transfers::new(control);
         let scsi = target.map(|t| t.scsi.clone());
         let metrics = match &scsi {
-            Some(scsi) => {
-                SessionMetrics::join(scsi.luns().map(|lu| (lu.lun(), lu.metrics().clone())))
-            }
+            Some(scsi) => SessionMetrics::join(scsi.luns().map(|lu| lu.metrics().clone())),
             None => SessionMetrics::default(),
         };
         if let Some(scsi) = &scsi {
@@ -408,10 +407,6 @@ impl Session {
         }
     }
 
-    pub fn scsi_target(&self) -> Option<Arc<ScsiTarget>> {
-        self.scsi.clone()
-    }
-
     pub fn reject(&mut self, out: &mut Out, bhs: &Bhs, reason: RejectReason) {
         let r = Bhs::reject(reason);
         self.push_status(out, r, OutData::Owned(rejected_header(bhs)));
@@ -545,7 +540,7 @@ impl Session {
 }
 
 enum DataSource<'a> {
-    Store(u64),
+    Store { volume: VolumeId, offset: u64 },
     Buffer(&'a [u8]),
 }
 

@@ -61,7 +61,7 @@ impl Session {
             // they arrive (iSER's RDMA READ does the same). A write that is
             // never answered GOOD may leave its blocks partly written, as on
             // any disk; GOOD comes only when every byte is in place.
-            OutPlacement::Store { offset: base } => {
+            OutPlacement::Store { offset: base, .. } => {
                 let Some(scsi) = self.scsi.as_ref() else {
                     return false;
                 };
@@ -71,7 +71,7 @@ impl Session {
                 if scsi.is_aborted(self.nexus, &task.plan) {
                     return false;
                 }
-                scsi.lu(task.lun.number()).is_some_and(|lu| {
+                scsi.lu_of(&task.plan).is_some_and(|lu| {
                     lu.volume()
                         .store()
                         .write(base + u64::from(offset), useful)

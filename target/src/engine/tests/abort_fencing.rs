@@ -19,7 +19,7 @@ const BLOCKS: u16 = 8;
 
 fn lun_range(h: &Harness, lba: u32, blocks: u32) -> Vec<u8> {
     let mut v = vec![0u8; blocks as usize * 512];
-    assert!(h.conn.read_store(0, u64::from(lba) * 512, &mut v));
+    assert!(h.read_lun(u64::from(lba) * 512, &mut v));
     v
 }
 
@@ -308,7 +308,7 @@ fn solicited_data_out_after_the_shutdown_fence_gets_no_status() {
         .find(|p| p.bhs.opcode() == Some(Opcode::ReadyToTransfer))
         .expect("an R2T for the write");
     let ttt = r2t.bhs.ttt();
-    let scsi = h.conn.scsi_target().expect("logged in").clone();
+    let scsi = h.conn.portal().targets[0].scsi.clone();
     scsi.lu(0).expect("LUN 0").volume().fence();
     let mut d = Bhs::new(Opcode::DataOut);
     d.set_final(true)
@@ -346,7 +346,7 @@ fn rdma_reads_completing_after_the_shutdown_fence_get_no_status() {
     assert!(hca.complete_one(&mut a.conn, a.now));
     assert_eq!(statuses(&a.drain()), vec![(before, status::GOOD)]);
     a_writes(&mut a, &mut hca);
-    let scsi = a.conn.scsi_target().expect("logged in").clone();
+    let scsi = a.conn.portal().targets[0].scsi.clone();
     scsi.lu(0).expect("LUN 0").volume().fence();
     let mut after = Vec::new();
     while hca.complete_one(&mut a.conn, a.now) {

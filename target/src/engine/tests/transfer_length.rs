@@ -10,7 +10,7 @@ const LUN_BYTES: u64 = 1 << 20;
 
 fn lun_bytes(h: &Harness) -> Vec<u8> {
     let mut v = vec![0u8; LUN_BYTES as usize];
-    assert!(h.conn.read_store(0, 0, &mut v));
+    assert!(h.read_lun(0, &mut v));
     v
 }
 
@@ -23,7 +23,7 @@ fn patterned() -> Harness {
     ]);
     assert_eq!(r.bhs.login_status(), login_status::SUCCESS);
     let pattern: Vec<u8> = (0..LUN_BYTES).map(|i| (i % 253) as u8).collect();
-    let scsi = h.conn.scsi_target().expect("logged in").clone();
+    let scsi = h.conn.portal().targets[0].scsi.clone();
     scsi.lu(0)
         .expect("LUN 0")
         .volume()

@@ -13,7 +13,7 @@ const LUN_BYTES: u64 = 1 << 20;
 /// Every byte of the LUN, read through the engine.
 fn lun_bytes(h: &Harness) -> Vec<u8> {
     let mut v = vec![0u8; LUN_BYTES as usize];
-    assert!(h.conn.read_store(0, 0, &mut v));
+    assert!(h.read_lun(0, &mut v));
     v
 }
 
@@ -32,7 +32,7 @@ fn data_out(itt: u32, ttt: u32, offset: u32, datasn: u32, last: bool) -> Bhs {
 }
 
 fn fill_lun(h: &mut Harness, byte: u8) {
-    let scsi = h.conn.scsi_target().expect("logged in").clone();
+    let scsi = h.conn.portal().targets[0].scsi.clone();
     let lu = scsi.lu(0).expect("LUN 0");
     lu.volume()
         .store()
@@ -826,7 +826,7 @@ fn a_unit_attention_is_not_lost_to_task_set_full() {
         assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
     }
     // Another session's admin action raises two unit attentions.
-    let scsi = h.conn.scsi_target().expect("logged in").clone();
+    let scsi = h.conn.portal().targets[0].scsi.clone();
     scsi.lu(0)
         .expect("LUN 0")
         .volume()
@@ -879,7 +879,7 @@ fn a_write_that_meets_the_fence_gets_no_status() {
     while h.command(&tur, 0x80, 0, &[]).1[0].bhs.scsi_status() != status::GOOD {}
     let (_, r) = h.command(&write10(0, 8), 0xa1, 4096, &[7u8; 4096]);
     assert_eq!(r[0].bhs.scsi_status(), status::GOOD, "before the fence");
-    let scsi = h.conn.scsi_target().expect("logged in").clone();
+    let scsi = h.conn.portal().targets[0].scsi.clone();
     scsi.lu(0).expect("LUN 0").volume().fence();
     let (_, r) = h.command(&write10(8, 8), 0xa1, 4096, &[9u8; 4096]);
     assert!(
