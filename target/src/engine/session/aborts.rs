@@ -6,7 +6,15 @@
 //! once that connection is released (its queue pair destroyed), never on a
 //! plain timeout. Other commands of the session go on meanwhile.
 
-use super::*;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ramslog_common::iscsi::{Bhs, Residual};
+use ramslog_common::scsi_wire::status;
+
+use super::{Counting, Session};
+use crate::engine::{Out, OutData};
+use crate::scsi::Transfers;
 
 /// How long aborted transfers may take before their connection is cut off.
 pub const ABORT_CUT_OFF: Duration = Transfers::CUT_OFF;

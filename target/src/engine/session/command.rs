@@ -1,6 +1,17 @@
 //! SCSI Command: checks, the plan, execution, Data-In and the status.
 
-use super::*;
+use std::sync::Arc;
+
+use ramslog_common::iscsi::{parse_ahs, scsi_cmd, Bhs, RejectReason, Residual, AHS_EXTENDED_CDB};
+use ramslog_common::iser::RemoteBuffer;
+use ramslog_common::lun::Lun;
+use ramslog_common::scsi_wire::{status, Sense};
+
+use super::datapath::Fetch;
+use super::{Counting, DataSource, Sequence, Session, Task, WriteFailure, NO_SLOT};
+use crate::engine::{Out, OutData, RemoteBuffers};
+use crate::metrics::{self, LimitHit};
+use crate::scsi::{command_kind, DataIn, Failure, OutPlacement, Plan, ScsiTarget, SenseReason};
 
 impl Session {
     pub(super) fn scsi_command(

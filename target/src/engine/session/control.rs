@@ -1,6 +1,12 @@
 //! Task management, text (SendTargets), logout.
 
-use super::*;
+use ramslog_common::iscsi::{text, tmf, Bhs, RejectReason, RESERVED_TAG};
+use ramslog_common::lun::Lun;
+
+use super::aborts::Answer;
+use super::{fmt_addr, portal_addresses, Flow, Session, Task};
+use crate::engine::login::SessionKind;
+use crate::engine::{is_reserved, Out, OutData};
 
 impl Session {
     pub(super) fn task_mgmt(&mut self, bhs: &Bhs, out: &mut Out) {

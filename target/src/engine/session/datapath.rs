@@ -5,8 +5,19 @@
 //! RDMA-reads the initiator's buffer and RDMA-writes read data straight from
 //! the volume extent; only control PDUs travel as messages.
 
-use super::*;
+use ramslog_common::iscsi::{self, Bhs, Residual};
+use ramslog_common::iser::{peer, RemoteBuffer};
+use ramslog_common::lun::Lun;
+use ramslog_common::scsi_wire::status;
+
+use super::{
+    DataSource, R2t, Sequence, Session, Task, DATA_IN_SEGMENT_MAX, ISER_BUFFERED_READ_MAX,
+};
+use crate::engine::login::SessionKind;
+use crate::engine::params::Params;
 use crate::engine::IserPeer;
+use crate::engine::{Action, DataInStream, Out, OutData, ReadDest, RemoteBuffers};
+use crate::scsi::{OutPlacement, SenseReason};
 
 /// The transport's way of moving data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,39 +7,29 @@ mod control;
 mod datapath;
 mod write;
 
-use datapath::{DataPath, Fetch, RdmaReadInFlight};
+use datapath::{DataPath, Fetch};
 use write::DataOutPayload;
 
 use std::cell::Cell;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use ramslog_common::iscsi::{
-    self, parse_ahs, scsi_cmd, text, tmf, Bhs, Opcode, RejectReason, Residual, AHS_EXTENDED_CDB,
-    RESERVED_TAG,
-};
-use ramslog_common::iser::{peer, RemoteBuffer};
+use ramslog_common::iscsi::{Bhs, Opcode, RejectReason, RESERVED_TAG};
 use ramslog_common::lun::Lun;
-use ramslog_common::scsi_wire::{status, Sense};
+use ramslog_common::scsi_wire::Sense;
 use ramslog_common::serial;
 
 use super::login::{Login, SessionKind};
 use super::params::Params;
-use super::{
-    is_reserved, rejected_header, Action, ConnInfo, DataInStream, Out, OutData, OutPdu, ReadDest,
-    RemoteBuffers,
-};
+use super::{is_reserved, rejected_header, ConnInfo, Out, OutData, OutPdu, RemoteBuffers};
 use crate::admission::SessionControl;
-use crate::metrics::{self, CommandKind, LimitHit, Served, SessionMetrics};
+use crate::metrics::{self, CommandKind, Served, SessionMetrics};
 use crate::portal::{OpenSessionError, OpenedSession, Portal, SessionKey};
-use crate::scsi::{
-    command_kind, DataIn, Failure, Nexus, NexusId, OutPlacement, Plan, ScsiTarget, SenseReason,
-    Transfers,
-};
+use crate::scsi::{Nexus, NexusId, Plan, ScsiTarget, Transfers};
 use crate::volume::VolumeId;
+use aborts::Deferred;
 pub use aborts::ABORT_CUT_OFF;
-use aborts::{Answer, Deferred};
 
 /// Largest RDMA READ into the iSER driver's own buffer (parameter lists and
 /// compare data the SCSI device must see whole): the driver's bounce slots.

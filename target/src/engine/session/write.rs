@@ -1,7 +1,17 @@
 //! Write data: R2Ts or RDMA READs to solicit it, Data-Out placement, and
 //! the write's completion once every byte is in place.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ramslog_common::iscsi::{Bhs, Residual};
+use ramslog_common::scsi_wire::status;
+
+use super::aborts::Answer;
+use super::datapath::{Fetch, RdmaReadInFlight};
+use super::{Session, Task, WriteFailure, POOLED_BUFFER_MAX, SPARE_BUFFERS};
+use crate::engine::{is_reserved, Out};
+use crate::scsi::{OutPlacement, ScsiTarget, SenseReason};
 
 /// The data of a Data-Out PDU as it arrived.
 pub(super) enum DataOutPayload<'a> {
