@@ -2,7 +2,10 @@
 //! which targets exist, who may log in, CHAP secrets, negotiation limits, and
 //! the session table used for session reinstatement and `status`.
 //!
-//! Nothing here is touched per I/O; the engine copies what it needs at login.
+//! The engine copies what it needs at login. Per I/O only two parts are
+//! touched: `volumes` (drivers resolve the volume ids the engine emits) and
+//! the staging budget (parameter lists and compare data SCSI must see
+//! whole).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};

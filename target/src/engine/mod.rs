@@ -6,8 +6,12 @@
 //! finished RDMA READ; a timeout). Outputs: [`Connection::poll_action`] (PDUs
 //! to send, RDMA transfers, close) and [`Connection::poll_timeout`]. The driver polls in that
 //! order after every input: drain `poll_action` until `None`, then re-arm its
-//! timer from `poll_timeout`. The engine never touches sockets or clocks: the
-//! current time is always passed in.
+//! timer from `poll_timeout`. The engine never touches sockets, and the
+//! current time is passed in; the one clock it reads itself is
+//! [`metrics::clock`](crate::metrics::clock), for service times when they
+//! are measured. Two calls sit beside `handle`: [`Connection::served`] (a
+//! response went out, which ends its service time) and
+//! [`Connection::shutdown`] (the daemon is stopping).
 //!
 //! Sessions have exactly one connection (MaxConnections=1, ErrorRecoveryLevel=0),
 //! so the session state lives inside the connection.

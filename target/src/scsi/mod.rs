@@ -1,4 +1,7 @@
-//! The one transport-neutral SBC-3/SPC-4 device: every LU of one target.
+//! The one SBC-3/SPC-4 device: every LU of one target. It knows nothing of
+//! how PDUs travel (TCP or iSER), but it is iSCSI's SCSI: a nexus is an
+//! iSCSI session, and persistent reservations key on the iSCSI initiator
+//! port name (TransportID format 01b, [`Nexus::initiator_port`]).
 //!
 //! Two phases per command. `prepare` decodes and validates the CDB and
 //! answers everything that can be answered before data moves (unit
@@ -9,8 +12,9 @@
 //! atomic flag lets `prepare` skip the state mutex, and the data itself is
 //! copied between the transport and the store by the engine.
 //!
-//! Atomicity: COMPARE AND WRITE holds a per-LU mutex that every write done
-//! *here* (WRITE SAME, WRITE AND VERIFY, COMPARE AND WRITE) also takes.
+//! Atomicity: COMPARE AND WRITE holds its block range (`ranges::RangeExclusion`),
+//! which every write done *here* (WRITE SAME, WRITE AND VERIFY, COMPARE AND
+//! WRITE) also takes where their blocks overlap.
 //! Plain WRITEs are copied into the store by the engine without it, so a
 //! plain WRITE racing a COMPARE AND WRITE to the same blocks may interleave;
 //! SBC allows no such assumption for initiators anyway unless they use CAW

@@ -206,7 +206,8 @@ pub(super) struct Session {
     text_rx: Vec<u8>,
     text_tx: Option<(u32, Vec<u8>)>,
     ended: bool,
-    /// iSER: the tagged buffers of the PDU being handled.
+    /// iSER: the tag the next RDMA READ gets (never 0), so its completion
+    /// finds its task.
     next_rdma_tag: u32,
     metrics: SessionMetrics,
     counting: Counting,
