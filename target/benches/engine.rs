@@ -15,7 +15,7 @@ use std::time::Instant;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ramslog_common::iscsi::{Bhs, Opcode, BHS_LEN};
 use ramslog_common::iser::{Header, Message, RemoteBuffer, HEADER_LEN};
-use ramslog_target::engine::{Action, Connection, Input, OutPdu, RemoteBuffers};
+use ramslog_target::engine::{Action, Connection, Input, OutPdu};
 use ramslog_target::{metrics, rdma, tcp, testkit};
 
 const BLOCKS: u32 = 8;
@@ -166,18 +166,7 @@ fn iser_command(conn: &mut Connection, wire: &Wire, slot: &mut [u8]) -> Option<u
     let Ok(Message::Pdu(pdu)) = Message::parse(wire.bytes(), conn.max_rx_data_segment()) else {
         panic!("bad iSER message");
     };
-    conn.handle(
-        now,
-        Input::Pdu {
-            bhs: &pdu.bhs,
-            ahs: pdu.ahs,
-            data: pdu.data,
-            buffers: RemoteBuffers {
-                write: pdu.write,
-                read: pdu.read,
-            },
-        },
-    );
+    conn.handle(now, Input::iser(&pdu));
     let mut st = None;
     while let Some(a) = conn.poll_action() {
         match a {

@@ -14,7 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
 use crate::admission::{Link, Permit, Refusal, SessionControl};
-use crate::engine::{Action, ConnInfo, Connection, Input, OutData, OutPdu};
+use crate::engine::{Action, ConnInfo, Connection, Input, OutPdu};
 use crate::metrics::{self, LimitHit, Served};
 use crate::portal::Portal;
 
@@ -306,24 +306,9 @@ pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) -> bool {
         header: pdu.header_digest,
         data: pdu.data_digest,
     };
-    let encoded =
-        frame::encode_filled(
-            &pdu.bhs,
-            &[],
-            pdu.data.len(),
-            digests,
-            wbuf,
-            |dst| match &pdu.data {
-                OutData::None => true,
-                OutData::Owned(v) => {
-                    dst.copy_from_slice(v);
-                    true
-                }
-                OutData::Store { volume, offset, .. } => {
-                    conn.portal().volumes.read(*volume, *offset, dst)
-                }
-            },
-        );
+    let encoded = frame::encode_filled(&pdu.bhs, &[], pdu.data.len(), digests, wbuf, |dst| {
+        pdu.data.fill(&conn.portal().volumes, dst)
+    });
     // The engine builds no PDU the framing cannot carry: its data segments
     // stay within the negotiated MaxRecvDataSegmentLength.
     encoded.unwrap_or(false)

@@ -4,10 +4,10 @@
 use std::net::SocketAddr;
 
 use ramslog_common::iscsi::Bhs;
-use ramslog_common::iser::RemoteBuffer;
+use ramslog_common::iser::{ControlPdu, RemoteBuffer};
 
 use crate::metrics::Served;
-use crate::volume::VolumeId;
+use crate::volume::{VolumeId, Volumes};
 
 /// Where a connection runs, for logs, `status` and SendTargets.
 #[derive(Debug, Clone, Copy)]
@@ -21,7 +21,7 @@ pub struct ConnInfo {
 pub enum OutData {
     None,
     Owned(Vec<u8>),
-    /// Bytes of a volume, by its id in the portal's [`Volumes`](crate::volume::Volumes): the driver
+    /// Bytes of a volume, by its id in the portal's [`Volumes`]: the driver
     /// copies (TCP) or RDMA-writes (iSER) them. SCSI checked the range.
     Store {
         volume: VolumeId,
@@ -31,6 +31,21 @@ pub enum OutData {
 }
 
 impl OutData {
+    /// Write the data segment's bytes into `dst` (exactly [`Self::len`]
+    /// long), reading volume bytes through `volumes`; false when the bytes
+    /// are not there, and then nothing must be sent in their place.
+    #[inline]
+    pub fn fill(&self, volumes: &Volumes, dst: &mut [u8]) -> bool {
+        match self {
+            OutData::None => true,
+            OutData::Owned(v) => {
+                dst.copy_from_slice(v);
+                true
+            }
+            OutData::Store { volume, offset, .. } => volumes.read(*volume, *offset, dst),
+        }
+    }
+
     /// Owned bytes, or no data segment at all when there are none.
     pub fn bytes(v: Vec<u8>) -> OutData {
         if v.is_empty() {
@@ -150,6 +165,20 @@ impl<'a> Input<'a> {
             ahs,
             data,
             buffers: RemoteBuffers::default(),
+        }
+    }
+
+    /// A PDU that came in an iSER message, with the buffers its header tagged.
+    #[inline]
+    pub fn iser(pdu: &'a ControlPdu<'a>) -> Input<'a> {
+        Input::Pdu {
+            bhs: &pdu.bhs,
+            ahs: pdu.ahs,
+            data: pdu.data,
+            buffers: RemoteBuffers {
+                write: pdu.write,
+                read: pdu.read,
+            },
         }
     }
 }

@@ -498,18 +498,13 @@ impl Connection {
             let r = *r;
             self.enter_full_feature(now, r.session, r.rsp, r.text);
         } else if now >= r.give_up {
-            let mut rsp = r.rsp;
+            let rsp = r.rsp;
             tracing::warn!(
                 peer = %self.info.peer,
                 "the reinstated session's connection did not end within {REINSTATEMENT_WAIT:?}: \
                  refusing the new login with Service Unavailable"
             );
-            self.portal
-                .counters
-                .login_refused(LoginRefusal::OutOfResources);
-            rsp.fail_login(login_status::SERVICE_UNAVAILABLE);
-            self.push_login_response(rsp, Vec::new());
-            self.fail_close();
+            self.refuse_login(rsp, login_status::SERVICE_UNAVAILABLE);
         } else {
             self.timers
                 .set(Timer::Reinstatement, now + REINSTATEMENT_RECHECK);
@@ -622,12 +617,7 @@ impl Connection {
                 };
                 if let Err(why) = self.portal.gate.logged_in(&self.control, pool) {
                     self.portal.gate.log_refusal(self.info.peer, why);
-                    self.portal
-                        .counters
-                        .login_refused(LoginRefusal::OutOfResources);
-                    rsp.fail_login(LoginFailure::OutOfResources.status());
-                    self.push_login_response(rsp, Vec::new());
-                    self.fail_close();
+                    self.refuse_login(rsp, LoginFailure::OutOfResources.status());
                     return;
                 }
                 let (session, replaced) = match Session::start(
@@ -640,12 +630,7 @@ impl Connection {
                     Ok(started) => started,
                     Err(e) => {
                         tracing::warn!(peer = %self.info.peer, "login refused: {e}");
-                        self.portal
-                            .counters
-                            .login_refused(LoginRefusal::OutOfResources);
-                        rsp.fail_login(LoginFailure::OutOfResources.status());
-                        self.push_login_response(rsp, Vec::new());
-                        self.fail_close();
+                        self.refuse_login(rsp, LoginFailure::OutOfResources.status());
                         return;
                     }
                 };
@@ -670,6 +655,18 @@ impl Connection {
                 }
             }
         }
+    }
+
+    /// A login that passed its checks but finds no room (pools, sessions,
+    /// a reinstatement that never completed): counted as out of resources,
+    /// answered with `status`, and the connection ends.
+    fn refuse_login(&mut self, mut rsp: Bhs, status: u16) {
+        self.portal
+            .counters
+            .login_refused(LoginRefusal::OutOfResources);
+        rsp.fail_login(status);
+        self.push_login_response(rsp, Vec::new());
+        self.fail_close();
     }
 
     fn push_login_response(&mut self, rsp: Bhs, text: Vec<u8>) {

@@ -27,56 +27,60 @@ pub fn clock() -> &'static quanta::Clock {
     CLOCK.get_or_init(quanta::Clock::new)
 }
 
-/// What a SCSI command does, for counting.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CommandKind {
-    Read = 0,
-    /// WRITE, WRITE AND VERIFY, WRITE SAME, COMPARE AND WRITE.
-    Write = 1,
-    /// SYNCHRONIZE CACHE: what a ZFS log's flushes are.
-    Flush = 2,
-    Other = 3,
+/// A set of counter labels as an enum: variants numbered from 0 in order
+/// (they index counter arrays), `COUNT`, `ALL` in that order, and
+/// `label()`, the label value each one is exported as. Each variant and its
+/// label are written once.
+macro_rules! labels {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident {
+            $($(#[$vmeta:meta])* $variant:ident => $label:literal,)+
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum $name {
+            $($(#[$vmeta])* $variant,)+
+        }
+
+        impl $name {
+            pub const COUNT: usize = [$($label),+].len();
+            pub const ALL: [$name; $name::COUNT] = [$($name::$variant),+];
+
+            pub fn label(self) -> &'static str {
+                match self {
+                    $($name::$variant => $label,)+
+                }
+            }
+        }
+    };
 }
 
-impl CommandKind {
-    pub const ALL: [CommandKind; 4] = [
-        CommandKind::Read,
-        CommandKind::Write,
-        CommandKind::Flush,
-        CommandKind::Other,
-    ];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            CommandKind::Read => "read",
-            CommandKind::Write => "write",
-            CommandKind::Flush => "flush",
-            CommandKind::Other => "other",
-        }
+labels! {
+    /// What a SCSI command does, for counting.
+    pub enum CommandKind {
+        Read => "read",
+        /// WRITE, WRITE AND VERIFY, WRITE SAME, COMPARE AND WRITE.
+        Write => "write",
+        /// SYNCHRONIZE CACHE: what a ZFS log's flushes are.
+        Flush => "flush",
+        Other => "other",
     }
 }
 
-/// The status a failed command ended with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailedStatus {
-    CheckCondition = 0,
-    ReservationConflict = 1,
-    Busy = 2,
-    TaskSetFull = 3,
-    Other = 4,
+labels! {
+    /// The status a failed command ended with.
+    pub enum FailedStatus {
+        CheckCondition => "check_condition",
+        ReservationConflict => "reservation_conflict",
+        Busy => "busy",
+        TaskSetFull => "task_set_full",
+        Other => "other",
+    }
 }
 
-const FAILED_STATUSES: usize = 5;
-
 impl FailedStatus {
-    const ALL: [FailedStatus; FAILED_STATUSES] = [
-        FailedStatus::CheckCondition,
-        FailedStatus::ReservationConflict,
-        FailedStatus::Busy,
-        FailedStatus::TaskSetFull,
-        FailedStatus::Other,
-    ];
-
     fn of(st: u8) -> FailedStatus {
         match st {
             status::CHECK_CONDITION => FailedStatus::CheckCondition,
@@ -84,16 +88,6 @@ impl FailedStatus {
             status::BUSY => FailedStatus::Busy,
             status::TASK_SET_FULL => FailedStatus::TaskSetFull,
             _ => FailedStatus::Other,
-        }
-    }
-
-    pub fn label(self) -> &'static str {
-        match self {
-            FailedStatus::CheckCondition => "check_condition",
-            FailedStatus::ReservationConflict => "reservation_conflict",
-            FailedStatus::Busy => "busy",
-            FailedStatus::TaskSetFull => "task_set_full",
-            FailedStatus::Other => "other",
         }
     }
 }
@@ -160,11 +154,11 @@ struct ServiceTimes {
 /// One session's counters of one LU.
 #[derive(Debug, Default)]
 pub struct LunCounters {
-    commands: [Tally; 4],
-    bytes: [Tally; 4],
+    commands: [Tally; CommandKind::COUNT],
+    bytes: [Tally; CommandKind::COUNT],
     /// By failed status, then sense key (0 when the status has no sense).
-    errors: [[Tally; 16]; FAILED_STATUSES],
-    service: [ServiceTimes; 4],
+    errors: [[Tally; 16]; FailedStatus::COUNT],
+    service: [ServiceTimes; CommandKind::COUNT],
 }
 
 impl LunCounters {
@@ -243,10 +237,10 @@ impl ServiceTotals {
 /// Everything counted for one LU, over all sessions past and present.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LunTotals {
-    pub commands: [u64; 4],
-    pub bytes: [u64; 4],
-    pub errors: [[u64; 16]; FAILED_STATUSES],
-    pub service: [ServiceTotals; 4],
+    pub commands: [u64; CommandKind::COUNT],
+    pub bytes: [u64; CommandKind::COUNT],
+    pub errors: [[u64; 16]; FailedStatus::COUNT],
+    pub service: [ServiceTotals; CommandKind::COUNT],
 }
 
 impl LunTotals {
@@ -362,33 +356,21 @@ impl LunMetrics {
     }
 }
 
-/// Why a login was refused, by its login status (RFC 7143 11.13.5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LoginRefusal {
-    AuthenticationFailed = 0,
-    Forbidden = 1,
-    TargetNotFound = 2,
-    InitiatorError = 3,
-    MissingParameter = 4,
-    Unsupported = 5,
-    OutOfResources = 6,
-    Other = 7,
+labels! {
+    /// Why a login was refused, by its login status (RFC 7143 11.13.5).
+    pub enum LoginRefusal {
+        AuthenticationFailed => "authentication_failed",
+        Forbidden => "forbidden",
+        TargetNotFound => "target_not_found",
+        InitiatorError => "initiator_error",
+        MissingParameter => "missing_parameter",
+        Unsupported => "unsupported",
+        OutOfResources => "out_of_resources",
+        Other => "other",
+    }
 }
 
-const LOGIN_REFUSALS: usize = 8;
-
 impl LoginRefusal {
-    pub const ALL: [LoginRefusal; LOGIN_REFUSALS] = [
-        LoginRefusal::AuthenticationFailed,
-        LoginRefusal::Forbidden,
-        LoginRefusal::TargetNotFound,
-        LoginRefusal::InitiatorError,
-        LoginRefusal::MissingParameter,
-        LoginRefusal::Unsupported,
-        LoginRefusal::OutOfResources,
-        LoginRefusal::Other,
-    ];
-
     pub fn of_status(login_status: u16) -> LoginRefusal {
         match login_status {
             0x0201 => LoginRefusal::AuthenticationFailed,
@@ -401,93 +383,45 @@ impl LoginRefusal {
             _ => LoginRefusal::Other,
         }
     }
-
-    pub fn label(self) -> &'static str {
-        match self {
-            LoginRefusal::AuthenticationFailed => "authentication_failed",
-            LoginRefusal::Forbidden => "forbidden",
-            LoginRefusal::TargetNotFound => "target_not_found",
-            LoginRefusal::InitiatorError => "initiator_error",
-            LoginRefusal::MissingParameter => "missing_parameter",
-            LoginRefusal::Unsupported => "unsupported",
-            LoginRefusal::OutOfResources => "out_of_resources",
-            LoginRefusal::Other => "other",
-        }
-    }
 }
 
-/// A configured limit that stopped something.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LimitHit {
-    /// `max_connections`: a connection was refused.
-    Connections = 0,
-    /// Connections from one address.
-    ConnectionsPerSource = 1,
-    /// Connections from one address still logging in.
-    PendingLoginsPerSource = 2,
-    /// iSER connections (each pins its queue pair's memory).
-    IserConnections = 3,
-    /// The daemon-wide staging budget: a command got TASK SET FULL.
-    StagingBudget = 4,
-    /// A session's command window: a command got TASK SET FULL.
-    CommandWindow = 5,
-    /// A peer read nothing for the output stall limit: it was dropped.
-    OutputStall = 6,
-    /// Connections still logging in, in total: the oldest was evicted.
-    PendingLogins = 7,
-    /// Discovery sessions in total: the oldest was evicted.
-    DiscoverySessions = 8,
-    /// Discovery sessions from one address: a login was refused.
-    DiscoverySessionsPerSource = 9,
-    /// A connection sent no PDU in time, or a discovery session outlived
-    /// its lifetime: it was closed.
-    IdleLogins = 10,
-    /// iSER connections still logging in, or closing, held every login
-    /// slot for too long: a new one was refused.
-    IserLoginSlots = 11,
-}
-
-const LIMIT_HITS: usize = 12;
-
-impl LimitHit {
-    pub const ALL: [LimitHit; LIMIT_HITS] = [
-        LimitHit::Connections,
-        LimitHit::ConnectionsPerSource,
-        LimitHit::PendingLoginsPerSource,
-        LimitHit::IserConnections,
-        LimitHit::StagingBudget,
-        LimitHit::CommandWindow,
-        LimitHit::OutputStall,
-        LimitHit::PendingLogins,
-        LimitHit::DiscoverySessions,
-        LimitHit::DiscoverySessionsPerSource,
-        LimitHit::IdleLogins,
-        LimitHit::IserLoginSlots,
-    ];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            LimitHit::Connections => "connections",
-            LimitHit::ConnectionsPerSource => "connections_per_source",
-            LimitHit::PendingLoginsPerSource => "pending_logins_per_source",
-            LimitHit::IserConnections => "iser_connections",
-            LimitHit::StagingBudget => "staging_budget",
-            LimitHit::CommandWindow => "command_window",
-            LimitHit::OutputStall => "output_stall",
-            LimitHit::PendingLogins => "pending_logins",
-            LimitHit::DiscoverySessions => "discovery_sessions",
-            LimitHit::DiscoverySessionsPerSource => "discovery_sessions_per_source",
-            LimitHit::IdleLogins => "idle_logins",
-            LimitHit::IserLoginSlots => "iser_login_slots",
-        }
+labels! {
+    /// A configured limit that stopped something.
+    pub enum LimitHit {
+        /// `max_connections`: a connection was refused.
+        Connections => "connections",
+        /// Connections from one address.
+        ConnectionsPerSource => "connections_per_source",
+        /// Connections from one address still logging in.
+        PendingLoginsPerSource => "pending_logins_per_source",
+        /// iSER connections (each pins its queue pair's memory).
+        IserConnections => "iser_connections",
+        /// The daemon-wide staging budget: a command got TASK SET FULL.
+        StagingBudget => "staging_budget",
+        /// A session's command window: a command got TASK SET FULL.
+        CommandWindow => "command_window",
+        /// A peer read nothing for the output stall limit: it was dropped.
+        OutputStall => "output_stall",
+        /// Connections still logging in, in total: the oldest was evicted.
+        PendingLogins => "pending_logins",
+        /// Discovery sessions in total: the oldest was evicted.
+        DiscoverySessions => "discovery_sessions",
+        /// Discovery sessions from one address: a login was refused.
+        DiscoverySessionsPerSource => "discovery_sessions_per_source",
+        /// A connection sent no PDU in time, or a discovery session outlived
+        /// its lifetime: it was closed.
+        IdleLogins => "idle_logins",
+        /// iSER connections still logging in, or closing, held every login
+        /// slot for too long: a new one was refused.
+        IserLoginSlots => "iser_login_slots",
     }
 }
 
 /// Portal-wide events; rare, so shared atomics.
 #[derive(Debug, Default)]
 pub struct PortalCounters {
-    logins_refused: [AtomicU64; LOGIN_REFUSALS],
-    limit_hits: [AtomicU64; LIMIT_HITS],
+    logins_refused: [AtomicU64; LoginRefusal::COUNT],
+    limit_hits: [AtomicU64; LimitHit::COUNT],
 }
 
 impl PortalCounters {

@@ -332,18 +332,7 @@ impl Driver<'_> {
             }
             Err(e) => return Err(ConnError::Protocol(format!("bad iSER message: {e}"))),
         };
-        self.conn.handle(
-            now,
-            Input::Pdu {
-                bhs: &pdu.bhs,
-                ahs: pdu.ahs,
-                data: pdu.data,
-                buffers: RemoteBuffers {
-                    write: pdu.write,
-                    read: pdu.read,
-                },
-            },
-        );
+        self.conn.handle(now, Input::iser(&pdu));
         Ok(())
     }
 
@@ -645,22 +634,9 @@ impl Driver<'_> {
 /// `out` (the 16 KiB iSER message), or LUN bytes that cannot be read — then
 /// nothing must be sent in their place.
 pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, out: &mut [u8]) -> Result<usize, String> {
-    iser::encode_message(
-        &Header::PLAIN,
-        &pdu.bhs,
-        pdu.data.len(),
-        out,
-        |dst| match &pdu.data {
-            OutData::None => true,
-            OutData::Owned(v) => {
-                dst.copy_from_slice(v);
-                true
-            }
-            OutData::Store { volume, offset, .. } => {
-                conn.portal().volumes.read(*volume, *offset, dst)
-            }
-        },
-    )
+    iser::encode_message(&Header::PLAIN, &pdu.bhs, pdu.data.len(), out, |dst| {
+        pdu.data.fill(&conn.portal().volumes, dst)
+    })
     .map_err(|e| match e {
         IserError::DataUnavailable => "PDU names bytes outside the LUN".into(),
         e => format!("{:?} PDU: {e}", pdu.bhs.opcode()),
