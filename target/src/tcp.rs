@@ -14,7 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
 use crate::admission::{Link, Permit, Refusal, SessionControl};
-use crate::engine::{Action, ConnInfo, Connection, Input, OutPdu};
+use crate::engine::{Action, ConnInfo, Connection, Event, Input, OutPdu};
 use crate::metrics::{self, LimitHit, Served};
 use crate::portal::Portal;
 
@@ -257,6 +257,9 @@ impl Output {
             self.buf = Vec::with_capacity(64 * 1024);
         }
         self.last_progress = Instant::now();
+        // Over TCP nothing is set up per session: the events are read only
+        // so the connection does not keep them.
+        while let Some(Event::NormalSession { .. }) = conn.poll_event() {}
         while self.buf.len() < OUTPUT_BATCH && self.served.len() < SERVED_PER_BATCH {
             let Some(action) = conn.poll_action() else {
                 self.closing |= self.close_when_drained;

@@ -2,11 +2,14 @@
 //! the actions it carries out.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use ramslog_common::iscsi::Bhs;
 use ramslog_common::iser::{ControlPdu, RemoteBuffer};
 
+use super::params::IserPeer;
 use crate::metrics::Served;
+use crate::scsi::Transfers;
 use crate::volume::{VolumeId, Volumes};
 
 /// Where a connection runs, for logs, `status` and SendTargets.
@@ -102,6 +105,34 @@ pub enum Action {
     },
     /// Close the connection once everything before this action is sent.
     Close,
+}
+
+/// What a driver learns once, out of the engine ([`Connection::poll_event`](super::Connection::poll_event)),
+/// instead of asking the connection after every input.
+#[derive(Clone)]
+pub enum Event {
+    /// A normal session (one that moves data) reached full feature phase.
+    /// Its final login response is queued behind this event, so a driver
+    /// that handles events before it drains actions is ready (over iSER:
+    /// its full receive ring posted) before the host's first command.
+    NormalSession {
+        /// Whose limits the login settled on (iSER only).
+        iser_peer: Option<IserPeer>,
+        /// The session's transfers into volume memory: what an abort waits
+        /// for, so the driver raises it around each RDMA READ it posts.
+        transfers: Arc<Transfers>,
+    },
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Event::NormalSession { iser_peer, .. } => f
+                .debug_struct("NormalSession")
+                .field("iser_peer", iser_peer)
+                .finish_non_exhaustive(),
+        }
+    }
 }
 
 /// Where an RDMA READ puts the initiator's data.

@@ -3,13 +3,15 @@
 //! One input, [`Connection::handle`], carries everything a transport delivers
 //! ([`Input`]: a whole PDU with the buffers its iSER header named, digests
 //! already checked by the driver; a data digest error; an oversized PDU; a
-//! finished RDMA READ; a timeout). Outputs: [`Connection::poll_action`] (PDUs
-//! to send, RDMA transfers, close) and [`Connection::poll_timeout`]. The driver polls in that
-//! order after every input: drain `poll_action` until `None`, then re-arm its
-//! timer from `poll_timeout`. The engine never touches sockets, and the
-//! current time is passed in; the one clock it reads itself is
-//! [`metrics::clock`](crate::metrics::clock), for service times when they
-//! are measured. Two calls sit beside `handle`: [`Connection::served`] (a
+//! finished RDMA READ; a timeout). Outputs: [`Connection::poll_event`]
+//! (what the driver learns once: a normal session began, with its peer
+//! profile and transfers), [`Connection::poll_action`] (PDUs to send, RDMA
+//! transfers, close) and [`Connection::poll_timeout`]. The driver polls in
+//! that order after every input: events, then `poll_action` until `None`,
+//! then it re-arms its timer from `poll_timeout`. The engine never touches
+//! sockets, and the current time is passed in; the one clock it reads
+//! itself is [`metrics::clock`](crate::metrics::clock), for service times
+//! when they are measured. Two calls sit beside `handle`: [`Connection::served`] (a
 //! response went out, which ends its service time) and
 //! [`Connection::shutdown`] (the daemon is stopping).
 //!
@@ -33,7 +35,7 @@ use ramslog_common::iscsi::{
 };
 use ramslog_common::iser::CmPeer;
 
-pub use io::{Action, ConnInfo, Input, OutData, OutPdu, ReadDest, RemoteBuffers, Transport};
+pub use io::{Action, ConnInfo, Event, Input, OutData, OutPdu, ReadDest, RemoteBuffers, Transport};
 pub use login::{LoginFailure, SessionKind};
 pub use params::{IserPeer, Params};
 pub use session::{ABORT_CUT_OFF, ISER_BUFFERED_READ_MAX};
@@ -112,6 +114,8 @@ pub struct Connection {
     control: Arc<SessionControl>,
     phase: Phase,
     actions: VecDeque<Queued>,
+    /// Empty, and unallocated, but at login.
+    events: VecDeque<Event>,
     timers: TimerTable,
     statsn: u32,
     /// CmdSN of the login request: the session's first CmdSN.
@@ -185,6 +189,7 @@ impl Connection {
             control,
             phase: Phase::Login(Box::new(login)),
             actions: VecDeque::with_capacity(64),
+            events: VecDeque::new(),
             timers,
             statsn: 0,
             login_cmdsn: None,
@@ -203,14 +208,6 @@ impl Connection {
 
     pub fn transport(&self) -> Transport {
         self.transport
-    }
-
-    /// Whose limits this iSER connection got, once logged in.
-    pub fn iser_peer(&self) -> Option<IserPeer> {
-        match &self.phase {
-            Phase::FullFeature(s) => s.params.iser_peer(),
-            _ => None,
-        }
     }
 
     /// The one way in: whatever the transport delivers, at `now`.
@@ -296,13 +293,9 @@ impl Connection {
     }
 
     /// The login finished: the connection is in full feature phase.
-    pub fn is_logged_in(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_logged_in(&self) -> bool {
         matches!(self.phase, Phase::FullFeature(_))
-    }
-
-    /// In full feature phase of a normal session (one that moves data).
-    pub fn is_normal_session(&self) -> bool {
-        matches!(&self.phase, Phase::FullFeature(s) if s.kind() == SessionKind::Normal)
     }
 
     pub fn is_closed(&self) -> bool {
@@ -335,6 +328,13 @@ impl Connection {
     /// Entries waiting in the action queue (a Data-In stream counts once).
     pub fn queued_actions(&self) -> usize {
         self.actions.len()
+    }
+
+    /// What the driver must learn once (see [`Event`]): handle these before
+    /// draining [`Self::poll_action`].
+    #[inline]
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
     }
 
     pub fn poll_timeout(&self) -> Option<Instant> {
@@ -534,11 +534,15 @@ impl Connection {
     }
 
     fn enter_full_feature(&mut self, now: Instant, session: Session, rsp: Bhs, text: Vec<u8>) {
-        if session.kind() == SessionKind::Discovery {
-            self.timers.set(
+        match session.kind() {
+            SessionKind::Discovery => self.timers.set(
                 Timer::DiscoveryIdle,
                 now + self.portal.limits.discovery_lifetime,
-            );
+            ),
+            SessionKind::Normal => self.events.push_back(Event::NormalSession {
+                iser_peer: session.params.iser_peer(),
+                transfers: session.transfers().clone(),
+            }),
         }
         self.push_login_response(rsp, text);
         self.rx_header_digest = session.params.header_digest;

@@ -783,6 +783,10 @@ fn discovery_lists_targets_and_refuses_scsi() {
         ],
     );
     assert_eq!(r[0].bhs.login_status(), 0);
+    assert!(
+        h.conn.poll_event().is_none(),
+        "a discovery session sets nothing up in the driver"
+    );
     assert_eq!(
         key(&keys_of(&r[0].data), "MaxBurstLength"),
         Some("Irrelevant")
@@ -1050,19 +1054,29 @@ fn the_peer_is_linux_only_when_the_connect_request_and_the_keys_agree() {
         ("ImmediateData", "Yes"),
         ("InitialR2T", "No"),
     ];
-    let (h, k) = iser_login_from(CmPeer::Linux, &linux_keys);
-    assert_eq!(h.conn.iser_peer(), Some(IserPeer::Linux));
+    let (mut h, k) = iser_login_from(CmPeer::Linux, &linux_keys);
+    assert_eq!(session_peer(&mut h), Some(IserPeer::Linux));
     assert_eq!(key(&k, "ImmediateData"), Some("Yes"));
-    let (h, _) = iser_login_from(CmPeer::Illumos, &linux_keys);
-    assert_eq!(h.conn.iser_peer(), Some(IserPeer::Illumos));
+    let (mut h, _) = iser_login_from(CmPeer::Illumos, &linux_keys);
+    assert_eq!(session_peer(&mut h), Some(IserPeer::Illumos));
     // A Linux-looking connect that logs in like illumos (no RFC 7145 keys).
-    let (h, k) = iser_login_from(
+    let (mut h, k) = iser_login_from(
         CmPeer::Linux,
         &[("ImmediateData", "Yes"), ("InitialR2T", "No")],
     );
-    assert_eq!(h.conn.iser_peer(), Some(IserPeer::Illumos));
+    assert_eq!(session_peer(&mut h), Some(IserPeer::Illumos));
     assert_eq!(key(&k, "ImmediateData"), Some("No"));
-    assert_eq!(logged_in().conn.iser_peer(), None);
+    assert_eq!(session_peer(&mut logged_in()), None);
+}
+
+/// The one event a normal login produces, which the driver acts on once:
+/// whose limits the session settled on.
+fn session_peer(h: &mut Harness) -> Option<IserPeer> {
+    let Some(Event::NormalSession { iser_peer, .. }) = h.conn.poll_event() else {
+        panic!("a normal login announces its session");
+    };
+    assert!(h.conn.poll_event().is_none(), "announced once");
+    iser_peer
 }
 
 #[test]

@@ -97,7 +97,14 @@ impl Driver<'_> {
             if self.conn.poll_timeout().is_some_and(|t| t <= now) {
                 self.conn.handle(now, Input::Timeout);
             }
-            self.begin_normal_session()?;
+            while let Some(event) = self.conn.poll_event() {
+                match event {
+                    Event::NormalSession {
+                        iser_peer,
+                        transfers,
+                    } => self.begin_normal_session(iser_peer, transfers)?,
+                }
+            }
             if self.drain_actions()? || self.conn.is_closed() {
                 self.closing.get_or_insert(now);
             }
@@ -341,16 +348,20 @@ impl Driver<'_> {
     /// what only a normal session uses. Called before queued actions are
     /// posted: the full receive ring is posted before the final login
     /// response, so the host's first commands find their receives.
-    fn begin_normal_session(&mut self) -> Result<(), ConnError> {
-        if !self.conn.is_normal_session() || self.large.is_some() {
+    fn begin_normal_session(
+        &mut self,
+        iser_peer: Option<IserPeer>,
+        transfers: Arc<Transfers>,
+    ) -> Result<(), ConnError> {
+        if self.large.is_some() {
             return Ok(());
         }
         // A discovery session or a peer still logging in pins its login
         // slots alone.
         self.grow_rings()?;
         self.large = Some(LargeBuffers::new(self.pd)?);
-        self.transfers = self.conn.transfers();
-        if self.conn.iser_peer() == Some(IserPeer::Illumos) {
+        self.transfers = Some(transfers);
+        if iser_peer == Some(IserPeer::Illumos) {
             // The connect request looked like Linux but the login did
             // not: a peer we cannot place gets what illumos can take.
             self.reads

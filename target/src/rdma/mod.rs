@@ -36,7 +36,7 @@ use ramslog_common::verbs::{
 use crate::admission::{Link, Permit, SessionControl};
 use crate::clock::CoarseClock;
 use crate::engine::{
-    Action, ConnInfo, Connection, Input, IserPeer, OutData, OutPdu, ReadDest,
+    Action, ConnInfo, Connection, Event, Input, IserPeer, OutData, OutPdu, ReadDest,
     ISER_BUFFERED_READ_MAX,
 };
 use crate::metrics::{self, LimitHit};
