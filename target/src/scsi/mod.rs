@@ -495,6 +495,7 @@ impl ScsiTarget {
     /// Where `lun`'s LU sits in this target (in [`Self::luns`] order): the
     /// one search a command makes. [`Self::prepare`] takes it, and the
     /// command's later steps index with [`Self::lu_of`].
+    #[inline]
     pub fn lu_index(&self, lun: u64) -> Option<usize> {
         #[cfg(test)]
         LU_LOOKUPS.with(|n| n.set(n.get() + 1));
@@ -644,6 +645,7 @@ impl ScsiTarget {
 
     /// Phase 1: decode and validate; see the module docs.
     /// `lu_index` is [`Self::lu_index`] of `lun`.
+    #[inline]
     pub fn prepare(
         &self,
         nexus: NexusId,

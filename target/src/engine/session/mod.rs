@@ -453,6 +453,7 @@ impl Session {
         t
     }
 
+    #[inline]
     pub fn handle_pdu(
         &mut self,
         now: Instant,
