@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
+use crate::admission::FrontEnd;
 use crate::metrics::{LimitHit, LoginRefusal, LunIo, ProcessMemory};
 use crate::portal::Portal;
 use crate::volume::{naa_hex, Identity, Readiness};
@@ -72,7 +73,12 @@ pub struct SessionStatus {
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct PortalStatus {
     pub tcp_connections: u32,
+    /// RDMA connections of every front end (the name predates a second one
+    /// and stays for scripts).
     pub iser_connections: u32,
+    /// Open connections by front end (`iscsi`).
+    #[serde(default)]
+    pub front_end_connections: BTreeMap<String, u32>,
     pub staging_bytes: u64,
     pub logins_refused: BTreeMap<String, u64>,
     pub limit_hits: BTreeMap<String, u64>,
@@ -181,10 +187,14 @@ impl Control {
             .collect();
         let state_dir = self.state_dir.as_ref().map(|d| d.display().to_string());
         let counters = &self.portal.counters;
-        let (total, iser) = self.portal.gate.counts_now();
+        let open = self.portal.gate.counts_now();
         let portal = PortalStatus {
-            tcp_connections: total.saturating_sub(iser),
-            iser_connections: iser,
+            tcp_connections: open.tcp(),
+            iser_connections: open.rdma,
+            front_end_connections: FrontEnd::ALL
+                .into_iter()
+                .map(|f| (f.label().to_string(), open.of(f)))
+                .collect(),
             staging_bytes: self.portal.staging.used(),
             logins_refused: LoginRefusal::ALL
                 .into_iter()

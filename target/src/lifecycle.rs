@@ -215,10 +215,10 @@ pub fn shutdown(portal: &Portal) -> Result<String, String> {
         "shutting down: logins refused, connections closing, volumes fenced"
     );
     let started = Instant::now();
-    while portal.gate.counts_now().0 > 0 && started.elapsed() < CONNECTION_DRAIN {
+    while portal.gate.counts_now().total > 0 && started.elapsed() < CONNECTION_DRAIN {
         std::thread::sleep(Duration::from_millis(10));
     }
-    let left = portal.gate.counts_now().0;
+    let left = portal.gate.counts_now().total;
     if left > 0 {
         tracing::warn!(left, "connections still open after {CONNECTION_DRAIN:?}; dumping anyway (nothing is acknowledged after the fence) and verifying each image, since data may still be arriving");
     }

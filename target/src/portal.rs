@@ -1,6 +1,9 @@
-//! The shared control-plane view every connection's engine consults at login:
-//! which targets exist, who may log in, CHAP secrets, negotiation limits, and
-//! the session table used for session reinstatement and `status`.
+//! iSCSI's portal: the control-plane view every iSCSI connection's engine
+//! consults at login: which targets exist, who may log in (ACL and CHAP by
+//! IQN), negotiation limits, and the ISID/TSIH session table used for
+//! session reinstatement and `status`. What any front end needs (the
+//! connection gate and the staging budget) is `admission`'s; the portal
+//! holds them for its engines.
 //!
 //! The engine copies what it needs at login. Per I/O only two parts are
 //! touched: `volumes` (drivers resolve the volume ids the engine emits) and
@@ -11,11 +14,10 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::admission::{ConnectionGate, ConnectionLimits, SessionControl};
+use crate::admission::{ConnectionGate, ConnectionLimits, SessionControl, StagingBudget};
 use crate::metrics::PortalCounters;
 use crate::scsi::{NexusId, ScsiTarget};
 use crate::volume::Volumes;
@@ -240,7 +242,7 @@ pub struct Portal {
     pub listen: Vec<SocketAddr>,
     /// Daemon-wide staging memory, shared by every session.
     pub staging: StagingBudget,
-    /// Connection counts, shared by both transports.
+    /// Connection counts, shared by every front end and transport.
     pub gate: Arc<ConnectionGate>,
     /// Refused logins and limits hit.
     pub counters: Arc<PortalCounters>,
@@ -248,49 +250,6 @@ pub struct Portal {
     /// only when someone asked for metrics (`--metrics`).
     pub service_times: bool,
     sessions: Mutex<Sessions>,
-}
-
-/// A byte budget shared by all connections: reservations never exceed it.
-#[derive(Debug)]
-pub struct StagingBudget {
-    used: AtomicU64,
-    limit: u64,
-}
-
-impl StagingBudget {
-    pub fn new(limit: u64) -> StagingBudget {
-        StagingBudget {
-            used: AtomicU64::new(0),
-            limit,
-        }
-    }
-
-    /// Take `bytes` from the budget; false (and nothing taken) if they do not fit.
-    pub fn reserve(&self, bytes: u64) -> bool {
-        self.used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                used.checked_add(bytes).filter(|n| *n <= self.limit)
-            })
-            .is_ok()
-    }
-
-    pub fn release(&self, bytes: u64) {
-        if bytes > 0 {
-            let _ = self
-                .used
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                    Some(used.saturating_sub(bytes))
-                });
-        }
-    }
-
-    pub fn used(&self) -> u64 {
-        self.used.load(Ordering::Acquire)
-    }
-
-    pub fn limit(&self) -> u64 {
-        self.limit
-    }
 }
 
 impl Portal {

@@ -13,7 +13,7 @@ use ramslog_common::iscsi::BHS_LEN;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
-use crate::admission::{Link, Permit, Refusal, SessionControl};
+use crate::admission::{Door, Link, Permit, Refusal, SessionControl};
 use crate::engine::{Action, ConnInfo, Connection, Event, Input, OutPdu};
 use crate::metrics::{self, LimitHit, Served};
 use crate::portal::Portal;
@@ -45,7 +45,7 @@ pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
-                let permit = match portal.gate.admit(peer.ip(), Link::Tcp) {
+                let permit = match portal.gate.admit(peer.ip(), Door::iscsi(Link::Tcp)) {
                     Ok(p) => p,
                     Err(why @ Refusal::ShuttingDown) => {
                         tracing::debug!(%peer, "connection refused: {why}");

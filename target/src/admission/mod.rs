@@ -1,5 +1,7 @@
 //! Admission: which connections the daemon keeps, whatever front end they
-//! speak. Touched at connect, login and close only, never per I/O.
+//! speak (iSCSI today) over whichever transport (TCP, RDMA), and the
+//! staging budget they share. The gate is touched at connect, login and
+//! close only, never per I/O.
 //!
 //! Three pools, so that nobody who has not authenticated can take the
 //! places of those who have:
@@ -26,6 +28,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use crate::metrics::{LimitHit, PortalCounters};
+
+mod staging;
+pub use staging::StagingBudget;
 
 /// How a connection is ended from outside (session reinstatement, shutdown,
 /// eviction) and how others learn that it is gone. The driver makes one per
@@ -105,12 +110,17 @@ impl SessionControl {
 /// How many connections the daemon keeps in each pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionLimits {
-    /// Admitted (logged in past ACL and CHAP) connections, both transports.
+    /// Admitted (logged in past ACL and CHAP) connections, every front end
+    /// and transport.
     pub total: u32,
     /// Admitted connections from one source.
     pub per_source: u32,
-    /// Admitted RDMA (iSER) connections: each pins registered buffers.
-    pub iser: u32,
+    /// Admitted RDMA connections, every front end (today iSER): each pins
+    /// registered buffers. Users know it as `max_iser_connections`.
+    pub rdma: u32,
+    /// Admitted iSCSI connections (iSCSI/TCP and iSER), so that a second
+    /// front end beside it can be given places of its own.
+    pub iscsi: u32,
     /// TCP connections not yet logged in, in total.
     pub pending: u32,
     /// RDMA connections not yet logged in, in total.
@@ -128,7 +138,8 @@ impl Default for ConnectionLimits {
         ConnectionLimits {
             total: 256,
             per_source: 16,
-            iser: 32,
+            rdma: 32,
+            iscsi: 256,
             pending: 64,
             pending_rdma: 8,
             pending_per_source: 4,
@@ -143,6 +154,61 @@ impl Default for ConnectionLimits {
 pub enum Link {
     Tcp,
     Rdma,
+}
+
+/// How a connection came in: the protocol it speaks over which transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Door {
+    pub front_end: FrontEnd,
+    pub link: Link,
+}
+
+impl Door {
+    pub fn iscsi(link: Link) -> Door {
+        Door {
+            front_end: FrontEnd::Iscsi,
+            link,
+        }
+    }
+}
+
+/// Which protocol a connection speaks: each front end has a cap of its own
+/// beside the total.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrontEnd {
+    /// iSCSI over TCP or iSER.
+    Iscsi,
+}
+
+impl FrontEnd {
+    pub const ALL: [FrontEnd; 1] = [FrontEnd::Iscsi];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            FrontEnd::Iscsi => "iscsi",
+        }
+    }
+
+    /// Its cap on admitted connections.
+    fn cap(self, limits: &ConnectionLimits) -> u32 {
+        match self {
+            FrontEnd::Iscsi => limits.iscsi,
+        }
+    }
+
+    fn limit_hit(self) -> LimitHit {
+        match self {
+            FrontEnd::Iscsi => LimitHit::IscsiConnections,
+        }
+    }
+}
+
+impl std::fmt::Display for FrontEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FrontEnd::Iscsi => "iSCSI",
+        })
+    }
 }
 
 /// The pool a logged-in connection moves to.
@@ -162,14 +228,16 @@ pub enum Refusal {
     PerSource(u32),
     #[error("{0} connections from this address still logging in (the limit)")]
     PendingPerSource(u32),
-    #[error("{0} logged-in iSER connections (the limit)")]
-    Iser(u32),
+    #[error("{0} logged-in RDMA connections (the limit)")]
+    Rdma(u32),
+    #[error("{1} logged-in {0} connections (the limit)")]
+    FrontEnd(FrontEnd, u32),
     #[error("{0} discovery sessions from this address (the limit)")]
     DiscoveryPerSource(u32),
     #[error("evicted: the oldest of too many connections still logging in, or discovery sessions")]
     Evicted,
-    #[error("{0} iSER connections still logging in or closing hold every login slot (the limit)")]
-    IserLoginSlots(u32),
+    #[error("{0} RDMA connections still logging in or closing hold every login slot (the limit)")]
+    RdmaLoginSlots(u32),
     #[error("the target is shutting down")]
     ShuttingDown,
 }
@@ -180,9 +248,10 @@ impl Refusal {
             Refusal::Total(_) => Some(LimitHit::Connections),
             Refusal::PerSource(_) => Some(LimitHit::ConnectionsPerSource),
             Refusal::PendingPerSource(_) => Some(LimitHit::PendingLoginsPerSource),
-            Refusal::Iser(_) => Some(LimitHit::IserConnections),
+            Refusal::Rdma(_) => Some(LimitHit::RdmaConnections),
+            Refusal::FrontEnd(front_end, _) => Some(front_end.limit_hit()),
             Refusal::DiscoveryPerSource(_) => Some(LimitHit::DiscoverySessionsPerSource),
-            Refusal::IserLoginSlots(_) => Some(LimitHit::IserLoginSlots),
+            Refusal::RdmaLoginSlots(_) => Some(LimitHit::RdmaLoginSlots),
             Refusal::Evicted | Refusal::ShuttingDown => None,
         }
     }
@@ -210,6 +279,7 @@ enum Pool {
 struct PoolCount {
     total: u32,
     rdma: u32,
+    by_front_end: [u32; FrontEnd::ALL.len()],
     /// Entries go when their count reaches zero: bounded by `total`.
     by_source: HashMap<IpAddr, u32>,
 }
@@ -224,18 +294,24 @@ impl PoolCount {
     fn of_source(&self, source: IpAddr) -> u32 {
         self.by_source.get(&source).copied().unwrap_or(0)
     }
-    fn add(&mut self, source: IpAddr, link: Link) {
+    fn of_front_end(&self, front_end: FrontEnd) -> u32 {
+        self.by_front_end[front_end as usize]
+    }
+    fn add(&mut self, source: IpAddr, door: Door) {
         self.total += 1;
-        if link == Link::Rdma {
+        if door.link == Link::Rdma {
             self.rdma += 1;
         }
+        self.by_front_end[door.front_end as usize] += 1;
         *self.by_source.entry(source).or_default() += 1;
     }
-    fn remove(&mut self, source: IpAddr, link: Link) {
+    fn remove(&mut self, source: IpAddr, door: Door) {
         self.total = self.total.saturating_sub(1);
-        if link == Link::Rdma {
+        if door.link == Link::Rdma {
             self.rdma = self.rdma.saturating_sub(1);
         }
+        let of_front_end = &mut self.by_front_end[door.front_end as usize];
+        *of_front_end = of_front_end.saturating_sub(1);
         if let Some(n) = self.by_source.get_mut(&source) {
             *n = n.saturating_sub(1);
             if *n == 0 {
@@ -247,7 +323,7 @@ impl PoolCount {
 
 struct Member {
     source: IpAddr,
-    link: Link,
+    door: Door,
     /// None once evicted: it no longer counts in any pool, and ends.
     pool: Option<Pool>,
     /// It sent a first PDU: a login under way goes after the silent ones.
@@ -349,7 +425,7 @@ impl GateState {
         self.members
             .values()
             .filter(|m| {
-                m.link == Link::Rdma && m.holds_login_slots && m.pool != Some(Pool::Admitted)
+                m.door.link == Link::Rdma && m.holds_login_slots && m.pool != Some(Pool::Admitted)
             })
             .count() as u32
     }
@@ -365,7 +441,7 @@ impl GateState {
         let victim = self
             .members
             .iter()
-            .filter(|(_, m)| m.pool == Some(pool) && link.is_none_or(|l| m.link == l))
+            .filter(|(_, m)| m.pool == Some(pool) && link.is_none_or(|l| m.door.link == l))
             .max_by_key(|(n, m)| {
                 (
                     // Silent: taken up by its driver, given its grace, and
@@ -397,9 +473,9 @@ impl GateState {
             churn = churn_of_victim,
             "evicted"
         );
-        let (source, link) = (m.source, m.link);
+        let (source, door) = (m.source, m.door);
         let control = m.control.clone();
-        self.pools[pool as usize].remove(source, link);
+        self.pools[pool as usize].remove(source, door);
         if let Some(c) = control {
             c.terminate();
         }
@@ -478,9 +554,10 @@ impl ConnectionGate {
             Refusal::Total(_) => "total",
             Refusal::PerSource(_) => "per_source",
             Refusal::PendingPerSource(_) => "pending_per_source",
-            Refusal::Iser(_) => "iser",
+            Refusal::Rdma(_) => "rdma",
+            Refusal::FrontEnd(..) => "front_end",
             Refusal::DiscoveryPerSource(_) => "discovery_per_source",
-            Refusal::IserLoginSlots(_) => "iser_login_slots",
+            Refusal::RdmaLoginSlots(_) => "rdma_login_slots",
             Refusal::Evicted => "evicted",
             Refusal::ShuttingDown => return,
         };
@@ -521,8 +598,9 @@ impl ConnectionGate {
 
     /// Admit a new connection from `source` to the pending pool, or say
     /// which limit it hits.
-    pub fn admit(self: &Arc<Self>, source: IpAddr, link: Link) -> Result<Permit, Refusal> {
+    pub fn admit(self: &Arc<Self>, source: IpAddr, door: Door) -> Result<Permit, Refusal> {
         let source = source_key(source);
+        let link = door.link;
         let l = self.limits;
         let mut st = self.state();
         if st.closed {
@@ -544,12 +622,12 @@ impl ConnectionGate {
         }
         st.next_permit += 1;
         let number = st.next_permit;
-        st.pools[Pool::Pending as usize].add(source, link);
+        st.pools[Pool::Pending as usize].add(source, door);
         st.members.insert(
             number,
             Member {
                 source,
-                link,
+                door,
                 pool: Some(Pool::Pending),
                 heard_from: false,
                 since: Instant::now(),
@@ -600,7 +678,8 @@ impl ConnectionGate {
         let Some(m) = st.members.get(&number) else {
             return Ok(());
         };
-        let (source, link, pool) = (m.source, m.link, m.pool);
+        let (source, door, pool) = (m.source, m.door, m.pool);
+        let link = door.link;
         let target = match (to, link) {
             // Over RDMA a discovery session pins the same receive and send
             // slots as a connection still logging in, so it stays in that
@@ -622,8 +701,11 @@ impl ConnectionGate {
         let mut evicted = false;
         let check = match target {
             Pool::Admitted if counts.total >= l.total => Err(Refusal::Total(l.total)),
-            Pool::Admitted if link == Link::Rdma && counts.rdma >= l.iser => {
-                Err(Refusal::Iser(l.iser))
+            Pool::Admitted if link == Link::Rdma && counts.rdma >= l.rdma => {
+                Err(Refusal::Rdma(l.rdma))
+            }
+            Pool::Admitted if counts.of_front_end(door.front_end) >= door.front_end.cap(&l) => {
+                Err(Refusal::FrontEnd(door.front_end, door.front_end.cap(&l)))
             }
             Pool::Admitted if counts.of_source(source) >= l.per_source => {
                 Err(Refusal::PerSource(l.per_source))
@@ -642,9 +724,9 @@ impl ConnectionGate {
             return Err(self.refused(why));
         }
         if let Some(p) = pool {
-            st.pools[p as usize].remove(source, link);
+            st.pools[p as usize].remove(source, door);
         }
-        st.pools[target as usize].add(source, link);
+        st.pools[target as usize].add(source, door);
         if let Some(m) = st.members.get_mut(&number) {
             m.pool = Some(target);
         }
@@ -678,11 +760,37 @@ impl ConnectionGate {
     }
 
     /// Connections now open, every pool and the evicted that have not
-    /// ended yet: (total, RDMA).
-    pub fn counts_now(&self) -> (u32, u32) {
+    /// ended yet.
+    pub fn counts_now(&self) -> OpenConnections {
         let st = self.state();
-        let rdma = st.members.values().filter(|m| m.link == Link::Rdma).count();
-        (st.members.len() as u32, rdma as u32)
+        let mut open = OpenConnections::default();
+        for m in st.members.values() {
+            open.total += 1;
+            if m.door.link == Link::Rdma {
+                open.rdma += 1;
+            }
+            open.by_front_end[m.door.front_end as usize] += 1;
+        }
+        open
+    }
+}
+
+/// What [`ConnectionGate::counts_now`] counts.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct OpenConnections {
+    pub total: u32,
+    pub rdma: u32,
+    /// Indexed by [`FrontEnd`] (`FrontEnd::ALL` order).
+    pub by_front_end: [u32; FrontEnd::ALL.len()],
+}
+
+impl OpenConnections {
+    pub fn tcp(&self) -> u32 {
+        self.total.saturating_sub(self.rdma)
+    }
+
+    pub fn of(&self, front_end: FrontEnd) -> u32 {
+        self.by_front_end[front_end as usize]
     }
 }
 
@@ -748,7 +856,7 @@ impl Permit {
             if m.pool.is_none() {
                 return Err(Refusal::Evicted);
             }
-            if m.link != Link::Rdma || m.holds_login_slots {
+            if m.door.link != Link::Rdma || m.holds_login_slots {
                 return Ok(());
             }
             if st.login_slot_holders() < cap {
@@ -760,7 +868,7 @@ impl Permit {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 drop(st);
-                return Err(self.gate.refused(Refusal::IserLoginSlots(cap)));
+                return Err(self.gate.refused(Refusal::RdmaLoginSlots(cap)));
             }
             st = self
                 .gate
@@ -777,7 +885,7 @@ impl Drop for Permit {
         let mut st = self.gate.state();
         if let Some(m) = st.members.remove(&self.number) {
             if let Some(pool) = m.pool {
-                st.pools[pool as usize].remove(m.source, m.link);
+                st.pools[pool as usize].remove(m.source, m.door);
             }
             if let Some(control) = m.control {
                 control.release();

@@ -4,7 +4,8 @@ fn limits() -> ConnectionLimits {
     ConnectionLimits {
         total: 5,
         per_source: 3,
-        iser: 1,
+        rdma: 1,
+        iscsi: 5,
         pending: 4,
         pending_rdma: 2,
         pending_per_source: 2,
@@ -19,7 +20,7 @@ fn ip(s: &str) -> IpAddr {
 
 /// A permit with a control watching it, as a driver holds them.
 fn connect(gate: &Arc<ConnectionGate>, from: &str, link: Link) -> (Permit, Arc<SessionControl>) {
-    let permit = gate.admit(ip(from), link).expect("admitted");
+    let permit = gate.admit(ip(from), Door::iscsi(link)).expect("admitted");
     let control = SessionControl::new();
     permit.watch(control.clone());
     (permit, control)
@@ -31,12 +32,13 @@ fn pending_connections_are_capped_per_source_and_age_out_in_total() {
     let (_a1, a1) = connect(&gate, "192.0.2.1", Link::Tcp);
     let (_a2, a2) = connect(&gate, "192.0.2.1", Link::Tcp);
     assert_eq!(
-        gate.admit(ip("192.0.2.1"), Link::Tcp).err(),
+        gate.admit(ip("192.0.2.1"), Door::iscsi(Link::Tcp)).err(),
         Some(Refusal::PendingPerSource(2))
     );
     // An IPv4-mapped IPv6 source is the same host.
     assert_eq!(
-        gate.admit(ip("::ffff:192.0.2.1"), Link::Tcp).err(),
+        gate.admit(ip("::ffff:192.0.2.1"), Door::iscsi(Link::Tcp))
+            .err(),
         Some(Refusal::PendingPerSource(2))
     );
     let (_b1, b1) = connect(&gate, "192.0.2.2", Link::Tcp);
@@ -119,6 +121,54 @@ fn logged_in_connections_leave_the_pending_pool_and_meet_their_own_caps() {
 }
 
 #[test]
+fn admitted_connections_meet_the_rdma_cap_and_their_front_ends_cap() {
+    let gate = Arc::new(ConnectionGate::new(ConnectionLimits {
+        iscsi: 3,
+        ..limits()
+    }));
+    let (_r1, r1) = connect(&gate, "192.0.2.1", Link::Rdma);
+    gate.logged_in(&r1, LoggedIn::Admitted).expect("first RDMA");
+    let (_r2, r2) = connect(&gate, "192.0.2.2", Link::Rdma);
+    assert_eq!(
+        gate.logged_in(&r2, LoggedIn::Admitted),
+        Err(Refusal::Rdma(1)),
+        "the RDMA cap counts RDMA connections only"
+    );
+    assert_eq!(gate.counters().limit_hits(LimitHit::RdmaConnections), 1);
+    let mut tcp = Vec::new();
+    for n in 1..=2 {
+        let (p, c) = connect(&gate, &format!("198.51.100.{n}"), Link::Tcp);
+        gate.logged_in(&c, LoggedIn::Admitted)
+            .expect("TCP beside the RDMA one");
+        tcp.push((p, c));
+    }
+    // Three iSCSI connections, one over RDMA: the fourth meets the front
+    // end's cap (3) before the total (5).
+    let (_t, t) = connect(&gate, "198.51.100.9", Link::Tcp);
+    assert_eq!(
+        gate.logged_in(&t, LoggedIn::Admitted),
+        Err(Refusal::FrontEnd(FrontEnd::Iscsi, 3))
+    );
+    assert_eq!(gate.counters().limit_hits(LimitHit::IscsiConnections), 1);
+    assert_eq!(
+        Refusal::FrontEnd(FrontEnd::Iscsi, 3).to_string(),
+        "3 logged-in iSCSI connections (the limit)"
+    );
+    let open = gate.counts_now();
+    assert_eq!((open.total, open.rdma, open.tcp()), (5, 2, 3));
+    assert_eq!(
+        open.of(FrontEnd::Iscsi),
+        5,
+        "every open connection, any pool"
+    );
+    // A place given back is a place for the next one.
+    drop(tcp.pop());
+    let (_t2, t2) = connect(&gate, "198.51.100.10", Link::Tcp);
+    gate.logged_in(&t2, LoggedIn::Admitted)
+        .expect("the place came back");
+}
+
+#[test]
 fn discovery_sessions_have_their_own_pool() {
     let gate = Arc::new(ConnectionGate::new(limits()));
     let mut held = Vec::new();
@@ -163,11 +213,15 @@ fn an_evicted_connection_cannot_log_in_and_a_dropped_permit_releases() {
         Err(Refusal::Evicted)
     );
     assert!(!first.is_released());
-    assert_eq!(gate.counts_now(), (5, 0), "the evicted one is still open");
+    assert_eq!(
+        (gate.counts_now().total, gate.counts_now().rdma),
+        (5, 0),
+        "the evicted one is still open"
+    );
     let first = first.clone();
     drop(conns);
     assert!(first.is_released(), "its permit is gone");
-    assert_eq!(gate.counts_now(), (0, 0));
+    assert_eq!(gate.counts_now(), OpenConnections::default());
 }
 
 #[test]
@@ -177,7 +231,7 @@ fn a_closed_gate_admits_nothing_and_ends_everyone() {
     assert_eq!(gate.close(), 1);
     assert!(c.is_terminated());
     assert_eq!(
-        gate.admit(ip("192.0.2.2"), Link::Tcp).err(),
+        gate.admit(ip("192.0.2.2"), Door::iscsi(Link::Tcp)).err(),
         Some(Refusal::ShuttingDown)
     );
 }
@@ -193,11 +247,13 @@ fn sources_are_hosts_ipv4_slash_32_and_ipv6_slash_64() {
     let _a = connect(&gate, "2001:db8::1", Link::Tcp);
     let _b = connect(&gate, "2001:db8::2", Link::Tcp);
     assert_eq!(
-        gate.admit(ip("2001:db8::3"), Link::Tcp).err(),
+        gate.admit(ip("2001:db8::3"), Door::iscsi(Link::Tcp)).err(),
         Some(Refusal::PendingPerSource(2)),
         "one /64 is one host"
     );
-    assert!(gate.admit(ip("2001:db8:0:1::1"), Link::Tcp).is_ok());
+    assert!(gate
+        .admit(ip("2001:db8:0:1::1"), Door::iscsi(Link::Tcp))
+        .is_ok());
 }
 
 #[test]
@@ -274,7 +330,7 @@ fn a_new_login_survives_a_reconnecting_rdma_discovery_flood() {
     // The flood: discovery sessions that are evicted and come back at once.
     for round in 0..40 {
         let from = sources[round % 3];
-        if let Ok(permit) = gate.admit(ip(from), Link::Rdma) {
+        if let Ok(permit) = gate.admit(ip(from), Door::iscsi(Link::Rdma)) {
             let control = SessionControl::new();
             permit.watch(control.clone());
             gate.heard_from(&control);
@@ -286,7 +342,7 @@ fn a_new_login_survives_a_reconnecting_rdma_discovery_flood() {
     let (_legit, legit) = connect(&gate, "10.99.0.1", Link::Rdma);
     for round in 0..40 {
         let from = sources[round % 3];
-        if let Ok(permit) = gate.admit(ip(from), Link::Rdma) {
+        if let Ok(permit) = gate.admit(ip(from), Door::iscsi(Link::Rdma)) {
             let control = SessionControl::new();
             permit.watch(control.clone());
             gate.heard_from(&control);
@@ -316,10 +372,10 @@ fn evicted_rdma_connections_hold_their_login_slots_until_they_are_gone() {
     assert!(a_control.is_terminated(), "the oldest is evicted");
     assert_eq!(
         c.reserve_login_slots(patience),
-        Err(Refusal::IserLoginSlots(2)),
+        Err(Refusal::RdmaLoginSlots(2)),
         "an evicted connection still tearing down counts against the cap"
     );
-    assert_eq!(gate.counters().limit_hits(LimitHit::IserLoginSlots), 1);
+    assert_eq!(gate.counters().limit_hits(LimitHit::RdmaLoginSlots), 1);
     // d evicts b. Once a is torn down, the waiting d gets its slots.
     let (d, d_control) = connect(&gate, "192.0.2.4", Link::Rdma);
     let waiter = std::thread::spawn(move || {

@@ -39,10 +39,13 @@ pub(super) struct FileConfig {
     pub max_connections_per_host: Option<Spanned<u32>>,
     pub max_logins_per_host: Option<Spanned<u32>>,
     pub max_pending_logins: Option<Spanned<u32>>,
-    pub max_pending_iser_logins: Option<Spanned<u32>>,
+    #[serde(alias = "max_pending_iser_logins")]
+    pub max_pending_rdma_logins: Option<Spanned<u32>>,
     pub max_discovery_sessions: Option<Spanned<u32>>,
     pub max_discovery_sessions_per_host: Option<Spanned<u32>>,
-    pub max_iser_connections: Option<Spanned<u32>>,
+    #[serde(alias = "max_iser_connections")]
+    pub max_rdma_connections: Option<Spanned<u32>>,
+    pub max_iscsi_connections: Option<Spanned<u32>>,
     pub staging_budget: Option<Spanned<String>>,
     pub iser: Option<bool>,
     pub iser_spin: Option<u32>,
@@ -218,8 +221,8 @@ fn problems(text: &str, file: &FileConfig, exposure: Exposure) -> Vec<Problem> {
             file.max_pending_logins.as_ref().map(widen),
         ),
         (
-            "max_pending_iser_logins",
-            file.max_pending_iser_logins.as_ref().map(widen),
+            "max_pending_rdma_logins",
+            file.max_pending_rdma_logins.as_ref().map(widen),
         ),
         (
             "max_discovery_sessions",
@@ -230,8 +233,12 @@ fn problems(text: &str, file: &FileConfig, exposure: Exposure) -> Vec<Problem> {
             file.max_discovery_sessions_per_host.as_ref().map(widen),
         ),
         (
-            "max_iser_connections",
-            file.max_iser_connections.as_ref().map(widen),
+            "max_rdma_connections",
+            file.max_rdma_connections.as_ref().map(widen),
+        ),
+        (
+            "max_iscsi_connections",
+            file.max_iscsi_connections.as_ref().map(widen),
         ),
     ];
     for (key, value) in numbers {

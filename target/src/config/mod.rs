@@ -187,19 +187,26 @@ pub struct RunArgs {
     /// the oldest is closed to make room.
     #[arg(long, value_name = "N")]
     pub max_pending_logins: Option<u32>,
-    /// iSER connections still logging in, in total (default 8); beyond it
-    /// the oldest is closed to make room.
-    #[arg(long, value_name = "N")]
-    pub max_pending_iser_logins: Option<u32>,
+    /// RDMA (iSER) connections still logging in, in total (default 8);
+    /// beyond it the oldest is closed to make room. Also accepted as
+    /// `--max-pending-iser-logins`.
+    #[arg(long, value_name = "N", visible_alias = "max-pending-iser-logins")]
+    pub max_pending_rdma_logins: Option<u32>,
     /// Discovery sessions in total (default 16); beyond it the oldest is closed.
     #[arg(long, value_name = "N")]
     pub max_discovery_sessions: Option<u32>,
     /// Discovery sessions from one source host (default 2).
     #[arg(long, value_name = "N")]
     pub max_discovery_sessions_per_host: Option<u32>,
-    /// Logged-in iSER connections, each pinning registered buffers (default 32).
+    /// Logged-in RDMA (iSER) connections, each pinning registered buffers
+    /// (default 32). Also accepted as `--max-iser-connections`.
+    #[arg(long, value_name = "N", visible_alias = "max-iser-connections")]
+    pub max_rdma_connections: Option<u32>,
+    /// Logged-in iSCSI connections, iSCSI/TCP and iSER together (default
+    /// 256); a cap of its own beside `--max-connections` so that a second
+    /// front end can keep places for itself.
     #[arg(long, value_name = "N")]
-    pub max_iser_connections: Option<u32>,
+    pub max_iscsi_connections: Option<u32>,
     /// Memory for parameter data all sessions may hold at once (default 128M).
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub staging_budget: Option<u64>,
@@ -554,9 +561,9 @@ impl Config {
                 &mut c.pending,
             ),
             (
-                "max_pending_iser_logins",
-                args.max_pending_iser_logins,
-                &file.max_pending_iser_logins,
+                "max_pending_rdma_logins",
+                args.max_pending_rdma_logins,
+                &file.max_pending_rdma_logins,
                 &mut c.pending_rdma,
             ),
             (
@@ -572,10 +579,16 @@ impl Config {
                 &mut c.discovery_per_source,
             ),
             (
-                "max_iser_connections",
-                args.max_iser_connections,
-                &file.max_iser_connections,
-                &mut c.iser,
+                "max_rdma_connections",
+                args.max_rdma_connections,
+                &file.max_rdma_connections,
+                &mut c.rdma,
+            ),
+            (
+                "max_iscsi_connections",
+                args.max_iscsi_connections,
+                &file.max_iscsi_connections,
+                &mut c.iscsi,
             ),
         ];
         for (key, flag, from_file, limit) in counts {

@@ -170,3 +170,88 @@ fn chap_secret_files_readable_by_others_are_refused() {
     assert!(Config::load(&args).is_ok(), "0400 is fine");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 25 renamed the RDMA caps for a second RDMA front end; the names
+/// users wrote before (`--max-iser-connections`, `max_iser_connections`,
+/// and the pending ones) keep working, and giving both is refused.
+#[test]
+fn the_rdma_caps_answer_to_their_iser_names_too() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+    let parse = |flags: &[&str]| {
+        <Cli as clap::Parser>::try_parse_from(
+            std::iter::once("ramslog-target").chain(flags.iter().copied()),
+        )
+        .map(|c| c.run)
+    };
+    let sized = |flags: &[&str]| parse(&[&["--size", "16M"], flags].concat());
+    let old = sized(&[
+        "--max-iser-connections",
+        "7",
+        "--max-pending-iser-logins",
+        "3",
+    ])
+    .expect("old flags");
+    let new = sized(&[
+        "--max-rdma-connections",
+        "7",
+        "--max-pending-rdma-logins",
+        "3",
+    ])
+    .expect("new flags");
+    for args in [old, new] {
+        let c = Config::load(&RunArgs {
+            ephemeral: true,
+            ..args
+        })
+        .expect("config");
+        assert_eq!(
+            (c.limits.connections.rdma, c.limits.connections.pending_rdma),
+            (7, 3)
+        );
+    }
+    let both = parse(&["--max-iser-connections", "7", "--max-rdma-connections", "8"]);
+    assert!(both.is_err(), "one cap, given twice");
+
+    let dir = std::env::temp_dir().join(format!("ramslog-aliases-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let load = |text: &str| {
+        let file = dir.join("caps.toml");
+        std::fs::write(&file, text).unwrap();
+        Config::load(&RunArgs {
+            config: Some(file),
+            ephemeral: true,
+            size: Some(16 << 20),
+            ..Default::default()
+        })
+    };
+    for text in [
+        "max_iser_connections = 5\nmax_pending_iser_logins = 2\nmax_iscsi_connections = 9\n",
+        "max_rdma_connections = 5\nmax_pending_rdma_logins = 2\nmax_iscsi_connections = 9\n",
+    ] {
+        let c = load(text).expect(text);
+        let caps = c.limits.connections;
+        assert_eq!(
+            (caps.rdma, caps.pending_rdma, caps.iscsi),
+            (5, 2, 9),
+            "{text}"
+        );
+    }
+    let twice = load("max_iser_connections = 5\nmax_rdma_connections = 6\n")
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(twice.contains("max_rdma_connections"), "{twice}");
+    let zero = load("max_iscsi_connections = 0\n")
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        zero.contains("max_iscsi_connections must be at least 1"),
+        "{zero}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -16,6 +16,7 @@ use prometheus_client::registry::Registry;
 
 pub mod endpoint;
 
+use crate::admission::FrontEnd;
 use crate::metrics::{
     bucket_bound_seconds, sense_key_label, CommandKind, LimitHit, LoginRefusal, LunTotals,
     ProcessMemory, FINITE_BUCKETS,
@@ -221,18 +222,25 @@ impl Collector for PortalCollector {
                     ([("target", name)], n as f64)
                 }),
         )?;
-        let (total, iser) = portal.gate.counts_now();
+        let open = portal.gate.counts_now();
+        // `iser` names the RDMA transport: the label predates a second RDMA
+        // front end and stays for dashboards.
         gauge(
             e,
             "ramslog_connections",
             "Open connections, by transport",
             [
-                (
-                    [("transport", "tcp")],
-                    f64::from(total.saturating_sub(iser)),
-                ),
-                ([("transport", "iser")], f64::from(iser)),
+                ([("transport", "tcp")], f64::from(open.tcp())),
+                ([("transport", "iser")], f64::from(open.rdma)),
             ],
+        )?;
+        gauge(
+            e,
+            "ramslog_front_end_connections",
+            "Open connections, by front end (protocol)",
+            FrontEnd::ALL
+                .into_iter()
+                .map(|f| ([("front_end", f.label())], f64::from(open.of(f)))),
         )?;
         counter(
             e,

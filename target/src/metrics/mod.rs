@@ -394,8 +394,12 @@ labels! {
         ConnectionsPerSource => "connections_per_source",
         /// Connections from one address still logging in.
         PendingLoginsPerSource => "pending_logins_per_source",
-        /// iSER connections (each pins its queue pair's memory).
-        IserConnections => "iser_connections",
+        /// Logged-in RDMA connections (each pins its queue pair's memory).
+        /// The label predates a second RDMA front end and stays, so that
+        /// dashboards and alert rules keep working.
+        RdmaConnections => "iser_connections",
+        /// Logged-in iSCSI connections (`max_iscsi_connections`).
+        IscsiConnections => "iscsi_connections",
         /// The daemon-wide staging budget: a command got TASK SET FULL.
         StagingBudget => "staging_budget",
         /// A session's command window: a command got TASK SET FULL.
@@ -411,9 +415,10 @@ labels! {
         /// A connection sent no PDU in time, or a discovery session outlived
         /// its lifetime: it was closed.
         IdleLogins => "idle_logins",
-        /// iSER connections still logging in, or closing, held every login
-        /// slot for too long: a new one was refused.
-        IserLoginSlots => "iser_login_slots",
+        /// RDMA connections still logging in, or closing, held every login
+        /// slot for too long: a new one was refused (the label predates a
+        /// second RDMA front end and stays).
+        RdmaLoginSlots => "iser_login_slots",
     }
 }
 

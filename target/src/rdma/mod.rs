@@ -33,7 +33,7 @@ use ramslog_common::verbs::{
     WcOpcode, WorkCompletion, WrId,
 };
 
-use crate::admission::{Link, Permit, SessionControl};
+use crate::admission::{Door, Link, Permit, SessionControl};
 use crate::clock::CoarseClock;
 use crate::engine::{
     Action, ConnInfo, Connection, Event, Input, IserPeer, OutData, OutPdu, ReadDest,
@@ -336,7 +336,7 @@ fn accept_request(
     let Some(id) = new_id else { return };
     let peer = id.peer_addr();
     let source = peer.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |p| p.ip());
-    let permit = match portal.gate.admit(source, Link::Rdma) {
+    let permit = match portal.gate.admit(source, Door::iscsi(Link::Rdma)) {
         Ok(p) => p,
         Err(why) => {
             let shown = peer.map_or_else(|| "?".to_string(), |p| p.to_string());

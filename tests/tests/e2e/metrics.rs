@@ -244,6 +244,10 @@ async fn real_io_fills_the_endpoint_and_prometheus_scrapes_it() {
         1.0
     );
     assert_eq!(sample(&page, "ramslog_connections{transport=\"tcp\"}"), 1.0);
+    assert_eq!(
+        sample(&page, "ramslog_front_end_connections{front_end=\"iscsi\"}"),
+        1.0
+    );
     assert!(sample(&page, "ramslog_process_locked_memory_bytes") >= 256.0 * 1024.0 * 1024.0);
     assert!(
         !page.contains("label-probe-5f3a") && !page.contains("127.0.0.1:"),
@@ -277,6 +281,8 @@ async fn real_io_fills_the_endpoint_and_prometheus_scrapes_it() {
         .as_f64()
         .is_some());
     assert_eq!(st["portal"]["tcp_connections"], 1);
+    assert_eq!(st["portal"]["iser_connections"], 0);
+    assert_eq!(st["portal"]["front_end_connections"]["iscsi"], 1);
     assert_eq!(
         st["targets"][0]["luns"][0]["io"]["errors"][0]["sense_key"],
         "illegal_request"
