@@ -149,7 +149,13 @@ fn tcp_command(conn: &mut Connection, wire: &Wire, wbuf: &mut Vec<u8>) -> Option
                 st = status(&p).or(st);
                 assert!(tcp::encode_pdu(conn, &p, wbuf));
                 if let Some(served) = p.served {
-                    conn.served(served, metrics::clock().raw());
+                    conn.handle(
+                        now,
+                        Input::Served {
+                            served,
+                            at_raw: metrics::clock().raw(),
+                        },
+                    );
                 }
             }
             other => panic!("unexpected {other:?}"),
@@ -174,7 +180,13 @@ fn iser_command(conn: &mut Connection, wire: &Wire, slot: &mut [u8]) -> Option<u
                 st = status(&p).or(st);
                 black_box(rdma::encode_pdu(conn, &p, slot).expect("encode"));
                 if let Some(served) = p.served {
-                    conn.served(served, metrics::clock().raw());
+                    conn.handle(
+                        now,
+                        Input::Served {
+                            served,
+                            at_raw: metrics::clock().raw(),
+                        },
+                    );
                 }
             }
             Action::RdmaWrite { data, .. } => {

@@ -132,7 +132,7 @@ async fn run_connection(
             tokio::select! {
                 r = stream.write(out.pending()) => match r {
                     Ok(0) => break Ok(()),
-                    Ok(n) => out.advance(n, &conn),
+                    Ok(n) => out.advance(n, &mut conn),
                     Err(e) => break Err(e),
                 },
                 _ = tokio::time::sleep_until(deadline.into()) => {
@@ -175,7 +175,7 @@ async fn run_connection(
             _ = control.terminated() => break Ok(()),
         }
     };
-    conn.shutdown();
+    conn.handle(Instant::now(), Input::Closed);
     result
 }
 
@@ -232,16 +232,17 @@ impl Output {
         &self.buf[self.written..]
     }
 
-    fn advance(&mut self, n: usize, conn: &Connection) {
+    fn advance(&mut self, n: usize, conn: &mut Connection) {
+        let now = Instant::now();
         self.written += n;
-        self.last_progress = Instant::now();
+        self.last_progress = now;
         if self.is_empty() {
             self.buf.clear();
             self.written = 0;
             if !self.served.is_empty() {
-                let now_raw = metrics::clock().raw();
-                for s in self.served.drain(..) {
-                    conn.served(s, now_raw);
+                let at_raw = metrics::clock().raw();
+                for served in self.served.drain(..) {
+                    conn.handle(now, Input::Served { served, at_raw });
                 }
             }
         }

@@ -26,7 +26,13 @@ fn drain(conn: &mut Connection, now: Instant) -> (usize, Option<u8>) {
             Action::Send(p) => {
                 n += 1;
                 if let Some(served) = p.served {
-                    conn.served(served, metrics::clock().raw());
+                    conn.handle(
+                        now,
+                        Input::Served {
+                            served,
+                            at_raw: metrics::clock().raw(),
+                        },
+                    );
                 }
                 if matches!(p.bhs.opcode(), Some(Opcode::ScsiResponse)) || p.bhs.flags() & 1 != 0 {
                     st = Some(p.bhs.scsi_status());

@@ -79,7 +79,7 @@ pub struct OutPdu {
     pub header_digest: bool,
     pub data_digest: bool,
     /// This response ends a counted SCSI command: once it is posted or
-    /// written, the driver hands this to [`Connection::served`](super::Connection::served).
+    /// written, the driver hands this back as [`Input::Served`].
     pub served: Option<Served>,
 }
 
@@ -185,6 +185,14 @@ pub enum Input<'a> {
     RdmaReadDone { tag: u32, data: &'a [u8] },
     /// A deadline [`Connection::poll_timeout`](super::Connection::poll_timeout) named has passed.
     Timeout,
+    /// The response that carried `served` ([`OutPdu::served`]) was written
+    /// or posted at `at_raw` (`metrics::clock().raw()`, read fresh: the
+    /// `now` beside it may be a round old): its command's service time.
+    Served { served: Served, at_raw: u64 },
+    /// The transport is gone (the peer closed, an error, termination):
+    /// release the session. The driver sends it once, last; more are
+    /// harmless.
+    Closed,
 }
 
 impl<'a> Input<'a> {

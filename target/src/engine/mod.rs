@@ -3,7 +3,8 @@
 //! One input, [`Connection::handle`], carries everything a transport delivers
 //! ([`Input`]: a whole PDU with the buffers its iSER header named, digests
 //! already checked by the driver; a data digest error; an oversized PDU; a
-//! finished RDMA READ; a timeout). Outputs: [`Connection::poll_event`]
+//! finished RDMA READ; a timeout; a response that went out, which ends its
+//! command's service time; the transport's end). Outputs: [`Connection::poll_event`]
 //! (what the driver learns once: a normal session began, with its peer
 //! profile and transfers), [`Connection::poll_action`] (PDUs to send, RDMA
 //! transfers, close) and [`Connection::poll_timeout`]. The driver polls in
@@ -11,9 +12,10 @@
 //! then it re-arms its timer from `poll_timeout`. The engine never touches
 //! sockets, and the current time is passed in; the one clock it reads
 //! itself is [`metrics::clock`](crate::metrics::clock), for service times
-//! when they are measured. Two calls sit beside `handle`: [`Connection::served`] (a
-//! response went out, which ends its service time) and
-//! [`Connection::shutdown`] (the daemon is stopping).
+//! when they are measured. Besides `handle` and the `poll_*` calls the
+//! driver only asks: [`Connection::may_post_rdma_read`] before it posts a
+//! READ it was told to, and facts fixed at login (`max_rx_data_segment`,
+//! digests).
 //!
 //! Sessions have exactly one connection (MaxConnections=1, ErrorRecoveryLevel=0),
 //! so the session state lives inside the connection.
@@ -224,6 +226,8 @@ impl Connection {
             Input::Oversized(bhs) => self.oversized(now, bhs),
             Input::RdmaReadDone { tag, data } => self.rdma_read_done(now, tag, data),
             Input::Timeout => self.timeout(now),
+            Input::Served { served, at_raw } => self.served(served, at_raw),
+            Input::Closed => self.shutdown(),
         }
     }
 
@@ -344,7 +348,7 @@ impl Connection {
     /// A response carrying `s` was posted or written at `now_raw`
     /// (`metrics::clock().raw()`): record the command's service time.
     #[inline]
-    pub fn served(&self, s: Served, now_raw: u64) {
+    fn served(&self, s: Served, now_raw: u64) {
         if let Phase::FullFeature(session) = &self.phase {
             session.served(s, now_raw);
         }
@@ -472,7 +476,7 @@ impl Connection {
     }
 
     /// The transport is gone: release the session's resources. Idempotent.
-    pub fn shutdown(&mut self) {
+    fn shutdown(&mut self) {
         self.end_session();
         self.timers = TimerTable::default();
     }

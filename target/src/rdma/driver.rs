@@ -105,7 +105,7 @@ impl Driver<'_> {
                     } => self.begin_normal_session(iser_peer, transfers)?,
                 }
             }
-            if self.drain_actions()? || self.conn.is_closed() {
+            if self.drain_actions(now)? || self.conn.is_closed() {
                 self.closing.get_or_insert(now);
             }
             match (&self.held, self.blocked_since) {
@@ -436,7 +436,7 @@ impl Driver<'_> {
     }
 
     /// Post what the engine queued, in order; true when it asked to close.
-    fn drain_actions(&mut self) -> Result<bool, ConnError> {
+    fn drain_actions(&mut self, now: Instant) -> Result<bool, ConnError> {
         loop {
             let Some(action) = self.held.take().or_else(|| self.conn.poll_action()) else {
                 return Ok(false);
@@ -445,7 +445,7 @@ impl Driver<'_> {
                 self.held = Some(action);
                 return Ok(false);
             }
-            match self.post_action(action)? {
+            match self.post_action(now, action)? {
                 Posted::Done => {}
                 Posted::Blocked(a) => {
                     self.held = Some(a);
@@ -456,9 +456,9 @@ impl Driver<'_> {
         }
     }
 
-    fn post_action(&mut self, action: Action) -> Result<Posted, ConnError> {
+    fn post_action(&mut self, now: Instant, action: Action) -> Result<Posted, ConnError> {
         match action {
-            Action::Send(pdu) => self.post_pdu(pdu),
+            Action::Send(pdu) => self.post_pdu(now, pdu),
             Action::RdmaWrite {
                 stag,
                 remote_addr,
@@ -475,7 +475,7 @@ impl Driver<'_> {
         }
     }
 
-    fn post_pdu(&mut self, pdu: OutPdu) -> Result<Posted, ConnError> {
+    fn post_pdu(&mut self, now: Instant, pdu: OutPdu) -> Result<Posted, ConnError> {
         let Some(mut slot) = self.free_send.pop() else {
             return Ok(Posted::Blocked(Action::Send(pdu)));
         };
@@ -493,7 +493,8 @@ impl Driver<'_> {
         self.post_send_slot(slot, total)?;
         if let Some(served) = pdu.served {
             // A fresh reading: the loop's `now` may be rounds old.
-            self.conn.served(served, metrics::clock().raw());
+            let at_raw = metrics::clock().raw();
+            self.conn.handle(now, Input::Served { served, at_raw });
         }
         Ok(Posted::Done)
     }

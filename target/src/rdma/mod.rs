@@ -538,7 +538,7 @@ fn run_connection(
         transfers: None,
     };
     let result = driver.run(&events, &comp, &control, opts);
-    driver.conn.shutdown();
+    driver.conn.handle(Instant::now(), Input::Closed);
     let unfinished_reads = driver.reads_into_lun();
     let transfers = driver.transfers.take();
     let peer_gone = driver.peer_gone;

@@ -244,7 +244,7 @@ fn a_hung_hosts_transfers_are_cut_off_before_the_preempt_is_answered() {
     // ...whose queue pair is destroyed, its posted READs flushed: none of
     // their bytes lands. Then its permit goes, and B is answered.
     hca.destroy();
-    a.conn.shutdown();
+    a.conn.handle(Instant::now(), Input::Closed);
     a_control.release_for_test();
     b.now += Duration::from_millis(1);
     b.conn.handle(b.now, Input::Timeout);
@@ -490,7 +490,7 @@ fn iser_teardown_with_reads_in_flight_acknowledges_and_places_nothing() {
     // The connection fails: the driver destroys the queue pair (its posted
     // READs are flushed) and the engine hears the transport is gone.
     hca.destroy();
-    a.conn.shutdown();
+    a.conn.handle(Instant::now(), Input::Closed);
     a_control.release_for_test();
     assert_eq!(transfers.in_flight(), 0, "the flushed READs are over");
     assert_eq!(statuses(&a.drain()), vec![], "a write was acknowledged");
