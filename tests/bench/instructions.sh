@@ -9,6 +9,11 @@
 #   tests/bench/instructions.sh COMMIT      # COMMIT, built in a scratch worktree
 #
 # Prints one line per case: "<case>\t<instructions per command>".
+# The iSER cases repeat to the instruction; the TCP ones move by up to about
+# 2 % between runs of one build (the 4 KiB copies into the output buffer),
+# so compare TCP over two or three runs. The release profile builds with one
+# codegen unit (Cargo.toml); to compare with a commit from before that, run
+# it with CARGO_PROFILE_RELEASE_CODEGEN_UNITS=1 CARGO_PROFILE_BENCH_CODEGEN_UNITS=1.
 # Needs valgrind (installed if missing) and a build; nothing is left in the tree.
 set -euo pipefail
 

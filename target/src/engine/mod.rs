@@ -213,7 +213,10 @@ impl Connection {
     }
 
     /// The one way in: whatever the transport delivers, at `now`.
-    #[inline]
+    // Always inlined: each driver call names one variant, so inlined the
+    // match folds away and the input is never built in memory; called, it
+    // cost about 45 instructions per input (callgrind, iser read).
+    #[inline(always)]
     pub fn handle(&mut self, now: Instant, input: Input<'_>) {
         match input {
             Input::Pdu {
