@@ -1,26 +1,16 @@
 //! rdma-bench against a real ramslog-target over 127.0.0.1: `lat`, `compare`
 //! and `sweep` end to end, their JSON and plots, and the errors a user sees.
 
-use std::process::{Command, Output};
+use std::process::Output;
 
 use ramslog_tests::TargetProcess;
+
+mod common;
+use common::{json_of, rdma_bench};
 use serde_json::Value;
 
 fn bench(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rdma-bench"))
-        .args(args)
-        .output()
-        .expect("run rdma-bench")
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "rdma-bench failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    rdma_bench(args)
 }
 
 fn p50(result: &Value) -> f64 {

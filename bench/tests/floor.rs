@@ -9,6 +9,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+mod common;
+use common::{json_of, rdma_bench};
+
 const BIN: &str = env!("CARGO_BIN_EXE_rdma-bench");
 
 /// A floor-server on a port the kernel picks; killed on drop.
@@ -60,21 +63,7 @@ impl Drop for Server {
 }
 
 fn floor(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .arg("floor")
-        .args(args)
-        .output()
-        .expect("run rdma-bench floor")
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "rdma-bench floor failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    rdma_bench(&[&["floor"], args].concat())
 }
 
 #[test]
@@ -209,29 +198,15 @@ fn ramslog_has_no_rdma() -> bool {
     !std::path::Path::new("/dev/infiniband/rdma_cm").exists()
 }
 
-fn json(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("JSON")
-}
-
 #[test]
 fn lat_and_compare_report_what_the_target_adds() {
     let s = Server::start();
     let floor = s.addr.to_string();
     let t = ramslog_tests::TargetProcess::start();
     let u = ramslog_tests::TargetProcess::start();
-    let run = |args: &[&str]| {
-        Command::new(BIN)
-            .args(args)
-            .output()
-            .expect("run rdma-bench")
-    };
+    let run = rdma_bench;
 
-    let v = json(&run(&[
+    let v = json_of(&run(&[
         "lat",
         &t.url(0),
         "--pattern",
@@ -251,7 +226,7 @@ fn lat_and_compare_report_what_the_target_adds() {
     let adds = v["results"][0]["target_adds_us"].as_f64().unwrap();
     assert!((adds - (p50(&v["results"][0]) - p50(f))).abs() < 1e-6);
 
-    let v = json(&run(&[
+    let v = json_of(&run(&[
         "compare",
         &t.url(0),
         &u.url(0),
@@ -305,7 +280,7 @@ fn lat_and_compare_report_what_the_target_adds() {
         &floor,
         "--json",
     ]);
-    let v = json(&out);
+    let v = json_of(&out);
     assert!(v["floors"].as_array().unwrap().is_empty());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no floor for Read"));
 }

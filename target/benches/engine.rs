@@ -16,7 +16,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ramslog_common::iscsi::{Bhs, Opcode, BHS_LEN};
 use ramslog_common::iser::{Header, Message, RemoteBuffer, HEADER_LEN};
 use ramslog_target::engine::{Action, Connection, Input, OutPdu};
-use ramslog_target::{metrics, rdma, tcp, testkit};
+use ramslog_target::{rdma, tcp, testkit};
 
 const BLOCKS: u32 = 8;
 const LUN_BLOCKS: u32 = 16384;
@@ -149,13 +149,7 @@ fn tcp_command(conn: &mut Connection, wire: &Wire, wbuf: &mut Vec<u8>) -> Option
                 st = status(&p).or(st);
                 assert!(tcp::encode_pdu(conn, &p, wbuf));
                 if let Some(served) = p.served {
-                    conn.handle(
-                        now,
-                        Input::Served {
-                            served,
-                            at_raw: metrics::clock().raw(),
-                        },
-                    );
+                    conn.handle(now, Input::served_now(served));
                 }
             }
             other => panic!("unexpected {other:?}"),
@@ -180,13 +174,7 @@ fn iser_command(conn: &mut Connection, wire: &Wire, slot: &mut [u8]) -> Option<u
                 st = status(&p).or(st);
                 black_box(rdma::encode_pdu(conn, &p, slot).expect("encode"));
                 if let Some(served) = p.served {
-                    conn.handle(
-                        now,
-                        Input::Served {
-                            served,
-                            at_raw: metrics::clock().raw(),
-                        },
-                    );
+                    conn.handle(now, Input::served_now(served));
                 }
             }
             Action::RdmaWrite { data, .. } => {

@@ -10,7 +10,7 @@ use std::time::Instant;
 use ramslog_common::iscsi::{Bhs, Opcode};
 use ramslog_common::iser::RemoteBuffer;
 use ramslog_target::engine::{Action, Connection, Input, OutData, ReadDest, RemoteBuffers};
-use ramslog_target::metrics::{self, CommandKind};
+use ramslog_target::metrics::CommandKind;
 use ramslog_target::testkit;
 use ramslog_tests::counting_alloc::CountingAllocator;
 
@@ -26,13 +26,7 @@ fn drain(conn: &mut Connection, now: Instant) -> (usize, Option<u8>) {
             Action::Send(p) => {
                 n += 1;
                 if let Some(served) = p.served {
-                    conn.handle(
-                        now,
-                        Input::Served {
-                            served,
-                            at_raw: metrics::clock().raw(),
-                        },
-                    );
+                    conn.handle(now, Input::served_now(served));
                 }
                 if matches!(p.bhs.opcode(), Some(Opcode::ScsiResponse)) || p.bhs.flags() & 1 != 0 {
                     st = Some(p.bhs.scsi_status());

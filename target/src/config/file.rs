@@ -199,47 +199,29 @@ fn problems(text: &str, file: &FileConfig, exposure: Exposure) -> Vec<Problem> {
             refuse(h.span(), format!("hugepages: {e}"));
         }
     }
-    let numbers = [
-        ("cmd_window", file.cmd_window.as_ref().map(widen)),
-        ("nop_interval", file.nop_interval.clone()),
-        ("nop_timeout", file.nop_timeout.clone()),
-        ("login_timeout", file.login_timeout.clone()),
-        ("output_stall_timeout", file.output_stall_timeout.clone()),
-        ("first_pdu_timeout", file.first_pdu_timeout.clone()),
-        ("discovery_lifetime", file.discovery_lifetime.clone()),
-        ("max_connections", file.max_connections.as_ref().map(widen)),
-        (
-            "max_connections_per_host",
-            file.max_connections_per_host.as_ref().map(widen),
-        ),
-        (
-            "max_logins_per_host",
-            file.max_logins_per_host.as_ref().map(widen),
-        ),
-        (
-            "max_pending_logins",
-            file.max_pending_logins.as_ref().map(widen),
-        ),
-        (
-            "max_pending_rdma_logins",
-            file.max_pending_rdma_logins.as_ref().map(widen),
-        ),
-        (
-            "max_discovery_sessions",
-            file.max_discovery_sessions.as_ref().map(widen),
-        ),
-        (
-            "max_discovery_sessions_per_host",
-            file.max_discovery_sessions_per_host.as_ref().map(widen),
-        ),
-        (
-            "max_rdma_connections",
-            file.max_rdma_connections.as_ref().map(widen),
-        ),
-        (
-            "max_iscsi_connections",
-            file.max_iscsi_connections.as_ref().map(widen),
-        ),
+    // Each numeric key, by its name in the file.
+    macro_rules! numbers {
+        ($($key:ident),* $(,)?) => {
+            [$((stringify!($key), file.$key.as_ref().map(widen))),*]
+        };
+    }
+    let numbers = numbers![
+        cmd_window,
+        nop_interval,
+        nop_timeout,
+        login_timeout,
+        output_stall_timeout,
+        first_pdu_timeout,
+        discovery_lifetime,
+        max_connections,
+        max_connections_per_host,
+        max_logins_per_host,
+        max_pending_logins,
+        max_pending_rdma_logins,
+        max_discovery_sessions,
+        max_discovery_sessions_per_host,
+        max_rdma_connections,
+        max_iscsi_connections,
     ];
     for (key, value) in numbers {
         if let Some(v) = value {
@@ -339,8 +321,8 @@ fn problems(text: &str, file: &FileConfig, exposure: Exposure) -> Vec<Problem> {
     out
 }
 
-fn widen(v: &Spanned<u32>) -> Spanned<u64> {
-    Spanned::new(v.span(), u64::from(*v.get_ref()))
+fn widen<T: Copy + Into<u64>>(v: &Spanned<T>) -> Spanned<u64> {
+    Spanned::new(v.span(), (*v.get_ref()).into())
 }
 
 #[cfg(test)]

@@ -483,116 +483,54 @@ impl Config {
                     Some(v) => check_setting(key, v).map(|()| Some(v)).map_err(invalid),
                 }
             };
-        let spanned = |v: &Option<toml::Spanned<u32>>| v.as_ref().map(|v| u64::from(*v.get_ref()));
-        let spanned64 = |v: &Option<toml::Spanned<u64>>| v.as_ref().map(|v| *v.get_ref());
-        if let Some(w) = setting(
-            "cmd_window",
-            args.cmd_window.map(u64::from),
-            spanned(&file.cmd_window),
-        )? {
+        // A numeric setting: the flag, else the file's key of the same name,
+        // checked against its bounds.
+        macro_rules! number {
+            ($key:ident) => {
+                setting(
+                    stringify!($key),
+                    args.$key.map(u64::from),
+                    file.$key.as_ref().map(|v| u64::from(*v.get_ref())),
+                )?
+            };
+        }
+        if let Some(w) = number!(cmd_window) {
+            // check_setting bounds it to 4096.
             limits.cmd_window = w as u32;
         }
-        if let Some(n) = setting(
-            "nop_interval",
-            args.nop_interval,
-            spanned64(&file.nop_interval),
-        )? {
-            limits.nop_interval = Duration::from_secs(n);
-        }
-        if let Some(n) = setting(
-            "nop_timeout",
-            args.nop_timeout,
-            spanned64(&file.nop_timeout),
-        )? {
-            limits.nop_timeout = Duration::from_secs(n);
-        }
-        if let Some(n) = setting(
-            "login_timeout",
-            args.login_timeout,
-            spanned64(&file.login_timeout),
-        )? {
-            limits.login_timeout = Duration::from_secs(n);
-        }
-        if let Some(n) = setting(
-            "output_stall_timeout",
-            args.output_stall_timeout,
-            spanned64(&file.output_stall_timeout),
-        )? {
-            limits.output_stall_timeout = Duration::from_secs(n);
-        }
-        if let Some(n) = setting(
-            "first_pdu_timeout",
-            args.first_pdu_timeout,
-            spanned64(&file.first_pdu_timeout),
-        )? {
-            limits.first_pdu_timeout = Duration::from_secs(n);
-        }
-        if let Some(n) = setting(
-            "discovery_lifetime",
-            args.discovery_lifetime,
-            spanned64(&file.discovery_lifetime),
-        )? {
-            limits.discovery_lifetime = Duration::from_secs(n);
+        let seconds = [
+            (number!(nop_interval), &mut limits.nop_interval),
+            (number!(nop_timeout), &mut limits.nop_timeout),
+            (number!(login_timeout), &mut limits.login_timeout),
+            (
+                number!(output_stall_timeout),
+                &mut limits.output_stall_timeout,
+            ),
+            (number!(first_pdu_timeout), &mut limits.first_pdu_timeout),
+            (number!(discovery_lifetime), &mut limits.discovery_lifetime),
+        ];
+        for (value, limit) in seconds {
+            if let Some(n) = value {
+                *limit = Duration::from_secs(n);
+            }
         }
         let c = &mut limits.connections;
         let counts = [
+            (number!(max_connections), &mut c.total),
+            (number!(max_connections_per_host), &mut c.per_source),
+            (number!(max_logins_per_host), &mut c.pending_per_source),
+            (number!(max_pending_logins), &mut c.pending),
+            (number!(max_pending_rdma_logins), &mut c.pending_rdma),
+            (number!(max_discovery_sessions), &mut c.discovery),
             (
-                "max_connections",
-                args.max_connections,
-                &file.max_connections,
-                &mut c.total,
-            ),
-            (
-                "max_connections_per_host",
-                args.max_connections_per_host,
-                &file.max_connections_per_host,
-                &mut c.per_source,
-            ),
-            (
-                "max_logins_per_host",
-                args.max_logins_per_host,
-                &file.max_logins_per_host,
-                &mut c.pending_per_source,
-            ),
-            (
-                "max_pending_logins",
-                args.max_pending_logins,
-                &file.max_pending_logins,
-                &mut c.pending,
-            ),
-            (
-                "max_pending_rdma_logins",
-                args.max_pending_rdma_logins,
-                &file.max_pending_rdma_logins,
-                &mut c.pending_rdma,
-            ),
-            (
-                "max_discovery_sessions",
-                args.max_discovery_sessions,
-                &file.max_discovery_sessions,
-                &mut c.discovery,
-            ),
-            (
-                "max_discovery_sessions_per_host",
-                args.max_discovery_sessions_per_host,
-                &file.max_discovery_sessions_per_host,
+                number!(max_discovery_sessions_per_host),
                 &mut c.discovery_per_source,
             ),
-            (
-                "max_rdma_connections",
-                args.max_rdma_connections,
-                &file.max_rdma_connections,
-                &mut c.rdma,
-            ),
-            (
-                "max_iscsi_connections",
-                args.max_iscsi_connections,
-                &file.max_iscsi_connections,
-                &mut c.iscsi,
-            ),
+            (number!(max_rdma_connections), &mut c.rdma),
+            (number!(max_iscsi_connections), &mut c.iscsi),
         ];
-        for (key, flag, from_file, limit) in counts {
-            if let Some(n) = setting(key, flag.map(u64::from), spanned(from_file))? {
+        for (value, limit) in counts {
+            if let Some(n) = value {
                 // check_setting bounds every count to u32.
                 *limit = n as u32;
             }

@@ -207,6 +207,15 @@ impl<'a> Input<'a> {
         }
     }
 
+    /// The response that carried `served` went out just now.
+    #[inline]
+    pub fn served_now(served: Served) -> Input<'a> {
+        Input::Served {
+            served,
+            at_raw: crate::metrics::clock().raw(),
+        }
+    }
+
     /// A PDU that came in an iSER message, with the buffers its header tagged.
     #[inline]
     pub fn iser(pdu: &'a ControlPdu<'a>) -> Input<'a> {

@@ -123,8 +123,13 @@ impl Harness {
     }
 
     fn login(&mut self, extra: &[(&str, &str)]) -> Rsp {
+        self.login_as(INI, extra)
+    }
+
+    /// [`Self::login`] as initiator `name`.
+    fn login_as(&mut self, name: &str, extra: &[(&str, &str)]) -> Rsp {
         let mut keys = vec![
-            ("InitiatorName", INI),
+            ("InitiatorName", name),
             ("TargetName", IQN),
             ("SessionType", "Normal"),
         ];
@@ -137,6 +142,21 @@ impl Harness {
             self.clear_unit_attention();
         }
         r
+    }
+
+    /// The CDB and parameter list of PERSISTENT RESERVE OUT `service_action`
+    /// (LU scope, WRITE EXCLUSIVE) with reservation key `key` and service
+    /// action key `sa_key`.
+    fn pr_out_cdb(service_action: u8, key: u64, sa_key: u64) -> ([u8; 10], [u8; 24]) {
+        let mut cdb = [0u8; 10];
+        cdb[0] = 0x5f;
+        cdb[1] = service_action;
+        cdb[2] = 0x01;
+        cdb[8] = 24;
+        let mut params = [0u8; 24];
+        params[0..8].copy_from_slice(&key.to_be_bytes());
+        params[8..16].copy_from_slice(&sa_key.to_be_bytes());
+        (cdb, params)
     }
 
     /// What initiators do after login: TEST UNIT READY until the power-on

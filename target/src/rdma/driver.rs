@@ -493,8 +493,7 @@ impl Driver<'_> {
         self.post_send_slot(slot, total)?;
         if let Some(served) = pdu.served {
             // A fresh reading: the loop's `now` may be rounds old.
-            let at_raw = metrics::clock().raw();
-            self.conn.handle(now, Input::Served { served, at_raw });
+            self.conn.handle(now, Input::served_now(served));
         }
         Ok(Posted::Done)
     }

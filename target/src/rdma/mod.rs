@@ -39,7 +39,7 @@ use crate::engine::{
     Action, ConnInfo, Connection, Event, Input, IserPeer, OutData, OutPdu, ReadDest,
     ISER_BUFFERED_READ_MAX,
 };
-use crate::metrics::{self, LimitHit};
+use crate::metrics::LimitHit;
 use crate::portal::Portal;
 use crate::scsi::Transfers;
 use crate::store::RdmaRegion;

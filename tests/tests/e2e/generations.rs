@@ -6,10 +6,9 @@
 //! nothing and takes the LUN NOT READY.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use ramslog_common::scsi_wire::{sense_key, status};
-use ramslog_tests::{find_in_path, TargetOptions, TargetProcess};
+use ramslog_tests::{TargetOptions, TargetProcess};
 
 use super::*;
 
@@ -18,24 +17,14 @@ const BLOCK: usize = 512;
 const LBA: u64 = 64;
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ramslog-e2e-gen-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+    scratch_dir("gen", name)
 }
 
 fn options(state_dir: &Path, port: Option<u16>, extra: &[&str]) -> TargetOptions {
     TargetOptions {
-        ephemeral: false,
-        state_dir: Some(state_dir.into()),
-        port,
         size: "16M".into(),
-        extra_args: extra.iter().map(|s| s.to_string()).collect(),
-        ..Default::default()
+        ..persistent(state_dir, port, extra)
     }
-}
-
-fn status_text(state_dir: &Path) -> String {
-    String::from_utf8_lossy(&cli(&["status"], state_dir).stdout).into_owned()
 }
 
 fn generation_in(state_dir: &Path) -> String {
@@ -54,7 +43,12 @@ fn restored_pattern() -> Vec<u8> {
 /// A state directory whose LUN holds `restored_pattern` in a clean image,
 /// and the daemon restarted from it: READY, restored, nothing written yet.
 async fn restored(dir: &Path) -> (TargetProcess, Session) {
-    let mut t = TargetProcess::start_with(options(dir, None, &[]));
+    restored_with(dir, &[]).await
+}
+
+/// [`restored`], the daemons started with `extra` flags.
+async fn restored_with(dir: &Path, extra: &[&str]) -> (TargetProcess, Session) {
+    let mut t = TargetProcess::start_with(options(dir, None, extra));
     let port = t.port();
     let s = open(&t, INITIATOR).await;
     s.write(0, LBA, &restored_pattern(), true)
@@ -63,7 +57,7 @@ async fn restored(dir: &Path) -> (TargetProcess, Session) {
     drop(s);
     let st = t.stop();
     assert!(st.success(), "{}", t.output_tail(20));
-    let t = TargetProcess::start_with(options(dir, Some(port), &[]));
+    let t = TargetProcess::start_with(options(dir, Some(port), extra));
     let s = open(&t, INITIATOR).await;
     assert!(
         status_text(dir).contains("restored from"),
@@ -296,71 +290,17 @@ async fn a_bump_that_cannot_be_written_acknowledges_nothing() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
-}
-
 /// The state directory's filesystem is full (ENOSPC on the write or the
 /// fsync of luns.toml).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bump_into_a_full_filesystem_acknowledges_nothing() {
-    assert!(
-        is_root(),
-        "this test mounts a loop filesystem: run it as root (CI does)"
-    );
-    assert!(
-        find_in_path("mkfs.ext4").is_some(),
-        "mkfs.ext4 (e2fsprogs) is needed"
-    );
     let dir = scratch("full");
     let state = dir.join("state");
-    std::fs::create_dir_all(&state).expect("mkdir");
-    let fs_file = dir.join("small.ext4");
-    let mk = Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-m", "0", "-N", "64"])
-        .arg(&fs_file)
-        .arg("2M")
-        .status()
-        .expect("mkfs.ext4");
-    assert!(mk.success());
-    let mount = Command::new("mount")
-        .args(["-o", "loop"])
-        .arg(&fs_file)
-        .arg(&state)
-        .status();
-    assert!(mount.is_ok_and(|s| s.success()), "mount -o loop");
-    struct Unmount(PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg(&self.0).status();
-        }
-    }
-    let _unmount = Unmount(state.clone());
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let _full = LoopFilesystem::mount(&dir.join("small.ext4"), &state, "2M", &["-N", "64"]);
     let images = dir.join("images");
-    let (t, s) = {
-        let mut t = TargetProcess::start_with(options(
-            &state,
-            None,
-            &["--image-dir", images.to_str().expect("utf-8 path")],
-        ));
-        let port = t.port();
-        let s = open(&t, INITIATOR).await;
-        s.write(0, LBA, &restored_pattern(), true)
-            .await
-            .expect("WRITE");
-        drop(s);
-        assert!(t.stop().success(), "{}", t.output_tail(20));
-        let t = TargetProcess::start_with(options(
-            &state,
-            Some(port),
-            &["--image-dir", images.to_str().expect("utf-8 path")],
-        ));
-        let s = open(&t, INITIATOR).await;
-        (t, s)
-    };
+    let image_dir = ["--image-dir", images.to_str().expect("utf-8 path")];
+    let (t, s) = restored_with(&state, &image_dir).await;
     // Fill every free block, then every byte the last block leaves.
     {
         use std::io::Write;
@@ -371,6 +311,6 @@ async fn a_bump_into_a_full_filesystem_acknowledges_nothing() {
         let _ = f.sync_all();
     }
     a_failed_bump_acknowledges_nothing(&state, t, s, "the state filesystem is full").await;
-    drop(_unmount);
+    drop(_full);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -20,18 +20,12 @@ const RECORD: u64 = BLOCK + CHUNK;
 const CHUNKS: [u64; 3] = [0, 5, 9];
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ramslog-e2e-img-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+    scratch_dir("img", name)
 }
 
 /// `--size` in `extra` replaces the harness's size.
 fn options(state_dir: &Path, extra: &[&str]) -> TargetOptions {
-    let mut o = TargetOptions {
-        ephemeral: false,
-        state_dir: Some(state_dir.into()),
-        ..Default::default()
-    };
+    let mut o = persistent(state_dir, None, &[]);
     let mut args = extra.iter();
     while let Some(a) = args.next() {
         match (*a, args.clone().next()) {
@@ -43,15 +37,6 @@ fn options(state_dir: &Path, extra: &[&str]) -> TargetOptions {
         }
     }
     o
-}
-
-fn status_text(state_dir: &Path) -> String {
-    let out = Command::new(target_binary())
-        .args(["status", "--state-dir"])
-        .arg(state_dir)
-        .output()
-        .expect("status");
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// A state directory whose LUN was written (three chunks) and cleanly
@@ -121,17 +106,7 @@ fn put_record(path: &Path, i: u64, data: &[u8]) {
 /// Rewrite a little-endian u64 of the header and seal it again, so only the
 /// field itself is wrong.
 fn set_header_u64(path: &Path, at: u64, value: u64) {
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .expect("open image");
-    let mut h = vec![0u8; BLOCK as usize];
-    f.read_exact_at(&mut h, 0).expect("read header");
-    h[at as usize..at as usize + 8].copy_from_slice(&value.to_le_bytes());
-    let crc = crc32c::crc32c(&h[..BLOCK as usize - 4]);
-    h[BLOCK as usize - 4..].copy_from_slice(&crc.to_le_bytes());
-    f.write_all_at(&h, 0).expect("write header");
+    set_header_bytes(path, at, &value.to_le_bytes());
 }
 
 /// Overwrite header bytes at `at` (a text field: same length) and seal the
@@ -418,46 +393,14 @@ async fn damaged_or_foreign_images_are_never_loaded() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
-}
-
 /// A dump into a filesystem too small for it fails, says so, exits non-zero
 /// and leaves the generation unclean: the next start is NOT READY.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dump_into_a_full_filesystem_fails_cleanly() {
-    assert!(
-        is_root(),
-        "this test mounts a loop filesystem: run it as root (CI does)"
-    );
-    assert!(
-        find_in_path("mkfs.ext4").is_some(),
-        "mkfs.ext4 (e2fsprogs) is needed"
-    );
     let dir = scratch("full");
     let images = dir.join("images");
-    std::fs::create_dir_all(&images).expect("mkdir");
-    let fs_file = dir.join("small.ext4");
-    let mk = Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-m", "0"])
-        .arg(&fs_file)
-        .arg("48M")
-        .status()
-        .expect("mkfs.ext4");
-    assert!(mk.success());
-    let mount = Command::new("mount")
-        .args(["-o", "loop"])
-        .arg(&fs_file)
-        .arg(&images)
-        .status();
-    assert!(mount.is_ok_and(|s| s.success()), "mount -o loop");
-    let unmount = || {
-        let _ = Command::new("umount").arg(&images).status();
-    };
-
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let full = LoopFilesystem::mount(&dir.join("small.ext4"), &images, "48M", &[]);
     let mut t = TargetProcess::start_with(options(&dir, &[]));
     let s = open(&t, INITIATOR).await;
     for c in 0..64u64 {
@@ -480,7 +423,7 @@ async fn a_dump_into_a_full_filesystem_fails_cleanly() {
         "no partial image stays: {leftovers:?}"
     );
     refused(&dir, &[], "no clean image").await;
-    unmount();
+    drop(full);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -59,4 +59,78 @@ pub fn cli(args: &[&str], state_dir: &std::path::Path) -> std::process::Output {
         .expect("run ramslog-target subcommand")
 }
 
+/// A scratch directory for test `name` of `suite`, emptied.
+pub fn scratch_dir(suite: &str, name: &str) -> std::path::PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("ramslog-e2e-{suite}-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// A target that keeps its LUNs across restarts in `state_dir`.
+pub fn persistent(
+    state_dir: &std::path::Path,
+    port: Option<u16>,
+    extra: &[&str],
+) -> ramslog_tests::TargetOptions {
+    ramslog_tests::TargetOptions {
+        ephemeral: false,
+        state_dir: Some(state_dir.into()),
+        port,
+        extra_args: extra.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+/// What `ramslog-target status` prints for the daemon of `state_dir`
+/// (whether or not it runs).
+pub fn status_text(state_dir: &std::path::Path) -> String {
+    String::from_utf8_lossy(&cli(&["status"], state_dir).stdout).into_owned()
+}
+
+/// Whether the tests run as root (CI does; some mount or drop capabilities).
+pub fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+/// A small ext4 filesystem of `size` (mkfs.ext4's form, e.g. `2M`) made in
+/// `image` and loop-mounted on `at`: a disk that fills up. Unmounted when
+/// dropped. Needs root and e2fsprogs; says so if either is missing.
+pub struct LoopFilesystem(std::path::PathBuf);
+
+impl LoopFilesystem {
+    pub fn mount(image: &std::path::Path, at: &std::path::Path, size: &str, mkfs: &[&str]) -> Self {
+        assert!(
+            is_root(),
+            "this test mounts a loop filesystem: run it as root (CI does)"
+        );
+        assert!(
+            ramslog_tests::find_in_path("mkfs.ext4").is_some(),
+            "mkfs.ext4 (e2fsprogs) is needed"
+        );
+        std::fs::create_dir_all(at).expect("mkdir");
+        let mk = std::process::Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-m", "0"])
+            .args(mkfs)
+            .arg(image)
+            .arg(size)
+            .status()
+            .expect("mkfs.ext4");
+        assert!(mk.success());
+        let mount = std::process::Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(image)
+            .arg(at)
+            .status();
+        assert!(mount.is_ok_and(|s| s.success()), "mount -o loop");
+        LoopFilesystem(at.into())
+    }
+}
+
+impl Drop for LoopFilesystem {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
 pub const SHORT: Duration = Duration::from_millis(500);

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ramslog_common::scsi_wire::{sense_key, status};
-use ramslog_tests::{target_binary, TargetOptions, TargetProcess};
+use ramslog_tests::{target_binary, TargetProcess};
 use rand::{Rng, SeedableRng};
 
 use super::*;
@@ -17,23 +17,11 @@ const LUN_BYTES: usize = 256 << 20;
 const CHUNK: usize = 1 << 20;
 
 fn scratch(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("ramslog-e2e-persist-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+    scratch_dir("persist", name)
 }
 
-fn options(state_dir: &Path, port: Option<u16>, extra: &[&str]) -> TargetOptions {
-    TargetOptions {
-        ephemeral: false,
-        state_dir: Some(state_dir.into()),
-        port,
-        extra_args: extra.iter().map(|s| s.to_string()).collect(),
-        ..Default::default()
-    }
-}
-
-fn status_text(state_dir: &Path) -> String {
+/// `status` of a running daemon.
+fn status_of_running(state_dir: &Path) -> String {
     let out = cli(&["status"], state_dir);
     assert!(out.status.success(), "status: {out:?}");
     String::from_utf8_lossy(&out.stdout).into_owned()
@@ -114,7 +102,7 @@ async fn expect_not_ready(t: &TargetProcess) {
 async fn a_clean_stop_keeps_every_byte_and_a_crash_after_it_does_not_revive_it() {
     let dir = scratch("cycle");
     let pattern = random_pattern(1);
-    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let mut t = TargetProcess::start_with(persistent(&dir, None, &[]));
     let port = t.port();
     let s = Arc::new(open(&t, INITIATOR).await);
     let id = identity_of(&s).await;
@@ -125,7 +113,7 @@ async fn a_clean_stop_keeps_every_byte_and_a_crash_after_it_does_not_revive_it()
 
     // (a) A restored LUN is a new power-on for the host: the first command
     // gets 29h/00h, as after any restart, then the content is all there.
-    let mut t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let mut t = TargetProcess::start_with(persistent(&dir, Some(port), &[]));
     let s = Session::login(t.addr(), LoginParams::normal(INITIATOR, t.target_name()))
         .await
         .expect("login");
@@ -145,7 +133,7 @@ async fn a_clean_stop_keeps_every_byte_and_a_crash_after_it_does_not_revive_it()
     );
     assert!(s.test_unit_ready(0).await.expect("TUR").is_good());
     assert_content(&s, &pattern).await;
-    let st = status_text(&dir);
+    let st = status_of_running(&dir);
     assert!(
         st.contains("restored from") && !st.contains("NOT READY"),
         "{st}"
@@ -160,7 +148,7 @@ async fn a_clean_stop_keeps_every_byte_and_a_crash_after_it_does_not_revive_it()
     );
 
     // (b)
-    let mut t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let mut t = TargetProcess::start_with(persistent(&dir, Some(port), &[]));
     let s = open(&t, INITIATOR).await;
     assert_eq!(identity_of(&s).await, id);
     assert_content(&s, &pattern).await;
@@ -169,9 +157,9 @@ async fn a_clean_stop_keeps_every_byte_and_a_crash_after_it_does_not_revive_it()
     s.write(0, 8, &[0x5a; 4096], true).await.expect("WRITE");
     drop(s);
     t.kill();
-    let t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let t = TargetProcess::start_with(persistent(&dir, Some(port), &[]));
     expect_not_ready(&t).await;
-    let st = status_text(&dir);
+    let st = status_of_running(&dir);
     assert!(
         st.contains("NOT READY") && st.contains("no clean image"),
         "{st}"
@@ -191,7 +179,7 @@ async fn every_acknowledged_write_survives_a_stop_under_load() {
     /// Acknowledged writes before the SIGTERM: a tenth of the LUN's blocks.
     const BEFORE_STOP: usize = 6000;
     let dir = scratch("load");
-    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let mut t = TargetProcess::start_with(persistent(&dir, None, &[]));
     let port = t.port();
     let s = Arc::new(open(&t, INITIATOR).await);
     let blocks = (LUN_BYTES / 4096) as u64;
@@ -257,7 +245,7 @@ async fn every_acknowledged_write_survives_a_stop_under_load() {
         acked.len()
     );
     eprintln!("{} acknowledged writes before the stop", acked.len());
-    let t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let t = TargetProcess::start_with(persistent(&dir, Some(port), &[]));
     let s = open(&t, INITIATOR).await;
     for (lba4k, data) in &acked {
         let got = s.read(0, lba4k * 8, 8, 512).await.expect("READ");
@@ -276,7 +264,7 @@ async fn every_acknowledged_write_survives_a_stop_under_load() {
 async fn logins_during_the_dump_are_refused() {
     let dir = scratch("dump-login");
     let pattern = random_pattern(2);
-    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let mut t = TargetProcess::start_with(persistent(&dir, None, &[]));
     let s = Arc::new(open(&t, INITIATOR).await);
     write_all(&s, &pattern).await;
     drop(s);
@@ -318,7 +306,7 @@ async fn logins_during_the_dump_are_refused() {
 async fn connections_during_the_dump_are_refused_by_the_kernel() {
     let dir = scratch("dump-connect");
     let pattern = random_pattern(5);
-    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let mut t = TargetProcess::start_with(persistent(&dir, None, &[]));
     let s = Arc::new(open(&t, INITIATOR).await);
     write_all(&s, &pattern).await;
     drop(s);
@@ -359,7 +347,7 @@ async fn connections_during_the_dump_are_refused_by_the_kernel() {
 async fn state_directories_are_exclusive_and_images_are_never_confused() {
     let (da, db, images) = (scratch("a"), scratch("b"), scratch("shared-images"));
     let img = images.display().to_string();
-    let mut a = TargetProcess::start_with(options(&da, None, &["--image-dir", &img]));
+    let mut a = TargetProcess::start_with(persistent(&da, None, &["--image-dir", &img]));
     let second = Command::new(target_binary())
         .args(["--size", "1M", "--listen", "127.0.0.1:0", "--state-dir"])
         .arg(&da)
@@ -371,7 +359,7 @@ async fn state_directories_are_exclusive_and_images_are_never_confused() {
     assert_eq!(second.status.code(), Some(1), "{err}");
     assert!(err.contains("in use by another ramslog-target"), "{err}");
 
-    let mut b = TargetProcess::start_with(options(&db, None, &["--image-dir", &img]));
+    let mut b = TargetProcess::start_with(persistent(&db, None, &["--image-dir", &img]));
     let (pa, pb) = (a.port(), b.port());
     for (t, byte) in [(&a, 0x11u8), (&b, 0x22u8)] {
         let s = open(t, INITIATOR).await;
@@ -381,8 +369,8 @@ async fn state_directories_are_exclusive_and_images_are_never_confused() {
     }
     stop_cleanly(&mut a);
     stop_cleanly(&mut b);
-    let a = TargetProcess::start_with(options(&da, Some(pa), &["--image-dir", &img]));
-    let b = TargetProcess::start_with(options(&db, Some(pb), &["--image-dir", &img]));
+    let a = TargetProcess::start_with(persistent(&da, Some(pa), &["--image-dir", &img]));
+    let b = TargetProcess::start_with(persistent(&db, Some(pb), &["--image-dir", &img]));
     for (t, byte) in [(&a, 0x11u8), (&b, 0x22u8)] {
         let s = open(t, INITIATOR).await;
         assert_eq!(s.read(0, 0, 8, 512).await.expect("READ"), vec![byte; 4096]);
@@ -400,7 +388,7 @@ async fn state_directories_are_exclusive_and_images_are_never_confused() {
 async fn stop_command_and_a_stop_during_restore() {
     let dir = scratch("stop");
     let pattern = random_pattern(3);
-    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let mut t = TargetProcess::start_with(persistent(&dir, None, &[]));
     let port = t.port();
     let s = Arc::new(open(&t, INITIATOR).await);
     write_all(&s, &pattern).await;
@@ -429,7 +417,7 @@ async fn stop_command_and_a_stop_during_restore() {
     // The process is frozen the moment it says the restore began, so the
     // SIGTERM is pending before the restore can finish; it is handled as
     // soon as the process runs again.
-    let mut t = TargetProcess::spawn_with(options(&dir, Some(port), &[]));
+    let mut t = TargetProcess::spawn_with(persistent(&dir, Some(port), &[]));
     while !t.output().contains("restoring LUN content") {
         assert!(t.is_running(), "{}", t.output_tail(20));
         std::thread::sleep(Duration::from_millis(1));
@@ -451,7 +439,7 @@ async fn stop_command_and_a_stop_during_restore() {
         !log.contains("dumped to"),
         "no dump after a stop during the restore: {log}"
     );
-    let t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let t = TargetProcess::start_with(persistent(&dir, Some(port), &[]));
     let s = open(&t, INITIATOR).await;
     assert_content(&s, &pattern).await;
     drop(s);
@@ -466,7 +454,7 @@ async fn stop_command_and_a_stop_during_restore() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unwritten_luns_survive_a_crash_and_a_hangup_changes_nothing() {
     let dir = scratch("unwritten");
-    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let mut t = TargetProcess::start_with(persistent(&dir, None, &[]));
     let port = t.port();
     let s = open(&t, INITIATOR).await;
     let id = identity_of(&s).await;
@@ -484,13 +472,13 @@ async fn unwritten_luns_survive_a_crash_and_a_hangup_changes_nothing() {
     drop(s);
     t.kill();
 
-    let mut t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let mut t = TargetProcess::start_with(persistent(&dir, Some(port), &[]));
     let s = open(&t, INITIATOR).await;
     assert_eq!(identity_of(&s).await, id);
     assert!(
         s.test_unit_ready(0).await.expect("TUR").is_good(),
         "{}",
-        status_text(&dir)
+        status_of_running(&dir)
     );
     s.write(0, 0, &[0x42; 4096], true).await.expect("WRITE");
     drop(s);
@@ -509,7 +497,7 @@ async fn unwritten_luns_survive_a_crash_and_a_hangup_changes_nothing() {
     stop_cleanly(&mut t);
     assert!(t.output().contains("SIGHUP ignored") && t.output().contains("dumped to"));
 
-    let t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let t = TargetProcess::start_with(persistent(&dir, Some(port), &[]));
     let s = open(&t, INITIATOR).await;
     assert_eq!(s.read(0, 0, 8, 512).await.expect("READ"), vec![0x42; 4096]);
     drop(s);
@@ -545,7 +533,7 @@ async fn a_kill_during_the_dump_leaves_the_lun_not_ready_and_accept_empty_clears
     use ramslog_tests::Signal;
     let dir = scratch("kill-dump");
     let pattern = random_pattern(4);
-    let mut t = TargetProcess::start_with(options(&dir, None, &[]));
+    let mut t = TargetProcess::start_with(persistent(&dir, None, &[]));
     let port = t.port();
     let s = Arc::new(open(&t, INITIATOR).await);
     write_all(&s, &pattern).await;
@@ -575,9 +563,9 @@ async fn a_kill_during_the_dump_leaves_the_lun_not_ready_and_accept_empty_clears
     );
     t.kill();
 
-    let t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let t = TargetProcess::start_with(persistent(&dir, Some(port), &[]));
     expect_not_ready(&t).await;
-    let st = status_text(&dir);
+    let st = status_of_running(&dir);
     assert!(st.contains("no clean image"), "{st}");
     let out = cli(&["accept-empty", t.target_name(), "0"], &dir);
     assert!(out.status.success(), "accept-empty: {out:?}");
@@ -603,7 +591,7 @@ async fn a_kill_during_the_dump_leaves_the_lun_not_ready_and_accept_empty_clears
         f.write_all_at(&[0xee], 8192 + 100)
             .expect("damage the image");
     }
-    let t = TargetProcess::start_with(options(&dir, Some(port), &[]));
+    let t = TargetProcess::start_with(persistent(&dir, Some(port), &[]));
     expect_not_ready(&t).await;
     let before = image_files(&dir);
     assert!(

@@ -5,6 +5,8 @@ use std::process::{Command, Output};
 
 use ramslog_tests::{find_in_path, free_port, target_binary};
 
+use crate::is_root;
+
 fn run(prefix: &[&str], args: &[&str]) -> Output {
     let (prog, pre) = match prefix.split_first() {
         Some((p, rest)) => (p.to_string(), rest.to_vec()),
@@ -19,18 +21,6 @@ fn run(prefix: &[&str], args: &[&str]) -> Output {
         .env("RUST_LOG", "warn")
         .output()
         .expect("run ramslog-target")
-}
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines().find_map(|l| {
-                l.strip_prefix("Uid:")
-                    .map(|v| v.split_whitespace().nth(1) == Some("0"))
-            })
-        })
-        .unwrap_or(false)
 }
 
 fn refused(out: &Output, needles: &[&str]) {

@@ -123,6 +123,26 @@ fn index_of<T>(base: *const T, n: usize, bad: *const T) -> Option<usize> {
     (i < n).then_some(i)
 }
 
+/// After a chunk of `n` WRs at `base` was posted with result `rc`: the
+/// count posted so far, or how far it got (the provider names the first WR
+/// it refused in `bad`).
+fn chunk_posted<T>(
+    op: &'static str,
+    rc: i32,
+    before: usize,
+    base: *const T,
+    n: usize,
+    bad: *const T,
+) -> std::result::Result<usize, PostError> {
+    if rc == 0 {
+        return Ok(before + n);
+    }
+    Err(PostError {
+        posted: before + index_of(base, n, bad).unwrap_or(0),
+        error: Error::from_rc(op, rc),
+    })
+}
+
 /// Post `wrs` on `qp`'s send queue, chained in chunks of SEND_CHUNK built on
 /// the stack.
 pub(crate) fn post_send(
@@ -202,14 +222,7 @@ pub(crate) fn post_send(
         // ibv_post_send does). The chain of `n` WRs and their SGEs lives on
         // our stack across the call; the provider copies them into the WQ.
         let rc = unsafe { f(qp, wr_base, &mut bad) };
-        if rc != 0 {
-            let ok = index_of(wr_base, n, bad).unwrap_or(0);
-            return Err(PostError {
-                posted: posted + ok,
-                error: Error::from_rc(OP, rc),
-            });
-        }
-        posted += n;
+        posted = chunk_posted(OP, rc, posted, wr_base, n, bad)?;
     }
     Ok(())
 }
@@ -268,14 +281,7 @@ pub(crate) fn post_recv(
         // SAFETY: the provider's post_recv on its live QP (what the inline
         // ibv_post_recv does); the chain lives on our stack across the call.
         let rc = unsafe { f(qp, wr_base, &mut bad) };
-        if rc != 0 {
-            let ok = index_of(wr_base, n, bad).unwrap_or(0);
-            return Err(PostError {
-                posted: posted + ok,
-                error: Error::from_rc(OP, rc),
-            });
-        }
-        posted += n;
+        posted = chunk_posted(OP, rc, posted, wr_base, n, bad)?;
     }
     Ok(())
 }

@@ -24,28 +24,13 @@ fn lun_range(h: &Harness, lba: u32, blocks: u32) -> Vec<u8> {
 }
 
 fn login_as(h: &mut Harness, name: &str, extra: &[(&str, &str)]) {
-    let mut keys = vec![
-        ("InitiatorName", name),
-        ("TargetName", IQN),
-        ("SessionType", "Normal"),
-    ];
-    keys.extend_from_slice(extra);
-    let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
-    let r = h.login_pdu(flags, &keys);
-    assert_eq!(r[0].bhs.login_status(), login_status::SUCCESS);
-    h.clear_unit_attention();
+    let r = h.login_as(name, extra);
+    assert_eq!(r.bhs.login_status(), login_status::SUCCESS);
 }
 
 /// PERSISTENT RESERVE OUT with its parameter list as immediate data (TCP).
 fn pr_out_pdu(h: &mut Harness, service_action: u8, key: u64, sa_key: u64) -> Vec<Rsp> {
-    let mut cdb = [0u8; 10];
-    cdb[0] = 0x5f;
-    cdb[1] = service_action;
-    cdb[2] = 0x01; // LU scope, WRITE EXCLUSIVE
-    cdb[8] = 24;
-    let mut params = [0u8; 24];
-    params[0..8].copy_from_slice(&key.to_be_bytes());
-    params[8..16].copy_from_slice(&sa_key.to_be_bytes());
+    let (cdb, params) = Harness::pr_out_cdb(service_action, key, sa_key);
     h.command(&cdb, 0x81 | 0x20, 24, &params).1
 }
 
@@ -58,14 +43,7 @@ fn status_of(r: &[Rsp]) -> Option<u8> {
 /// A PERSISTENT RESERVE OUT of host A, whose parameter list the illumos
 /// profile fetches by RDMA READ.
 fn a_pr_out(a: &mut Harness, hca: &mut SimulatedHca, sa: u8, key: u64, sa_key: u64) -> u8 {
-    let mut cdb = [0u8; 10];
-    cdb[0] = 0x5f;
-    cdb[1] = sa;
-    cdb[2] = 0x01;
-    cdb[8] = 24;
-    let mut params = [0u8; 24];
-    params[0..8].copy_from_slice(&key.to_be_bytes());
-    params[8..16].copy_from_slice(&sa_key.to_be_bytes());
+    let (cdb, params) = Harness::pr_out_cdb(sa, key, sa_key);
     let stag = 0x50 + u32::from(sa);
     hca.register(stag, 0x5000, params.to_vec());
     let (_, r) = a.iser_command(&cdb, 0xa1, 24, &[], iser_buf_at(stag, 0x5000), None);
@@ -80,6 +58,18 @@ fn a_pr_out(a: &mut Harness, hca: &mut SimulatedHca, sa: u8, key: u64, sa_key: u
 /// holds the reservation (WRITE EXCLUSIVE); host B over TCP registers 0xbb:
 /// the fence_scsi arrangement before B preempts A.
 fn two_hosts(a_control: Arc<SessionControl>) -> (Harness, SimulatedHca, Harness) {
+    let (mut a, mut hca, mut b) = two_hosts_logged_in(a_control);
+    assert_eq!(a_pr_out(&mut a, &mut hca, 0, 0, 0xaa), status::GOOD);
+    assert_eq!(a_pr_out(&mut a, &mut hca, 1, 0xaa, 0), status::GOOD);
+    assert_eq!(
+        status_of(&pr_out_pdu(&mut b, 0, 0, 0xbb)),
+        Some(status::GOOD)
+    );
+    (a, hca, b)
+}
+
+/// [`two_hosts`] before anyone registers: both logged in, nothing else.
+fn two_hosts_logged_in(a_control: Arc<SessionControl>) -> (Harness, SimulatedHca, Harness) {
     let portal = RamPortal::new(IQN).size(LUN_BYTES).build();
     let mut a = Harness::new_iser_from(portal.clone(), CmPeer::Illumos);
     a.conn = Connection::iser(
@@ -97,14 +87,7 @@ fn two_hosts(a_control: Arc<SessionControl>) -> (Harness, SimulatedHca, Harness)
         HOST_B,
         &[("ImmediateData", "Yes"), ("InitialR2T", "No")],
     );
-    let mut hca = SimulatedHca::new(ILLUMOS_CREDITS);
-    assert_eq!(a_pr_out(&mut a, &mut hca, 0, 0, 0xaa), status::GOOD);
-    assert_eq!(a_pr_out(&mut a, &mut hca, 1, 0xaa, 0), status::GOOD);
-    assert_eq!(
-        status_of(&pr_out_pdu(&mut b, 0, 0, 0xbb)),
-        Some(status::GOOD)
-    );
-    (a, hca, b)
+    (a, SimulatedHca::new(ILLUMOS_CREDITS), b)
 }
 
 /// Hand the RDMA actions the harness collected to the adapter.
@@ -450,25 +433,8 @@ fn logical_unit_reset_aborts_the_other_hosts_tasks() {
 /// answered once they are flushed.
 #[test]
 fn iser_teardown_with_reads_in_flight_acknowledges_and_places_nothing() {
-    let portal = RamPortal::new(IQN).size(LUN_BYTES).build();
     let a_control = SessionControl::new();
-    let mut a = Harness::new_iser_from(portal.clone(), CmPeer::Illumos);
-    a.conn = Connection::iser(
-        portal.clone(),
-        a.conn.info,
-        a_control.clone(),
-        a.now,
-        8192,
-        CmPeer::Illumos,
-    );
-    login_as(&mut a, HOST_A, &[]);
-    let mut b = Harness::new(portal);
-    login_as(
-        &mut b,
-        HOST_B,
-        &[("ImmediateData", "Yes"), ("InitialR2T", "No")],
-    );
-    let mut hca = SimulatedHca::new(ILLUMOS_CREDITS);
+    let (mut a, mut hca, mut b) = two_hosts_logged_in(a_control.clone());
     let first = a.itt + 1;
     a_writes(&mut a, &mut hca);
     let transfers = a.conn.transfers().expect("a session");

@@ -637,28 +637,13 @@ fn data_in_is_produced_as_the_driver_takes_it() {
 // ---- PREEMPT AND ABORT ------------------------------------------------------
 
 fn login_named(h: &mut Harness, name: &str, extra: &[(&str, &str)]) {
-    let mut keys = vec![
-        ("InitiatorName", name),
-        ("TargetName", IQN),
-        ("SessionType", "Normal"),
-    ];
-    keys.extend_from_slice(extra);
-    let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
-    let r = h.login_pdu(flags, &keys);
-    assert_eq!(r[0].bhs.login_status(), login_status::SUCCESS);
-    h.clear_unit_attention();
+    let r = h.login_as(name, extra);
+    assert_eq!(r.bhs.login_status(), login_status::SUCCESS);
 }
 
 /// PERSISTENT RESERVE OUT with its parameter list as immediate data.
 fn pr_out(h: &mut Harness, service_action: u8, key: u64, sa_key: u64) -> u8 {
-    let mut cdb = [0u8; 10];
-    cdb[0] = 0x5f;
-    cdb[1] = service_action;
-    cdb[2] = 0x01; // LU scope, WRITE EXCLUSIVE
-    cdb[8] = 24;
-    let mut params = [0u8; 24];
-    params[0..8].copy_from_slice(&key.to_be_bytes());
-    params[8..16].copy_from_slice(&sa_key.to_be_bytes());
+    let (cdb, params) = Harness::pr_out_cdb(service_action, key, sa_key);
     let (_, r) = h.command(&cdb, 0x81 | 0x20, 24, &params);
     r[0].bhs.scsi_status()
 }
