@@ -6,7 +6,7 @@ use std::process::Output;
 use ramslog_tests::TargetProcess;
 
 mod common;
-use common::{json_of, rdma_bench};
+use common::{json_of, rdma_bench, stdout_of};
 use serde_json::Value;
 
 fn bench(args: &[&str]) -> Output {
@@ -72,12 +72,7 @@ fn lat_table_by_default() {
         "--warmup",
         "0.1",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = stdout_of(&out);
     assert!(text.contains("4 KiB Write QD4"), "{text}");
     assert!(text.contains("p99.9 µs") && text.contains("IOPS"), "{text}");
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 mod common;
-use common::{json_of, rdma_bench};
+use common::{json_of, rdma_bench, stdout_of};
 
 const BIN: &str = env!("CARGO_BIN_EXE_rdma-bench");
 
@@ -102,12 +102,7 @@ fn tcp_floor_table_and_time() {
         "--warmup",
         "0.1",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = stdout_of(&out);
     assert!(text.contains("bs=512"), "{text}");
     assert!(text.contains("p50 µs"), "{text}");
     assert!(text.contains("tcp 48+bs/48"), "{text}");
@@ -259,8 +254,7 @@ fn lat_and_compare_report_what_the_target_adds() {
         "--floor",
         &floor,
     ]);
-    assert!(out.status.success());
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = stdout_of(&out);
     assert!(
         text.contains("adds µs") && text.contains("floor: tcp 48+bs/48"),
         "{text}"

@@ -55,6 +55,22 @@ pub fn inquiry(evpd: bool, page: u8, alloc: u16) -> [u8; 6] {
     [opcode::INQUIRY, evpd as u8, page, a[0], a[1], 0]
 }
 
+/// PERSISTENT RESERVE OUT `service_action` with its 24-byte basic
+/// parameter list: reservation key `key`, service action key `sa_key`, LU
+/// scope and type WRITE EXCLUSIVE (what fence_scsi uses). The CDB and the
+/// list.
+pub fn persistent_reserve_out(service_action: u8, key: u64, sa_key: u64) -> ([u8; 10], [u8; 24]) {
+    let mut cdb = [0u8; 10];
+    cdb[0] = opcode::PR_OUT;
+    cdb[1] = service_action;
+    cdb[2] = 0x01;
+    cdb[8] = 24;
+    let mut params = [0u8; 24];
+    params[0..8].copy_from_slice(&key.to_be_bytes());
+    params[8..16].copy_from_slice(&sa_key.to_be_bytes());
+    (cdb, params)
+}
+
 /// READ (10): what illumos sd sends below LBA 2^32 and 65536 blocks.
 /// `None` when the LBA or length does not fit.
 pub fn read10(lba: u64, blocks: u32) -> Option<[u8; 10]> {

@@ -238,13 +238,9 @@ impl Pair {
                     let (mut off, mut datasn) = (start, 0);
                     while off < end {
                         let len = (end - off).min(self.target_mrdsl);
-                        let mut out = Bhs::new(Opcode::DataOut);
-                        out.set_final(off + len == end)
-                            .set_itt(cmd.itt())
-                            .set_ttt(p.bhs.ttt())
-                            .set_exp_statsn(self.seq.exp_statsn)
-                            .set_datasn(datasn)
-                            .set_buffer_offset(off);
+                        let mut out =
+                            Bhs::data_out(cmd.itt(), p.bhs.ttt(), off, datasn, off + len == end);
+                        out.set_exp_statsn(self.seq.exp_statsn);
                         self.send(&out, &data[off as usize..(off + len) as usize]);
                         off += len;
                         datasn += 1;
@@ -369,13 +365,8 @@ fn a_corrupted_data_out_ends_its_task_and_the_connection_goes_on() {
     pair.send(&cmd, &[]);
     let r2t = pair.recv().expect("an R2T");
     assert_eq!(r2t.opcode(), Some(Opcode::ReadyToTransfer));
-    let mut out = Bhs::new(Opcode::DataOut);
-    out.set_final(true)
-        .set_itt(cmd.itt())
-        .set_ttt(r2t.bhs.ttt())
-        .set_exp_statsn(pair.seq.exp_statsn)
-        .set_datasn(0)
-        .set_buffer_offset(0);
+    let mut out = Bhs::data_out(cmd.itt(), r2t.bhs.ttt(), 0, 0, true);
+    out.set_exp_statsn(pair.seq.exp_statsn);
     pair.faults.push_back(Fault::FlipDataBit);
     pair.send(&out, &pattern(8192, 5));
     let reject = pair.recv().expect("a Reject");

@@ -632,14 +632,8 @@ async fn send_data_out(
     let mut datasn = 0u32;
     while off < to {
         let end = (off + max_send).min(to);
-        let mut b = Bhs::new(Opcode::DataOut);
-        b.set_final(end == to)
-            .set_lun(lun_field)
-            .set_itt(itt)
-            .set_ttt(ttt)
-            .set_exp_statsn(inner.exp_statsn())
-            .set_datasn(datasn)
-            .set_buffer_offset(off as u32);
+        let mut b = Bhs::data_out(itt, ttt, off as u32, datasn, end == to);
+        b.set_lun(lun_field).set_exp_statsn(inner.exp_statsn());
         w.write_pdu(&b, &[], &out[off..end]).await?;
         datasn = datasn.wrapping_add(1);
         off = end;

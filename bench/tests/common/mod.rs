@@ -22,3 +22,13 @@ pub fn json_of(out: &Output) -> Value {
     serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
+
+/// What a successful run printed; a failed run panics with its stderr.
+pub fn stdout_of(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "rdma-bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

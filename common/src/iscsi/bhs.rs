@@ -154,6 +154,19 @@ impl Bhs {
         b
     }
 
+    /// A Data-Out header: number `datasn` of task `itt`'s burst that the
+    /// R2T `ttt` asked for (RESERVED_TAG: unsolicited), carrying the bytes
+    /// at `offset`; `last` sets the Final bit.
+    pub fn data_out(itt: u32, ttt: u32, offset: u32, datasn: u32, last: bool) -> Bhs {
+        let mut b = Bhs::new(Opcode::DataOut);
+        b.set_final(last)
+            .set_itt(itt)
+            .set_ttt(ttt)
+            .set_buffer_offset(offset)
+            .set_datasn(datasn);
+        b
+    }
+
     pub fn encode_into(&self, out: &mut [u8]) -> Result<usize, WireError> {
         let dst = out
             .get_mut(..BHS_LEN)

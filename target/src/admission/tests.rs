@@ -328,29 +328,22 @@ fn a_new_login_survives_a_reconnecting_rdma_discovery_flood() {
     let sources = ["10.99.0.11", "10.99.0.12", "10.99.0.13"];
     let mut held = Vec::new();
     // The flood: discovery sessions that are evicted and come back at once.
-    for round in 0..40 {
-        let from = sources[round % 3];
-        if let Ok(permit) = gate.admit(ip(from), Door::iscsi(Link::Rdma)) {
-            let control = SessionControl::new();
-            permit.watch(control.clone());
-            gate.heard_from(&control);
-            let _ = gate.logged_in(&control, LoggedIn::Discovery);
-            held.push((permit, control));
+    let flood = |held: &mut Vec<(Permit, Arc<SessionControl>)>| {
+        for round in 0..40 {
+            let from = sources[round % 3];
+            if let Ok(permit) = gate.admit(ip(from), Door::iscsi(Link::Rdma)) {
+                let control = SessionControl::new();
+                permit.watch(control.clone());
+                gate.heard_from(&control);
+                let _ = gate.logged_in(&control, LoggedIn::Discovery);
+                held.push((permit, control));
+            }
+            held.retain(|(_, c)| !c.is_terminated());
         }
-        held.retain(|(_, c)| !c.is_terminated());
-    }
+    };
+    flood(&mut held);
     let (_legit, legit) = connect(&gate, "10.99.0.1", Link::Rdma);
-    for round in 0..40 {
-        let from = sources[round % 3];
-        if let Ok(permit) = gate.admit(ip(from), Door::iscsi(Link::Rdma)) {
-            let control = SessionControl::new();
-            permit.watch(control.clone());
-            gate.heard_from(&control);
-            let _ = gate.logged_in(&control, LoggedIn::Discovery);
-            held.push((permit, control));
-        }
-        held.retain(|(_, c)| !c.is_terminated());
-    }
+    flood(&mut held);
     assert!(
         !legit.is_terminated(),
         "the new login was evicted by the flood"

@@ -144,19 +144,18 @@ impl Harness {
         r
     }
 
-    /// The CDB and parameter list of PERSISTENT RESERVE OUT `service_action`
-    /// (LU scope, WRITE EXCLUSIVE) with reservation key `key` and service
-    /// action key `sa_key`.
-    fn pr_out_cdb(service_action: u8, key: u64, sa_key: u64) -> ([u8; 10], [u8; 24]) {
-        let mut cdb = [0u8; 10];
-        cdb[0] = 0x5f;
-        cdb[1] = service_action;
-        cdb[2] = 0x01;
-        cdb[8] = 24;
-        let mut params = [0u8; 24];
-        params[0..8].copy_from_slice(&key.to_be_bytes());
-        params[8..16].copy_from_slice(&sa_key.to_be_bytes());
-        (cdb, params)
+    /// An immediate task management request `function` of this session,
+    /// naming task `referenced` (RESERVED_TAG for none), for LUN 0.
+    fn tmf(&mut self, function: u8, referenced: u32) -> Bhs {
+        let mut t = Bhs::new(Opcode::TaskMgmtRequest);
+        t.set_immediate(true)
+            .set_final(true)
+            .set_flags(0x80 | function)
+            .set_lun(0)
+            .set_itt(self.next_itt())
+            .set_ttt(referenced)
+            .set_cmdsn(self.cmdsn);
+        t
     }
 
     /// What initiators do after login: TEST UNIT READY until the power-on
@@ -193,6 +192,13 @@ impl Harness {
     }
 
     fn command(&mut self, cdb: &[u8], flags: u8, edtl: u32, data: &[u8]) -> (u32, Vec<Rsp>) {
+        let (itt, b) = self.scsi_bhs(cdb, flags, edtl);
+        (itt, self.send(&b, data))
+    }
+
+    /// The header of this session's next SCSI command (its CmdSN taken),
+    /// with its task tag.
+    fn scsi_bhs(&mut self, cdb: &[u8], flags: u8, edtl: u32) -> (u32, Bhs) {
         let itt = self.next_itt();
         let mut b = Bhs::new(Opcode::ScsiCommand);
         b.set_flags(flags)
@@ -201,7 +207,7 @@ impl Harness {
             .set_cmdsn(self.cmdsn);
         self.cmdsn = self.cmdsn.wrapping_add(1);
         b.set_cdb(cdb);
-        (itt, self.send(&b, data))
+        (itt, b)
     }
 }
 
@@ -418,23 +424,11 @@ fn write_then_read_back_with_immediate_unsolicited_and_r2t() {
     // 16 KiB: 8 KiB immediate (MaxRecvDataSegmentLength of the initiator is
     // irrelevant here: the target's is 256 KiB), the rest unsolicited.
     let data: Vec<u8> = (0..16384u32).map(|i| (i * 7 + 3) as u8).collect();
-    let mut b = Bhs::new(Opcode::ScsiCommand);
-    let itt = h.next_itt();
     // F clear: unsolicited Data-Out follows the immediate data.
-    b.set_flags(0x21)
-        .set_itt(itt)
-        .set_expected_data_len(16384)
-        .set_cmdsn(h.cmdsn);
-    h.cmdsn += 1;
-    b.set_cdb(&write10(8, 32));
+    let (itt, b) = h.scsi_bhs(&write10(8, 32), 0x21, 16384);
     let r = h.send(&b, &data[..8192]);
     assert!(r.is_empty(), "waiting for unsolicited data");
-    let mut d = Bhs::new(Opcode::DataOut);
-    d.set_final(true)
-        .set_itt(itt)
-        .set_ttt(RESERVED_TAG)
-        .set_buffer_offset(8192)
-        .set_datasn(0);
+    let d = Bhs::data_out(itt, RESERVED_TAG, 8192, 0, true);
     let r = h.send(&d, &data[8192..]);
     assert_eq!(r.len(), 1);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
@@ -486,12 +480,7 @@ fn r2t_path_solicits_every_byte() {
         assert_eq!(r2t.bhs.opcode(), Some(Opcode::ReadyToTransfer));
         let (off, len) = (r2t.bhs.buffer_offset(), r2t.bhs.residual());
         assert_eq!(len, 4096);
-        let mut d = Bhs::new(Opcode::DataOut);
-        d.set_final(true)
-            .set_itt(itt)
-            .set_ttt(r2t.bhs.ttt())
-            .set_buffer_offset(off)
-            .set_datasn(0);
+        let d = Bhs::data_out(itt, r2t.bhs.ttt(), off, 0, true);
         for p in h.send(&d, &data[off as usize..(off + len) as usize]) {
             if p.bhs.opcode() == Some(Opcode::ReadyToTransfer) {
                 pending.push(p);
@@ -504,17 +493,22 @@ fn r2t_path_solicits_every_byte() {
     assert_eq!(responses[0].bhs.scsi_status(), status::GOOD);
 }
 
+/// An 8 MiB LUN's portal whose sessions share `budget` bytes of staging.
+fn staging_portal(budget: u64) -> Arc<Portal> {
+    RamPortal::new(IQN)
+        .size(8 << 20)
+        .limits(Limits {
+            staging_budget: budget,
+            ..Limits::default()
+        })
+        .build()
+}
+
 #[test]
 fn staging_is_bounded_across_sessions() {
     // LUN writes go straight to the LUN; only data the SCSI device must see
     // whole (here VERIFY with BYTCHK=1) is staged, from one daemon-wide budget.
-    let portal = RamPortal::new(IQN)
-        .size(8 << 20)
-        .limits(Limits {
-            staging_budget: 64 << 10,
-            ..Limits::default()
-        })
-        .build();
+    let portal = staging_portal(64 << 10);
     let mut a = Harness::new(portal.clone());
     a.login(&[("InitialR2T", "Yes"), ("ImmediateData", "Yes")]);
     let mut verify = write10(0, 64);
@@ -535,12 +529,7 @@ fn staging_is_bounded_across_sessions() {
     let (_, r) = b.command(&write10(0, 8192), 0xa1, 4 << 20, &[]);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
     // Finishing one VERIFY frees its share.
-    let mut d = Bhs::new(Opcode::DataOut);
-    d.set_final(true)
-        .set_itt(itt)
-        .set_ttt(ttt)
-        .set_buffer_offset(0)
-        .set_datasn(0);
+    let d = Bhs::data_out(itt, ttt, 0, 0, true);
     let r = a.send(&d, &vec![0u8; 32768]);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
     assert_eq!(portal.staging.used(), 32768);
@@ -560,13 +549,7 @@ fn staging_is_bounded_across_sessions() {
 /// of it), and return to it when the session ends.
 #[test]
 fn pooled_staging_buffers_count_against_the_budget() {
-    let portal = RamPortal::new(IQN)
-        .size(8 << 20)
-        .limits(Limits {
-            staging_budget: 64 << 10,
-            ..Limits::default()
-        })
-        .build();
+    let portal = staging_portal(64 << 10);
     let verify = |blocks: u16| {
         let mut cdb = write10(0, blocks);
         cdb[0] = 0x2f;
@@ -577,12 +560,7 @@ fn pooled_staging_buffers_count_against_the_budget() {
         let len = u32::from(blocks) * 512;
         let (itt, r) = h.command(&verify(blocks), 0xa1, len, &[]);
         assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
-        let mut d = Bhs::new(Opcode::DataOut);
-        d.set_final(true)
-            .set_itt(itt)
-            .set_ttt(r[0].bhs.ttt())
-            .set_buffer_offset(0)
-            .set_datasn(0);
+        let d = Bhs::data_out(itt, r[0].bhs.ttt(), 0, 0, true);
         let r = h.send(&d, &vec![0u8; len as usize]);
         assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
     };
@@ -635,11 +613,7 @@ fn bad_datasn_fails_the_command() {
     let mut h = logged_in();
     let (itt, r) = h.command(&write10(100, 2), 0x21, 1024, &[]);
     assert!(r.is_empty());
-    let mut d = Bhs::new(Opcode::DataOut);
-    d.set_itt(itt)
-        .set_ttt(RESERVED_TAG)
-        .set_buffer_offset(0)
-        .set_datasn(27);
+    let mut d = Bhs::data_out(itt, RESERVED_TAG, 0, 27, false);
     // The status waits until the sequence ends: once it is out the
     // initiator may reuse the ITT, and late Data-Out would land there.
     assert!(h.send(&d, &[0u8; 512]).is_empty());
@@ -764,12 +738,7 @@ fn abort_task_on_a_waiting_write() {
     let mut h = logged_in();
     let (itt, r) = h.command(&write10(0, 8), 0x21, 4096, &[]);
     assert!(r.is_empty());
-    let mut t = Bhs::new(Opcode::TaskMgmtRequest);
-    t.set_immediate(true)
-        .set_flags(0x80 | tmf::ABORT_TASK)
-        .set_itt(500)
-        .set_ttt(itt)
-        .set_cmdsn(h.cmdsn);
+    let mut t = h.tmf(tmf::ABORT_TASK, itt);
     let r = h.send(&t, &[]);
     assert_eq!((r.len(), r[0].bhs.response()), (1, tmf::RSP_COMPLETE));
     // Its data now goes nowhere, and no response ever comes for it: a

@@ -582,27 +582,16 @@ mod tests {
 
     #[test]
     fn login_statuses_map_to_bounded_reasons() {
-        assert_eq!(
-            LoginRefusal::of_status(0x0201),
-            LoginRefusal::AuthenticationFailed
-        );
-        assert_eq!(
-            LoginRefusal::of_status(0x0203),
-            LoginRefusal::TargetNotFound
-        );
-        assert_eq!(LoginRefusal::of_status(0x0209), LoginRefusal::Unsupported);
-        assert_eq!(
-            LoginRefusal::of_status(0x0206),
-            LoginRefusal::InitiatorError
-        );
-        assert_eq!(
-            LoginRefusal::of_status(0x020b),
-            LoginRefusal::InitiatorError
-        );
-        assert_eq!(
-            LoginRefusal::of_status(0x0301),
-            LoginRefusal::OutOfResources
-        );
-        assert_eq!(LoginRefusal::of_status(0x0101), LoginRefusal::Other);
+        for (status, reason) in [
+            (0x0201, LoginRefusal::AuthenticationFailed),
+            (0x0203, LoginRefusal::TargetNotFound),
+            (0x0209, LoginRefusal::Unsupported),
+            (0x0206, LoginRefusal::InitiatorError),
+            (0x020b, LoginRefusal::InitiatorError),
+            (0x0301, LoginRefusal::OutOfResources),
+            (0x0101, LoginRefusal::Other),
+        ] {
+            assert_eq!(LoginRefusal::of_status(status), reason, "{status:#06x}");
+        }
     }
 }

@@ -787,6 +787,18 @@ mod tests {
     /// A dump of a volume still serving writes cannot be the clean image:
     /// a write landing meanwhile in a chunk the dump already passed would
     /// be lost at the next start, under the same identity.
+    /// What the image of `persistent_volume`'s volume must carry now.
+    fn image_identity(v: &Volume) -> image::ImageIdentity {
+        image::ImageIdentity {
+            target: "iqn.t".into(),
+            lun: 0,
+            identity: v.identity().0,
+            size: 3 << 20,
+            block_size: 512,
+            generation: v.generation(),
+        }
+    }
+
     #[test]
     fn only_a_fenced_volume_is_marked_clean() {
         let (dir, v) = persistent_volume("unfenced-dump");
@@ -808,15 +820,7 @@ mod tests {
         let said = v.dump(true).expect("dump");
         assert!(said.contains("1 chunks"), "{said}");
         let generation = v.generation();
-        let (identity, _) = v.identity();
-        let id = image::ImageIdentity {
-            target: "iqn.t".into(),
-            lun: 0,
-            identity,
-            size: 3 << 20,
-            block_size: 512,
-            generation,
-        };
+        let id = image_identity(&v);
         let path = v
             .persistence()
             .expect("p")
@@ -872,15 +876,7 @@ mod tests {
         stop.store(true, Ordering::Relaxed);
         writer.join().expect("writer");
         let generation = v.generation();
-        let (identity, _) = v.identity();
-        let id = image::ImageIdentity {
-            target: "iqn.t".into(),
-            lun: 0,
-            identity,
-            size: 3 << 20,
-            block_size: 512,
-            generation,
-        };
+        let id = image_identity(&v);
         let p = v.persistence().expect("p");
         let path = p
             .image_dir

@@ -30,13 +30,7 @@ fn sense_of(p: &Pdu) -> Sense {
 }
 
 fn data_out(itt: u32, ttt: u32, offset: u32, last: bool) -> Bhs {
-    let mut d = Bhs::new(Opcode::DataOut);
-    d.set_final(last)
-        .set_itt(itt)
-        .set_ttt(ttt)
-        .set_buffer_offset(offset)
-        .set_datasn(0);
-    d
+    Bhs::data_out(itt, ttt, offset, 0, last)
 }
 
 /// TEST UNIT READY until the power-on unit attention has been reported.
@@ -295,17 +289,7 @@ async fn preempt_and_abort_fences_the_other_host() {
     for _ in 0..4 {
         let _ = a.test_unit_ready(0).await;
     }
-    let pr_out = |sa: u8, key: u64, sa_key: u64| {
-        let mut cdb = [0u8; 10];
-        cdb[0] = 0x5f;
-        cdb[1] = sa;
-        cdb[2] = 0x01;
-        cdb[8] = 24;
-        let mut params = [0u8; 24];
-        params[0..8].copy_from_slice(&key.to_be_bytes());
-        params[8..16].copy_from_slice(&sa_key.to_be_bytes());
-        (cdb, params)
-    };
+    let pr_out = ramslog_common::cdb::persistent_reserve_out;
     // B: clear its unit attention, register.
     clear_unit_attention(&mut b).await;
     let (cdb, params) = pr_out(0, 0, 0xbb);

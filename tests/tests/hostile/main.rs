@@ -70,6 +70,30 @@ pub fn scsi_cmd(c: &mut Connection, cdb: &[u8], flags: u8, edtl: u32) -> Bhs {
     b
 }
 
+/// WRITE(10) of `blocks` at `lba` sent without data (the connection
+/// negotiated InitialR2T=Yes, ImmediateData=No): its header and the R2T the
+/// target answers with.
+pub async fn write_awaiting_r2t(c: &mut Connection, lba: u32, blocks: u16) -> (Bhs, Pdu) {
+    let l = lba.to_be_bytes();
+    let n = blocks.to_be_bytes();
+    let cdb = [0x2a, 0, l[0], l[1], l[2], l[3], 0, n[0], n[1], 0];
+    let b = scsi_cmd(c, &cdb, 0xa1, u32::from(blocks) * 512);
+    c.send_pdu(&b, &[], &[]).await.expect("send");
+    let r2t = c
+        .recv_pdu_timeout(Duration::from_secs(5))
+        .await
+        .expect("recv")
+        .expect("R2T");
+    assert_eq!(r2t.opcode(), Some(Opcode::ReadyToTransfer));
+    (b, r2t)
+}
+
+/// Data-Out number `datasn` of the command `cmd`, at `offset` of the burst
+/// the R2T `r2t` asked for.
+pub fn data_out(cmd: &Bhs, r2t: &Pdu, offset: u32, datasn: u32, last: bool) -> Bhs {
+    Bhs::data_out(cmd.itt(), r2t.bhs.ttt(), offset, datasn, last)
+}
+
 /// Log in and consume the power-on unit attention, as real initiators do.
 pub async fn open(t: &TargetProcess, initiator: &str) -> Session {
     let s = Session::login(t.addr(), LoginParams::normal(initiator, t.target_name()))

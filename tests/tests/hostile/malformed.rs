@@ -324,25 +324,8 @@ async fn connection_dropped_mid_r2t_changes_nothing_outside_the_write() {
     .await;
     tur_works(&mut c).await;
     // WRITE(10) of 128 blocks right after the bystander's; send half, then vanish.
-    let lba = (CANARY_LBA as u32 + 128).to_be_bytes();
-    let b = scsi_cmd(
-        &mut c,
-        &[0x2a, 0, lba[0], lba[1], lba[2], lba[3], 0, 0, 128, 0],
-        0xa1,
-        65536,
-    );
-    c.send_pdu(&b, &[], &[]).await.expect("send");
-    let r2t = c
-        .recv_pdu_timeout(Duration::from_secs(5))
-        .await
-        .expect("recv")
-        .expect("R2T");
-    assert_eq!(r2t.opcode(), Some(Opcode::ReadyToTransfer));
-    let mut d = Bhs::new(Opcode::DataOut);
-    d.set_itt(b.itt())
-        .set_ttt(r2t.bhs.ttt())
-        .set_buffer_offset(0)
-        .set_datasn(0);
+    let (b, r2t) = write_awaiting_r2t(&mut c, CANARY_LBA as u32 + 128, 128).await;
+    let d = data_out(&b, &r2t, 0, 0, false);
     c.send_pdu(&d, &[], &[0xdd; 8192]).await.expect("send half");
     drop(c);
     tokio::time::sleep(SHORT).await;
@@ -461,27 +444,9 @@ async fn a_data_digest_error_on_data_out_ends_its_task_with_a_crc_error() {
     // the sequence), then last (the one with the Final bit).
     for damaged in [0u32, 1] {
         let lba = CANARY_LBA as u32 + 512 + damaged * 16;
-        let l = lba.to_be_bytes();
-        let b = scsi_cmd(
-            &mut c,
-            &[0x2a, 0, l[0], l[1], l[2], l[3], 0, 0, 16, 0],
-            0xa0,
-            8192,
-        );
-        c.send_pdu(&b, &[], &[]).await.expect("send");
-        let r2t = c
-            .recv_pdu_timeout(Duration::from_secs(5))
-            .await
-            .expect("recv")
-            .expect("R2T");
-        assert_eq!(r2t.opcode(), Some(Opcode::ReadyToTransfer));
+        let (b, r2t) = write_awaiting_r2t(&mut c, lba, 16).await;
         for i in 0..2u32 {
-            let mut d = Bhs::new(Opcode::DataOut);
-            d.set_final(i == 1)
-                .set_itt(b.itt())
-                .set_ttt(r2t.bhs.ttt())
-                .set_buffer_offset(i * 4096)
-                .set_datasn(i);
+            let mut d = data_out(&b, &r2t, i * 4096, i, i == 1);
             if i == damaged {
                 c.send_raw(&with_bad_data_digest(&mut d, &[0xcd; 4096]))
                     .await

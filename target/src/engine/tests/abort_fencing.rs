@@ -30,7 +30,7 @@ fn login_as(h: &mut Harness, name: &str, extra: &[(&str, &str)]) {
 
 /// PERSISTENT RESERVE OUT with its parameter list as immediate data (TCP).
 fn pr_out_pdu(h: &mut Harness, service_action: u8, key: u64, sa_key: u64) -> Vec<Rsp> {
-    let (cdb, params) = Harness::pr_out_cdb(service_action, key, sa_key);
+    let (cdb, params) = ramslog_common::cdb::persistent_reserve_out(service_action, key, sa_key);
     h.command(&cdb, 0x81 | 0x20, 24, &params).1
 }
 
@@ -43,7 +43,7 @@ fn status_of(r: &[Rsp]) -> Option<u8> {
 /// A PERSISTENT RESERVE OUT of host A, whose parameter list the illumos
 /// profile fetches by RDMA READ.
 fn a_pr_out(a: &mut Harness, hca: &mut SimulatedHca, sa: u8, key: u64, sa_key: u64) -> u8 {
-    let (cdb, params) = Harness::pr_out_cdb(sa, key, sa_key);
+    let (cdb, params) = ramslog_common::cdb::persistent_reserve_out(sa, key, sa_key);
     let stag = 0x50 + u32::from(sa);
     hca.register(stag, 0x5000, params.to_vec());
     let (_, r) = a.iser_command(&cdb, 0xa1, 24, &[], iser_buf_at(stag, 0x5000), None);
@@ -130,14 +130,8 @@ fn b_preempts_and_overwrites(b: &mut Harness) -> Vec<Rsp> {
 fn b_writes_region(b: &mut Harness) {
     let bytes = WRITES * u32::from(BLOCKS) * 512;
     // Immediate data carries the first 8 KiB; the rest comes by R2T.
-    let itt = b.next_itt();
-    let mut cmd = Bhs::new(Opcode::ScsiCommand);
-    cmd.set_flags(0xa1)
-        .set_itt(itt)
-        .set_expected_data_len(bytes)
-        .set_cmdsn(b.cmdsn);
-    b.cmdsn += 1;
-    cmd.set_cdb(&write10(REGION_LBA, (WRITES * u32::from(BLOCKS)) as u16));
+    let cdb = write10(REGION_LBA, (WRITES * u32::from(BLOCKS)) as u16);
+    let (itt, cmd) = b.scsi_bhs(&cdb, 0xa1, bytes);
     let data = vec![0xbb; bytes as usize];
     let mut r = b.send(&cmd, &data[..8192]);
     loop {
@@ -153,11 +147,7 @@ fn b_writes_region(b: &mut Harness) {
             .find(|p| p.bhs.opcode() == Some(Opcode::ReadyToTransfer))
             .expect("an R2T for the rest");
         let (off, len) = (r2t.bhs.buffer_offset(), r2t.bhs.residual());
-        let mut d = Bhs::new(Opcode::DataOut);
-        d.set_final(true)
-            .set_itt(itt)
-            .set_ttt(r2t.bhs.ttt())
-            .set_buffer_offset(off);
+        let d = Bhs::data_out(itt, r2t.bhs.ttt(), off, 0, true);
         r = b.send(&d, &data[off as usize..(off + len) as usize]);
     }
 }
@@ -244,13 +234,7 @@ fn abort_task_of_a_write_whose_read_is_in_flight_waits_for_it() {
     let first_write = a.itt + 1;
     a_writes(&mut a, &mut hca);
     // A aborts its own first write, whose READ is in flight.
-    let mut t = Bhs::new(Opcode::TaskMgmtRequest);
-    t.set_immediate(true)
-        .set_final(true)
-        .set_flags(0x80 | tmf::ABORT_TASK)
-        .set_itt(a.next_itt())
-        .set_ttt(first_write)
-        .set_cmdsn(a.cmdsn);
+    let t = a.tmf(tmf::ABORT_TASK, first_write);
     let r = a.send(&t, &[]);
     assert!(
         r.iter()
@@ -293,12 +277,7 @@ fn solicited_data_out_after_the_shutdown_fence_gets_no_status() {
     let ttt = r2t.bhs.ttt();
     let scsi = h.conn.portal().targets[0].scsi.clone();
     scsi.lu(0).expect("LUN 0").volume().fence();
-    let mut d = Bhs::new(Opcode::DataOut);
-    d.set_final(true)
-        .set_itt(itt)
-        .set_ttt(ttt)
-        .set_buffer_offset(0)
-        .set_datasn(0);
+    let d = Bhs::data_out(itt, ttt, 0, 0, true);
     let r = h.send(&d, &[0x5e; 4096]);
     assert_eq!(statuses(&r), vec![], "a status went out after the fence");
     assert!(h.closed, "the connection closes instead");
@@ -351,25 +330,9 @@ fn rdma_reads_completing_after_the_shutdown_fence_get_no_status() {
 /// Every host then sees the reset once, as a unit attention (29h/03h).
 #[test]
 fn logical_unit_reset_aborts_the_other_hosts_tasks() {
-    let portal = RamPortal::new(IQN).size(LUN_BYTES).build();
-    let mut a = Harness::new_iser_from(portal.clone(), CmPeer::Illumos);
-    login_as(&mut a, HOST_A, &[]);
-    let mut b = Harness::new(portal);
-    login_as(
-        &mut b,
-        HOST_B,
-        &[("ImmediateData", "Yes"), ("InitialR2T", "No")],
-    );
-    let mut hca = SimulatedHca::new(ILLUMOS_CREDITS);
+    let (mut a, mut hca, mut b) = two_hosts_logged_in(SessionControl::new());
     a_writes(&mut a, &mut hca);
-    let mut t = Bhs::new(Opcode::TaskMgmtRequest);
-    t.set_immediate(true)
-        .set_final(true)
-        .set_flags(0x80 | tmf::LOGICAL_UNIT_RESET)
-        .set_lun(0)
-        .set_itt(b.next_itt())
-        .set_ttt(RESERVED_TAG)
-        .set_cmdsn(b.cmdsn);
+    let t = b.tmf(tmf::LOGICAL_UNIT_RESET, RESERVED_TAG);
     let tmf_answer = |r: &[Rsp]| {
         r.iter()
             .find(|p| p.bhs.opcode() == Some(Opcode::TaskMgmtResponse))
@@ -439,14 +402,7 @@ fn iser_teardown_with_reads_in_flight_acknowledges_and_places_nothing() {
     a_writes(&mut a, &mut hca);
     let transfers = a.conn.transfers().expect("a session");
     assert_eq!(transfers.in_flight(), 4, "four READs into the LUN posted");
-    let mut t = Bhs::new(Opcode::TaskMgmtRequest);
-    t.set_immediate(true)
-        .set_final(true)
-        .set_flags(0x80 | tmf::LOGICAL_UNIT_RESET)
-        .set_lun(0)
-        .set_itt(b.next_itt())
-        .set_ttt(RESERVED_TAG)
-        .set_cmdsn(b.cmdsn);
+    let t = b.tmf(tmf::LOGICAL_UNIT_RESET, RESERVED_TAG);
     let answered = |r: &[Rsp]| {
         r.iter()
             .any(|p| p.bhs.opcode() == Some(Opcode::TaskMgmtResponse))

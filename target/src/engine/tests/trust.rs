@@ -21,16 +21,6 @@ fn harness_with_limits(limits: Limits) -> Harness {
     Harness::new(RamPortal::new(IQN).size(LUN_BYTES).limits(limits).build())
 }
 
-fn data_out(itt: u32, ttt: u32, offset: u32, datasn: u32, last: bool) -> Bhs {
-    let mut d = Bhs::new(Opcode::DataOut);
-    d.set_final(last)
-        .set_itt(itt)
-        .set_ttt(ttt)
-        .set_buffer_offset(offset)
-        .set_datasn(datasn);
-    d
-}
-
 fn fill_lun(h: &mut Harness, byte: u8) {
     let scsi = h.conn.portal().targets[0].scsi.clone();
     let lu = scsi.lu(0).expect("LUN 0");
@@ -70,7 +60,7 @@ fn solicited_burst_ending_early_is_never_good() {
         r2ts.remove(0);
         let send_len = if first { len / 2 } else { len };
         first = false;
-        let d = data_out(itt, ttt, off, 0, true);
+        let d = Bhs::data_out(itt, ttt, off, 0, true);
         for p in h.send(&d, &data[off as usize..(off + send_len) as usize]) {
             match p.bhs.opcode() {
                 Some(Opcode::ReadyToTransfer) => {
@@ -116,14 +106,7 @@ fn unsolicited_data_ending_early_is_solicited_exactly() {
         ("MaxOutstandingR2T", "4"),
     ]);
     let data: Vec<u8> = (0..262144u32).map(|i| (i % 251) as u8).collect();
-    let itt = h.next_itt();
-    let mut b = Bhs::new(Opcode::ScsiCommand);
-    b.set_flags(0x21)
-        .set_itt(itt)
-        .set_expected_data_len(262144)
-        .set_cmdsn(h.cmdsn);
-    h.cmdsn += 1;
-    b.set_cdb(&write10(0, 512));
+    let (itt, b) = h.scsi_bhs(&write10(0, 512), 0x21, 262144);
     let mut pending: Vec<(u32, u32, u32)> = Vec::new();
     let mut responses = Vec::new();
     let mut route = |h: &mut Harness, out: Vec<Rsp>, pending: &mut Vec<(u32, u32, u32)>| {
@@ -141,13 +124,13 @@ fn unsolicited_data_ending_early_is_solicited_exactly() {
     let out = h.send(&b, &data[..8192]);
     route(&mut h, out, &mut pending);
     let out = h.send(
-        &data_out(itt, RESERVED_TAG, 8192, 0, true),
+        &Bhs::data_out(itt, RESERVED_TAG, 8192, 0, true),
         &data[8192..24576],
     );
     route(&mut h, out, &mut pending);
     while let Some((ttt, off, len)) = pending.pop() {
         let out = h.send(
-            &data_out(itt, ttt, off, 0, true),
+            &Bhs::data_out(itt, ttt, off, 0, true),
             &data[off as usize..(off + len) as usize],
         );
         route(&mut h, out, &mut pending);
@@ -241,15 +224,8 @@ fn run_write_case(c: &WriteCase) {
     } else {
         rng.gen_range(imm + 1..=unsol_limit)
     };
-    let itt = h.next_itt();
-    let mut b = Bhs::new(Opcode::ScsiCommand);
     let f = if unsol_end == imm { 0x80 } else { 0 };
-    b.set_flags(f | 0x21)
-        .set_itt(itt)
-        .set_expected_data_len(total)
-        .set_cmdsn(h.cmdsn);
-    h.cmdsn += 1;
-    b.set_cdb(&write10(c.lba, c.blocks as u16));
+    let (itt, b) = h.scsi_bhs(&write10(c.lba, c.blocks as u16), f | 0x21, total);
 
     let mut bursts: Vec<Burst> = Vec::new();
     let mut response: Option<Rsp> = None;
@@ -292,7 +268,7 @@ fn run_write_case(c: &WriteCase) {
         let len = rng.gen_range(1..=(unsol_end - off).min(16384));
         let last = off + len == unsol_end;
         let out = h.send(
-            &data_out(itt, RESERVED_TAG, off, datasn, last),
+            &Bhs::data_out(itt, RESERVED_TAG, off, datasn, last),
             &data[off as usize..(off + len) as usize],
         );
         handle(out, &mut bursts, &mut response);
@@ -312,7 +288,7 @@ fn run_write_case(c: &WriteCase) {
         let early = len < left && rng.gen_bool(0.05);
         let last = early || len == left;
         misbehaved |= early;
-        let d = data_out(itt, bt.ttt, bt.next, bt.datasn, last);
+        let d = Bhs::data_out(itt, bt.ttt, bt.next, bt.datasn, last);
         let piece = data[bt.next as usize..(bt.next + len) as usize].to_vec();
         bt.next += len;
         bt.datasn += 1;
@@ -601,7 +577,7 @@ fn max_cmdsn_closes_while_commands_wait_for_data() {
     h.cmdsn -= 1;
     // Answering one write reopens the window by one.
     let (itt, ttt) = itts[0];
-    let r = h.send(&data_out(itt, ttt, 0, 0, true), &[0u8; 4096]);
+    let r = h.send(&Bhs::data_out(itt, ttt, 0, 0, true), &[0u8; 4096]);
     assert_eq!(r[0].bhs.scsi_status(), status::GOOD);
     assert_eq!(r[0].bhs.max_cmdsn(), r[0].bhs.exp_cmdsn());
     let (_, r) = h.command(&[0; 6], 0x81, 0, &[]);
@@ -614,14 +590,7 @@ fn max_cmdsn_closes_while_commands_wait_for_data() {
 fn data_in_is_produced_as_the_driver_takes_it() {
     let mut h = Harness::new(RamPortal::new(IQN).size(32 << 20).build());
     h.login(&[("MaxRecvDataSegmentLength", "512")]);
-    let itt = h.next_itt();
-    let mut b = Bhs::new(Opcode::ScsiCommand);
-    b.set_flags(0xc1)
-        .set_itt(itt)
-        .set_expected_data_len(16 << 20)
-        .set_cmdsn(h.cmdsn);
-    h.cmdsn += 1;
-    b.set_cdb(&read10(0, 32768));
+    let (_, b) = h.scsi_bhs(&read10(0, 32768), 0xc1, 16 << 20);
     h.conn.handle(h.now, Input::pdu(&b, &[], &[]));
     assert!(
         h.conn.queued_actions() <= 4,
@@ -643,7 +612,7 @@ fn login_named(h: &mut Harness, name: &str, extra: &[(&str, &str)]) {
 
 /// PERSISTENT RESERVE OUT with its parameter list as immediate data.
 fn pr_out(h: &mut Harness, service_action: u8, key: u64, sa_key: u64) -> u8 {
-    let (cdb, params) = Harness::pr_out_cdb(service_action, key, sa_key);
+    let (cdb, params) = ramslog_common::cdb::persistent_reserve_out(service_action, key, sa_key);
     let (_, r) = h.command(&cdb, 0x81 | 0x20, 24, &params);
     r[0].bhs.scsi_status()
 }
@@ -678,7 +647,7 @@ fn preempt_and_abort_fences_the_preempted_writes_over_tcp() {
         pr_out(&mut a, PR_PREEMPT_AND_ABORT, 0xaa, 0xbb),
         status::GOOD
     );
-    let r = b.send(&data_out(itt, ttt, 0, 0, true), &[0x99u8; 4096]);
+    let r = b.send(&Bhs::data_out(itt, ttt, 0, 0, true), &[0x99u8; 4096]);
     assert!(
         !r.iter()
             .any(|p| p.bhs.opcode() == Some(Opcode::ScsiResponse)
