@@ -6,7 +6,7 @@ use std::process::Output;
 use ramslog_tests::TargetProcess;
 
 mod common;
-use common::{json_of, rdma_bench, stdout_of};
+use common::{json_of, rdma_bench, rdma_bench_line, stdout_of};
 use serde_json::Value;
 
 fn bench(args: &[&str]) -> Output {
@@ -62,16 +62,7 @@ fn lat_reports_json_with_machine_target_and_plot() {
 #[test]
 fn lat_table_by_default() {
     let t = TargetProcess::start();
-    let out = bench(&[
-        "lat",
-        &t.url(0),
-        "--qd",
-        "4",
-        "--time",
-        "0.5",
-        "--warmup",
-        "0.1",
-    ]);
+    let out = rdma_bench_line(&format!("lat {} --qd 4 --time 0.5 --warmup 0.1", t.url(0)));
     let text = stdout_of(&out);
     assert!(text.contains("4 KiB Write QD4"), "{text}");
     assert!(text.contains("p99.9 µs") && text.contains("IOPS"), "{text}");
@@ -81,18 +72,11 @@ fn lat_table_by_default() {
 fn compare_interleaves_targets_and_gives_ratios() {
     let a = TargetProcess::start();
     let b = TargetProcess::start();
-    let out = bench(&[
-        "compare",
-        &a.url(0),
-        &b.url(0),
-        "--time",
-        "1",
-        "--rounds",
-        "2",
-        "--warmup",
-        "0.1",
-        "--json",
-    ]);
+    let out = rdma_bench_line(&format!(
+        "compare {} {} --time 1 --rounds 2 --warmup 0.1 --json",
+        a.url(0),
+        b.url(0)
+    ));
     let v = json_of(&out);
     assert_eq!(v["rounds"], 2);
     let r = v["results"].as_array().unwrap();
@@ -107,19 +91,10 @@ fn compare_interleaves_targets_and_gives_ratios() {
 #[test]
 fn sweep_covers_every_cell() {
     let t = TargetProcess::start();
-    let out = bench(&[
-        "sweep",
-        &t.url(0),
-        "--bs",
-        "512,4K,64K",
-        "--qd",
-        "1,4",
-        "--time",
-        "0.3",
-        "--warmup",
-        "0",
-        "--json",
-    ]);
+    let out = rdma_bench_line(&format!(
+        "sweep {} --bs 512,4K,64K --qd 1,4 --time 0.3 --warmup 0 --json",
+        t.url(0)
+    ));
     let v = json_of(&out);
     let cells = v["cells"].as_array().unwrap();
     assert_eq!(cells.len(), 6);

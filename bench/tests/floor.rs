@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 mod common;
-use common::{json_of, rdma_bench, stdout_of};
+use common::{json_of, rdma_bench, rdma_bench_line, stdout_of};
 
 const BIN: &str = env!("CARGO_BIN_EXE_rdma-bench");
 
@@ -93,15 +93,10 @@ fn tcp_floor_json() {
 #[test]
 fn tcp_floor_table_and_time() {
     let s = Server::start();
-    let out = floor(&[
-        &s.addr.to_string(),
-        "--bs",
-        "512",
-        "--time",
-        "0.3",
-        "--warmup",
-        "0.1",
-    ]);
+    let out = rdma_bench_line(&format!(
+        "floor {} --bs 512 --time 0.3 --warmup 0.1",
+        s.addr
+    ));
     let text = stdout_of(&out);
     assert!(text.contains("bs=512"), "{text}");
     assert!(text.contains("p50 µs"), "{text}");
@@ -144,14 +139,10 @@ fn server_survives_clients_that_leave_mid_run() {
     victim.kill().unwrap();
     victim.wait().unwrap();
     assert!(s.alive(), "floor-server died");
-    let v = json_of(&floor(&[
-        &s.addr.to_string(),
-        "--count",
-        "200",
-        "--warmup",
-        "0",
-        "--json",
-    ]));
+    let v = json_of(&rdma_bench_line(&format!(
+        "floor {} --count 200 --warmup 0 --json",
+        s.addr
+    )));
     assert_eq!(v["samples"][0]["ios"], 200);
     assert!(s.alive());
 }
@@ -199,21 +190,12 @@ fn lat_and_compare_report_what_the_target_adds() {
     let floor = s.addr.to_string();
     let t = ramslog_tests::TargetProcess::start();
     let u = ramslog_tests::TargetProcess::start();
-    let run = rdma_bench;
 
-    let v = json_of(&run(&[
-        "lat",
-        &t.url(0),
-        "--pattern",
-        "fua",
-        "--count",
-        "300",
-        "--warmup",
-        "0",
-        "--floor",
-        &floor,
-        "--json",
-    ]));
+    let v = json_of(&rdma_bench_line(&format!(
+        "lat {} --pattern fua --count 300 --warmup 0 --floor {} --json",
+        t.url(0),
+        floor
+    )));
     let f = &v["floors"][0];
     assert_eq!(f["shape"], "tcp 48+bs/48");
     assert!(f["summary"]["ios"].as_u64().unwrap() > 0);
@@ -221,20 +203,12 @@ fn lat_and_compare_report_what_the_target_adds() {
     let adds = v["results"][0]["target_adds_us"].as_f64().unwrap();
     assert!((adds - (p50(&v["results"][0]) - p50(f))).abs() < 1e-6);
 
-    let v = json_of(&run(&[
-        "compare",
-        &t.url(0),
-        &u.url(0),
-        "--time",
-        "1",
-        "--rounds",
-        "2",
-        "--warmup",
-        "0",
-        "--floor",
-        &floor,
-        "--json",
-    ]));
+    let v = json_of(&rdma_bench_line(&format!(
+        "compare {} {} --time 1 --rounds 2 --warmup 0 --floor {} --json",
+        t.url(0),
+        u.url(0),
+        floor
+    )));
     assert_eq!(
         v["floors"].as_array().unwrap().len(),
         1,
@@ -244,16 +218,11 @@ fn lat_and_compare_report_what_the_target_adds() {
         assert!(r["target_adds_us"].is_f64());
     }
 
-    let out = run(&[
-        "lat",
-        &t.url(0),
-        "--count",
-        "100",
-        "--warmup",
-        "0",
-        "--floor",
-        &floor,
-    ]);
+    let out = rdma_bench_line(&format!(
+        "lat {} --count 100 --warmup 0 --floor {}",
+        t.url(0),
+        floor
+    ));
     let text = stdout_of(&out);
     assert!(
         text.contains("adds µs") && text.contains("floor: tcp 48+bs/48"),
@@ -261,19 +230,11 @@ fn lat_and_compare_report_what_the_target_adds() {
     );
 
     // Reads have no floor shape: said, not invented.
-    let out = run(&[
-        "lat",
-        &t.url(0),
-        "--pattern",
-        "read",
-        "--count",
-        "100",
-        "--warmup",
-        "0",
-        "--floor",
-        &floor,
-        "--json",
-    ]);
+    let out = rdma_bench_line(&format!(
+        "lat {} --pattern read --count 100 --warmup 0 --floor {} --json",
+        t.url(0),
+        floor
+    ));
     let v = json_of(&out);
     assert!(v["floors"].as_array().unwrap().is_empty());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no floor for Read"));

@@ -258,6 +258,27 @@ fn post_recv_slot(id: &CmId, slots: &[RegisteredBuffer], i: usize) -> Res<()> {
 }
 
 /// Post every receive slot in one call (chained, in chunks of 64).
+/// Wait until the SEND just posted completed and the peer's answer came:
+/// the answer (its receive slot is posted again).
+fn sent_and_answered(id: &CmId, reaper: &mut Reaper, slots: &[RegisteredBuffer]) -> Res<Msg> {
+    let (mut sent, mut reply) = (false, None);
+    while !sent || reply.is_none() {
+        let wc = reaper.next()?;
+        match wc.wr_id {
+            WR_SEND => sent = true,
+            WrId {
+                kind: RECV, slot, ..
+            } if (slot as usize) < RECV_SLOTS => {
+                let slot = slot as usize;
+                reply = Some(Msg::decode(&head(&slots[slot], MSG)?)?);
+                post_recv_slot(id, slots, slot)?;
+            }
+            w => return Err(format!("unexpected work request {w:?}").into()),
+        }
+    }
+    reply.ok_or_else(|| "no reply".into())
+}
+
 fn post_all_recvs(id: &CmId, slots: &[RegisteredBuffer]) -> Res<()> {
     let mut wrs = Vec::with_capacity(slots.len());
     for (i, b) in slots.iter().enumerate() {
@@ -480,24 +501,8 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
             signaled: true,
             inline: false,
         })?;
-        let (mut sent, mut reply) = (false, None);
-        while !sent || reply.is_none() {
-            let wc = reaper.next()?;
-            match wc.wr_id {
-                WR_SEND => sent = true,
-                WrId {
-                    kind: RECV, slot, ..
-                } if (slot as usize) < RECV_SLOTS => {
-                    let slot = slot as usize;
-                    let m = Msg::decode(&head(&slots[slot], MSG)?)?;
-                    post_recv_slot(&id, &slots, slot)?;
-                    reply = Some(m);
-                }
-                w => return Err(format!("unexpected work request {w:?}").into()),
-            }
-        }
+        let m = sent_and_answered(&id, &mut reaper, &slots)?;
         total += t0.elapsed();
-        let m = reply.ok_or("no reply")?;
         if m.kind != PONG || m.seq != seq {
             return Err(format!("bad reply {m:?} to ping {seq}").into());
         }
@@ -553,23 +558,8 @@ fn client(addr: SocketAddr, round_trips: u32) -> Res<()> {
         },
     ])
     .map_err(|e| e.to_string())?;
-    let mut verdict = None;
-    let mut sent = false;
-    while !sent || verdict.is_none() {
-        let wc = reaper.next()?;
-        match wc.wr_id {
-            WR_SEND => sent = true,
-            WrId {
-                kind: RECV, slot, ..
-            } if (slot as usize) < RECV_SLOTS => {
-                let slot = slot as usize;
-                verdict = Some(Msg::decode(&head(&slots[slot], MSG)?)?.kind);
-                post_recv_slot(&id, &slots, slot)?;
-            }
-            _ => return Err(format!("unexpected completion {wc:?}").into()),
-        }
-    }
-    if verdict != Some(DONE_OK) {
+    let verdict = sent_and_answered(&id, &mut reaper, &slots)?.kind;
+    if verdict != DONE_OK {
         return Err("the server saw the wrong bytes after the RDMA WRITE".into());
     }
 

@@ -31,14 +31,11 @@ fn logged_in(iser: bool, metrics: bool) -> Connection {
         portal
     }
     .build();
-    let mut keys = vec![
+    let keys = [
         ("ImmediateData", "Yes"),
         ("InitialR2T", "Yes"),
         ("MaxRecvDataSegmentLength", "262144"),
     ];
-    if iser {
-        keys.push(("RDMAExtensions", "Yes"));
-    }
     testkit::logged_in(portal, iser.then_some(8192), &keys, Instant::now())
 }
 

@@ -135,8 +135,9 @@ impl RamPortal {
 }
 
 /// A connection to the portal's first target that has completed a one-PDU
-/// login with `keys` (its successful response already drained); over iSER when
-/// `iser_recv_data_len` is given (the receive buffers' data room).
+/// login with `keys` (its successful response already drained); over iSER,
+/// with RDMAExtensions=Yes, when `iser_recv_data_len` is given (the receive
+/// buffers' data room).
 pub fn logged_in(
     portal: Arc<Portal>,
     iser_recv_data_len: Option<u32>,
@@ -163,6 +164,9 @@ pub fn logged_in(
         "iqn.2026-11.org.ramslog:testkit",
     );
     text::encode_pair(&mut data, "TargetName", &target);
+    if iser_recv_data_len.is_some() {
+        text::encode_pair(&mut data, "RDMAExtensions", "Yes");
+    }
     for (k, v) in keys {
         text::encode_pair(&mut data, k, v);
     }

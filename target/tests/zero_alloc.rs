@@ -62,14 +62,11 @@ fn io_loop(iser: bool) {
         .size(8 << 20)
         .service_times()
         .build();
-    let mut keys = vec![
+    let keys = [
         ("ImmediateData", "Yes"),
         ("InitialR2T", "No"),
         ("MaxRecvDataSegmentLength", "262144"),
     ];
-    if iser {
-        keys.push(("RDMAExtensions", "Yes"));
-    }
     let mut conn = testkit::logged_in(portal.clone(), iser.then_some(8192), &keys, now);
     let lu = portal.targets[0].scsi.lu(0).expect("LUN 0").clone();
     let counted = || {

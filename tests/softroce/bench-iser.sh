@@ -85,8 +85,7 @@ step "lat over iSER, 64 KiB writes at QD8 (RDMA READ of the rest after 8 KiB imm
 step "rdma-bench report: ramslog (with --metrics) vs LIO over iSER, floor, fio via the kernel initiator"
 REPORT_IQN=iqn.2026-11.org.ramslog:report
 iscsid_start
-HOST_INI=$(sed -n 's/^InitiatorName=//p' /etc/iscsi/initiatorname.iscsi)
-[ -n "$HOST_INI" ] || { HOST_INI=iqn.2026-11.org.ramslog.lab:host; echo "InitiatorName=$HOST_INI" >/etc/iscsi/initiatorname.iscsi; }
+HOST_INI=$(initiator_name)
 # Its own daemon: service times cost clock reads, which the compare above
 # must not pay.
 target_start "$RESULTS/bench-report-target.log" "iSER listening on $RXE_ADDR_A:3262" \

@@ -54,8 +54,7 @@ step "network: rxe on a veth pair ($TRANSPORT)"
 rxe_up
 iscsid_start
 trap cleanup EXIT
-INITIATOR=$(sed -n 's/^InitiatorName=//p' /etc/iscsi/initiatorname.iscsi)
-[ -n "$INITIATOR" ] || { INITIATOR=iqn.2026-11.org.ramslog.lab:host; echo "InitiatorName=$INITIATOR" >/etc/iscsi/initiatorname.iscsi; }
+INITIATOR=$(initiator_name)
 echo "initiator $INITIATOR, target binary $BIN"
 
 step "ramslog-target on $RXE_ADDR_A:3260 (state dir $STATE, ACL = this initiator)"

@@ -12,6 +12,11 @@ pub fn rdma_bench(args: &[&str]) -> Output {
         .expect("run rdma-bench")
 }
 
+/// `rdma-bench` with the words of `line` (no word may hold a space).
+pub fn rdma_bench_line(line: &str) -> Output {
+    rdma_bench(&line.split_whitespace().collect::<Vec<_>>())
+}
+
 /// The JSON a successful run printed; a failed run panics with its stderr.
 pub fn json_of(out: &Output) -> Value {
     assert!(

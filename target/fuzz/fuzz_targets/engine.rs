@@ -142,11 +142,7 @@ fuzz_target!(|data: &[u8]| {
         .size(LUN_BYTES)
         .build();
     let keys: &[(&str, &str)] = if iser {
-        &[
-            ("RDMAExtensions", "Yes"),
-            ("ImmediateData", "Yes"),
-            ("InitialR2T", "No"),
-        ]
+        &[("ImmediateData", "Yes"), ("InitialR2T", "No")]
     } else {
         &[
             ("ImmediateData", "Yes"),

@@ -144,6 +144,19 @@ impl Harness {
         r
     }
 
+    /// A Text Request for SendTargets=All; the answers.
+    fn send_targets(&mut self) -> Vec<Rsp> {
+        let mut t = Bhs::new(Opcode::TextRequest);
+        t.set_final(true)
+            .set_itt(self.next_itt())
+            .set_ttt(RESERVED_TAG)
+            .set_cmdsn(self.cmdsn);
+        self.cmdsn += 1;
+        let mut body = Vec::new();
+        text::encode_pair(&mut body, "SendTargets", "All");
+        self.send(&t, &body)
+    }
+
     /// An immediate task management request `function` of this session,
     /// naming task `referenced` (RESERVED_TAG for none), for LUN 0.
     fn tmf(&mut self, function: u8, referenced: u32) -> Bhs {
@@ -780,15 +793,7 @@ fn discovery_lists_targets_and_refuses_scsi() {
         key(&keys_of(&r[0].data), "MaxBurstLength"),
         Some("Irrelevant")
     );
-    let mut t = Bhs::new(Opcode::TextRequest);
-    t.set_final(true)
-        .set_itt(9)
-        .set_ttt(RESERVED_TAG)
-        .set_cmdsn(h.cmdsn);
-    h.cmdsn += 1;
-    let mut body = Vec::new();
-    text::encode_pair(&mut body, "SendTargets", "All");
-    let r = h.send(&t, &body);
+    let r = h.send_targets();
     let k = keys_of(&r[0].data);
     assert_eq!(key(&k, "TargetName"), Some(IQN));
     assert_eq!(key(&k, "TargetAddress"), Some("127.0.0.1:3260,1"));

@@ -1,6 +1,19 @@
 # Sourced by lab test scripts: open-iscsi helpers (iscsid started once, stopped
 # by PID at exit).
 
+# open-iscsi's initiator name on this machine; one is made (and written
+# where iscsid reads it) if the image has none.
+initiator_name() {
+  local name
+  name=$(sed -n 's/^InitiatorName=//p' /etc/iscsi/initiatorname.iscsi 2>/dev/null)
+  if [ -z "$name" ]; then
+    name=iqn.2026-11.org.ramslog.lab:host
+    mkdir -p /etc/iscsi
+    echo "InitiatorName=$name" >/etc/iscsi/initiatorname.iscsi
+  fi
+  echo "$name"
+}
+
 iscsid_start() {
   modprobe iscsi_tcp; modprobe ib_iser; modprobe sd_mod   # no udev: nothing autoloads
   # Its own session: on SIGTERM iscsid signals its whole process group.

@@ -125,6 +125,16 @@ wait_reconnect() {
   box_status "$1"
   fail "open-iscsi did not reconnect to box $1"
 }
+# Both boxes crash (their content gone) and come back empty; the host's
+# open-iscsi logs in to each again by itself.
+lose_both_boxes() {
+  kill_box a
+  kill_box b
+  start_box a "$RXE_ADDR_A" "$IQN_A"
+  start_box b "$RXE_ADDR_B" "$IQN_B"
+  wait_reconnect a
+  wait_reconnect b
+}
 
 login() { # IQN ADDR:PORT
   timeout 90 iscsiadm -m discovery -t sendtargets -p "$2" -I iser >/dev/null
@@ -278,7 +288,7 @@ step "network: rxe on two addresses, one per box; iscsid"
 rxe_up
 iscsid_start
 trap cleanup EXIT
-INITIATOR=$(sed -n 's/^InitiatorName=//p' /etc/iscsi/initiatorname.iscsi)
+INITIATOR=$(initiator_name)
 echo "initiator $INITIATOR; ramslog-target $BIN"
 
 step "two ramslog boxes: $IQN_A on $RXE_ADDR_A, $IQN_B on $RXE_ADDR_B"
@@ -444,12 +454,7 @@ step "e. both boxes lost while the host keeps running: sync writes go on, nothin
 zfs_fio zfs-both-lost 20 >/tmp/fio-both-lost.txt 2>&1 &
 fio_pid=$!
 sleep 5
-kill_box a
-kill_box b
-start_box a "$RXE_ADDR_A" "$IQN_A"
-start_box b "$RXE_ADDR_B" "$IQN_B"
-wait_reconnect a
-wait_reconnect b
+lose_both_boxes
 wait "$fio_pid" || { cat /tmp/fio-both-lost.txt; fail "sync writes returned an error with both log halves lost"; }
 cat /tmp/fio-both-lost.txt
 write_files while-lost 8
@@ -469,12 +474,7 @@ x zpool freeze "$POOL"
 head -c 262144 /dev/urandom >/tmp/log-only
 dd if=/tmp/log-only of="/$DS/log-only" bs=4k oflag=sync status=none
 echo "log-only: 256 KiB written with O_SYNC after the freeze (acknowledged from the log)"
-kill_box a
-kill_box b
-start_box a "$RXE_ADDR_A" "$IQN_A"
-start_box b "$RXE_ADDR_B" "$IQN_B"
-wait_reconnect a
-wait_reconnect b
+lose_both_boxes
 echo "--- zpool status with both log halves lost ---"
 zpool status -P "$POOL" | tee "$RESULTS/status-e-lost.txt"
 x timeout 300 zpool export "$POOL"

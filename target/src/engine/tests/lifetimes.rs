@@ -61,15 +61,7 @@ fn discovery_login(h: &mut Harness) {
 }
 
 fn send_targets(h: &mut Harness) {
-    let mut t = Bhs::new(Opcode::TextRequest);
-    t.set_final(true)
-        .set_itt(h.next_itt())
-        .set_ttt(RESERVED_TAG)
-        .set_cmdsn(h.cmdsn);
-    h.cmdsn += 1;
-    let mut body = Vec::new();
-    text::encode_pair(&mut body, "SendTargets", "All");
-    let r = h.send(&t, &body);
+    let r = h.send_targets();
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::TextResponse));
 }
 
