@@ -1,5 +1,21 @@
 use super::*;
 
+/// An empty scratch directory of this test process.
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("ramslog-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A CHAP secret file holding `text`, readable by its owner only.
+fn secret_file(dir: &std::path::Path, name: &str, text: &str) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    path
+}
+
 #[test]
 fn sizes() {
     assert_eq!(parse_size("4G"), Ok(4 << 30));
@@ -45,8 +61,7 @@ fn non_loopback_needs_acl() {
 /// `--listen` opens a file's ACL-less target, as without a file.
 #[test]
 fn flags_count_for_the_access_rule_of_a_file_target() {
-    let dir = std::env::temp_dir().join(format!("ramslog-exposure-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("exposure");
     let file = dir.join("open.toml");
     std::fs::write(
         &file,
@@ -80,11 +95,8 @@ fn flags_count_for_the_access_rule_of_a_file_target() {
 /// refused at start, naming the file.
 #[test]
 fn short_chap_secrets_are_refused() {
-    let dir = std::env::temp_dir().join(format!("ramslog-chap-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let short = dir.join("short.secret");
-    std::fs::write(&short, "elevenbytes\n").unwrap();
-    std::fs::set_permissions(&short, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let dir = scratch("chap");
+    let short = secret_file(&dir, "short.secret", "elevenbytes\n");
     let args = RunArgs {
         size: Some(1 << 20),
         ephemeral: true,
@@ -107,11 +119,8 @@ fn short_chap_secrets_are_refused() {
 /// start; loopback portals and targets with CHAP are quiet.
 #[test]
 fn an_exposed_acl_without_chap_is_warned_about() {
-    let dir = std::env::temp_dir().join(format!("ramslog-acl-warn-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let secret = dir.join("chap.secret");
-    std::fs::write(&secret, "a-long-enough-secret\n").unwrap();
-    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let dir = scratch("acl-warn");
+    let secret = secret_file(&dir, "chap.secret", "a-long-enough-secret\n");
     let args = RunArgs {
         size: Some(1 << 20),
         listen: vec!["192.0.2.1:3260".parse().unwrap()],
@@ -144,8 +153,7 @@ fn an_exposed_acl_without_chap_is_warned_about() {
 #[test]
 fn chap_secret_files_readable_by_others_are_refused() {
     use std::os::unix::fs::PermissionsExt;
-    let dir = std::env::temp_dir().join(format!("ramslog-chap-mode-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("chap-mode");
     let secret = dir.join("chap.secret");
     std::fs::write(&secret, "a-long-enough-secret\n").unwrap();
     let args = RunArgs {
@@ -216,8 +224,7 @@ fn the_rdma_caps_answer_to_their_iser_names_too() {
     let both = parse(&["--max-iser-connections", "7", "--max-rdma-connections", "8"]);
     assert!(both.is_err(), "one cap, given twice");
 
-    let dir = std::env::temp_dir().join(format!("ramslog-aliases-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("aliases");
     let load = |text: &str| {
         let file = dir.join("caps.toml");
         std::fs::write(&file, text).unwrap();

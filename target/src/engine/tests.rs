@@ -128,16 +128,7 @@ impl Harness {
 
     /// [`Self::login`] as initiator `name`.
     fn login_as(&mut self, name: &str, extra: &[(&str, &str)]) -> Rsp {
-        let mut keys = vec![
-            ("InitiatorName", name),
-            ("TargetName", IQN),
-            ("SessionType", "Normal"),
-        ];
-        keys.extend_from_slice(extra);
-        let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
-        let mut r = self.login_pdu(flags, &keys);
-        assert_eq!(r.len(), 1);
-        let r = r.remove(0);
+        let r = self.login_response(name, extra);
         if r.bhs.login_status() == 0 {
             self.clear_unit_attention();
         }
@@ -155,6 +146,21 @@ impl Harness {
         let mut body = Vec::new();
         text::encode_pair(&mut body, "SendTargets", "All");
         self.send(&t, &body)
+    }
+
+    /// A one-PDU login to full feature phase as `name` with `extra` keys:
+    /// its one response (the unit attention left for the caller).
+    fn login_response(&mut self, name: &str, extra: &[(&str, &str)]) -> Rsp {
+        let mut keys = vec![
+            ("InitiatorName", name),
+            ("TargetName", IQN),
+            ("SessionType", "Normal"),
+        ];
+        keys.extend_from_slice(extra);
+        let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
+        let mut r = self.login_pdu(flags, &keys);
+        assert_eq!(r.len(), 1);
+        r.remove(0)
     }
 
     /// An immediate task management request `function` of this session,
@@ -999,16 +1005,7 @@ fn iser_login(extra: &[(&str, &str)]) -> (Harness, Vec<(String, String)>) {
 fn iser_login_from(proposed: CmPeer, extra: &[(&str, &str)]) -> (Harness, Vec<(String, String)>) {
     let portal = RamPortal::new(IQN).build();
     let mut h = Harness::new_iser_from(portal, proposed);
-    let mut keys = vec![
-        ("InitiatorName", INI),
-        ("TargetName", IQN),
-        ("SessionType", "Normal"),
-    ];
-    keys.extend_from_slice(extra);
-    let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
-    let mut r = h.login_pdu(flags, &keys);
-    assert_eq!(r.len(), 1);
-    let r = r.remove(0);
+    let r = h.login_response(INI, extra);
     assert_eq!(r.bhs.login_status(), login_status::SUCCESS);
     let k = keys_of(&r.data);
     h.clear_unit_attention();

@@ -979,23 +979,21 @@ fn reserve6_release6() {
     t.detach(b);
     run(&t, a, 0, &[0x16, 0, 0, 0, 0, 0], &[]).unwrap();
     // A reset drops it too, and every nexus (issuer included) gets 29h/03h.
+    let reset_reported = |nexuses: &[NexusId]| {
+        for &n in nexuses {
+            assert_sense(
+                run(&t, n, 0, &[0; 6], &[]),
+                sense_key::UNIT_ATTENTION,
+                0x29,
+                0x03,
+            );
+        }
+    };
     t.reset(ResetScope::Lu(0), a);
-    for n in [a, c] {
-        assert_sense(
-            run(&t, n, 0, &[0; 6], &[]),
-            sense_key::UNIT_ATTENTION,
-            0x29,
-            0x03,
-        );
-    }
+    reset_reported(&[a, c]);
     run(&t, c, 0, &[0x16, 0, 0, 0, 0, 0], &[]).unwrap();
     t.reset(ResetScope::Target, c);
-    assert_sense(
-        run(&t, a, 0, &[0; 6], &[]),
-        sense_key::UNIT_ATTENTION,
-        0x29,
-        0x03,
-    );
+    reset_reported(&[a]);
     run(&t, a, 0, &[0x16, 0, 0, 0, 0, 0], &[]).unwrap();
     // RESERVE(6) yields to persistent reservation registrations.
     run(&t, a, 0, &[0x17, 0, 0, 0, 0, 0], &[]).unwrap();

@@ -125,13 +125,26 @@ wait_reconnect() {
   box_status "$1"
   fail "open-iscsi did not reconnect to box $1"
 }
+start_both_boxes() {
+  start_box a "$RXE_ADDR_A" "$IQN_A"
+  start_box b "$RXE_ADDR_B" "$IQN_B"
+}
+
+# From here on no transaction group reaches the pool disk, as if the host had
+# crashed (`zpool freeze`): NAME, 256 KiB written with O_SYNC next (a copy
+# kept in /tmp/NAME), exists only in the log.
+crash_host_and_write_log_only() { # NAME
+  x zpool freeze "$POOL"
+  head -c 262144 /dev/urandom >"/tmp/$1"
+  dd if="/tmp/$1" of="/$DS/$1" bs=4k oflag=sync status=none
+}
+
 # Both boxes crash (their content gone) and come back empty; the host's
 # open-iscsi logs in to each again by itself.
 lose_both_boxes() {
   kill_box a
   kill_box b
-  start_box a "$RXE_ADDR_A" "$IQN_A"
-  start_box b "$RXE_ADDR_B" "$IQN_B"
+  start_both_boxes
   wait_reconnect a
   wait_reconnect b
 }
@@ -293,8 +306,7 @@ echo "initiator $INITIATOR; ramslog-target $BIN"
 
 step "two ramslog boxes: $IQN_A on $RXE_ADDR_A, $IQN_B on $RXE_ADDR_B"
 rm -rf /tmp/ramslog-a /tmp/ramslog-b
-start_box a "$RXE_ADDR_A" "$IQN_A"
-start_box b "$RXE_ADDR_B" "$IQN_B"
+start_both_boxes
 login "$IQN_A" "$RXE_ADDR_A:3260"
 login "$IQN_B" "$RXE_ADDR_B:3260"
 for t in "$IQN_A" "$IQN_B"; do
@@ -468,11 +480,7 @@ verify_files while-lost
 step "e. both boxes lost and the host crashed (frozen)"
 write_files committed 16
 x zpool sync "$POOL"
-# From here on no transaction group reaches the pool disk, as if the host had
-# crashed: what is written next exists only in the log.
-x zpool freeze "$POOL"
-head -c 262144 /dev/urandom >/tmp/log-only
-dd if=/tmp/log-only of="/$DS/log-only" bs=4k oflag=sync status=none
+crash_host_and_write_log_only log-only
 echo "log-only: 256 KiB written with O_SYNC after the freeze (acknowledged from the log)"
 lose_both_boxes
 echo "--- zpool status with both log halves lost ---"
@@ -543,14 +551,11 @@ PY
 step "g. both boxes stopped cleanly (the UPS path) while the host is frozen, then started"
 write_files committed-g 16
 x zpool sync "$POOL"
-x zpool freeze "$POOL"
-head -c 262144 /dev/urandom >/tmp/log-only-g
-dd if=/tmp/log-only-g of="/$DS/log-only-g" bs=4k oflag=sync status=none
+crash_host_and_write_log_only log-only-g
 echo "log-only-g: 256 KiB written with O_SYNC after the freeze (acknowledged from the log alone)"
 stop_box a
 stop_box b
-start_box a "$RXE_ADDR_A" "$IQN_A"
-start_box b "$RXE_ADDR_B" "$IQN_B"
+start_both_boxes
 grep -h "restored and verified" "${BOX_LOG[a]}" "${BOX_LOG[b]}" | sed 's/^.*INFO [a-z_:]*: //'
 wait_reconnect a
 wait_reconnect b
@@ -568,17 +573,14 @@ verify_files committed-g
 step "h. both boxes stopped cleanly, box B's image corrupted, both started"
 write_files committed-h 8
 x zpool sync "$POOL"
-x zpool freeze "$POOL"
-head -c 262144 /dev/urandom >/tmp/log-only-h
-dd if=/tmp/log-only-h of="/$DS/log-only-h" bs=4k oflag=sync status=none
+crash_host_and_write_log_only log-only-h
 stop_box a
 stop_box b
 img_b=$(ls /tmp/ramslog-b/images/*.img)
 # One bit in the middle of the first chunk's data.
 printf '\x5a' | dd of="$img_b" bs=1 seek=$((8192 + 4096)) conv=notrunc status=none
 echo "box B's image $img_b: one byte overwritten"
-start_box a "$RXE_ADDR_A" "$IQN_A"
-start_box b "$RXE_ADDR_B" "$IQN_B"
+start_both_boxes
 grep -h "LUN content not restored" "${BOX_LOG[b]}" | sed 's/^.*WARN [a-z_:]*: //'
 box_status b | grep "NOT READY" || fail "box B is not NOT READY with a damaged image"
 wait_reconnect a
@@ -626,9 +628,7 @@ grep -q "errors: No known data errors" "$RESULTS/status-i.txt" || fail "data err
 [ "$(scan_line)" = "$scan_before" ] && echo "no resilver of half B (a log half is not resilvered: see above)"
 
 step "i. the returning half is current: host frozen, box A taken away, the log replayed from B alone"
-x zpool freeze "$POOL"
-head -c 262144 /dev/urandom >/tmp/log-only-i
-dd if=/tmp/log-only-i of="/$DS/log-only-i" bs=4k oflag=sync status=none
+crash_host_and_write_log_only log-only-i
 kill_box a
 start_box a "$RXE_ADDR_A" "$IQN_A"
 box_status a | grep "NOT READY" || fail "box A is not NOT READY after losing its content"
