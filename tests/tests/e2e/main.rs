@@ -133,4 +133,37 @@ impl Drop for LoopFilesystem {
     }
 }
 
+/// `out` is a start that was refused with a clean exit (1, no panic) and a
+/// message naming each of `needles`.
+pub fn refused(out: &std::process::Output, needles: &[&str]) {
+    refused_with(1, out, needles)
+}
+
+/// [`refused`] with exit status `code` (2: a flag clap could not parse).
+pub fn refused_with(code: i32, out: &std::process::Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "should have refused to start; stderr: {err}"
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "a clean exit code, not a panic (101) or signal: {err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    for n in needles {
+        assert!(err.contains(n), "stderr should mention {n:?}: {err}");
+    }
+}
+
+/// `ramslog-target ARGS`, run to its end.
+pub fn run_target(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(ramslog_tests::target_binary())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run ramslog-target")
+}
+
 pub const SHORT: Duration = Duration::from_millis(500);

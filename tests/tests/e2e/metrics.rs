@@ -709,38 +709,15 @@ fn metrics_allow_answers_only_its_networks() {
         assert!(raw.is_empty(), "{refused:?} was answered: {raw}");
     }
 
-    let out = Command::new(ramslog_tests::target_binary())
-        .args([
-            "--ephemeral",
-            "--size",
-            "16M",
-            "--metrics-allow",
-            "10.0.0.0/8",
-        ])
-        .output()
-        .expect("run ramslog-target");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("--metrics-allow") && err.contains("--metrics [ADDR:]PORT"),
-        "{err}"
+    let flags = "--ephemeral --size 16M --metrics-allow 10.0.0.0/8";
+    refused(
+        &run_target(&flags.split(' ').collect::<Vec<_>>()),
+        &["--metrics-allow", "--metrics [ADDR:]PORT"],
     );
-    let out = Command::new(ramslog_tests::target_binary())
-        .args([
-            "--ephemeral",
-            "--size",
-            "16M",
-            "--metrics",
-            "0",
-            "--metrics-allow",
-            "10.0.0.300",
-        ])
-        .output()
-        .expect("run ramslog-target");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("--metrics-allow") && err.contains("not a network"),
-        "{err}"
+    let flags = "--ephemeral --size 16M --metrics 0 --metrics-allow 10.0.0.300";
+    refused_with(
+        2,
+        &run_target(&flags.split(' ').collect::<Vec<_>>()),
+        &["--metrics-allow", "not a network"],
     );
 }

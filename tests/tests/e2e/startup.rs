@@ -5,7 +5,7 @@ use std::process::{Command, Output};
 
 use ramslog_tests::{find_in_path, free_port, target_binary};
 
-use crate::is_root;
+use crate::{is_root, refused};
 
 fn run(prefix: &[&str], args: &[&str]) -> Output {
     let (prog, pre) = match prefix.split_first() {
@@ -21,23 +21,6 @@ fn run(prefix: &[&str], args: &[&str]) -> Output {
         .env("RUST_LOG", "warn")
         .output()
         .expect("run ramslog-target")
-}
-
-fn refused(out: &Output, needles: &[&str]) {
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "should have refused to start; stderr: {err}"
-    );
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "a clean exit code, not a panic (101) or signal: {err}"
-    );
-    assert!(!err.contains("panicked"), "{err}");
-    for n in needles {
-        assert!(err.contains(n), "stderr should mention {n:?}: {err}");
-    }
 }
 
 #[test]

@@ -15,6 +15,24 @@ fn unit_text() -> String {
 
 /// `systemd-analyze verify` accepts the unit (with ExecStart pointing at the
 /// binary just built, since verify checks that it exists).
+/// `text` as `ramslog-target.service` in a fresh directory of its own:
+/// (the directory, the unit file).
+fn unit_copy(name: &str, text: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("ramslog-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let copy = dir.join("ramslog-target.service");
+    std::fs::write(&copy, text).expect("write unit");
+    (dir, copy)
+}
+
+/// The unit sets none of `keys` (each `Name=`): such a setting `why`.
+fn lacks(unit: &str, keys: &[&str], why: &str) {
+    for key in keys {
+        assert!(!unit.lines().any(|l| l.starts_with(key)), "{key} {why}");
+    }
+}
+
 #[test]
 fn the_unit_verifies() {
     assert!(
@@ -31,27 +49,15 @@ fn the_unit_verifies() {
     ] {
         assert!(unit.contains(must), "the unit must have {must}");
     }
-    for hides in [
+    let hides = [
         "ProtectSystem=",
         "PrivateTmp=",
         "ReadOnlyPaths=",
         "TemporaryFileSystem=",
-    ] {
-        assert!(
-            !unit.lines().any(|l| l.starts_with(hides)),
-            "{hides} could hide the state or image directory"
-        );
-    }
-    let dir = std::env::temp_dir().join(format!("ramslog-unit-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    let copy = dir.join("ramslog-target.service");
-    let bin = target_binary();
-    std::fs::write(
-        &copy,
-        unit.replace("/usr/bin/ramslog-target", &bin.display().to_string()),
-    )
-    .expect("write unit");
+    ];
+    lacks(&unit, &hides, "could hide the state or image directory");
+    let bin = target_binary().display().to_string();
+    let (dir, copy) = unit_copy("unit", &unit.replace("/usr/bin/ramslog-target", &bin));
     let out = Command::new("systemd-analyze")
         .arg("verify")
         .arg(&copy)
@@ -85,7 +91,7 @@ fn the_unit_is_hardened() {
     ] {
         assert!(unit.lines().any(|l| l == must), "the unit must have {must}");
     }
-    for hides in [
+    let hides = [
         "PrivateDevices=",
         "DevicePolicy=",
         "DeviceAllow=",
@@ -95,17 +101,9 @@ fn the_unit_is_hardened() {
         "ProtectClock=",
         "ProtectHome=",
         "PrivateMounts=",
-    ] {
-        assert!(
-            !unit.lines().any(|l| l.starts_with(hides)),
-            "{hides} hides devices or makes a mount namespace"
-        );
-    }
-    let dir = std::env::temp_dir().join(format!("ramslog-unit-sec-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    let copy = dir.join("ramslog-target.service");
-    std::fs::write(&copy, &unit).expect("write unit");
+    ];
+    lacks(&unit, &hides, "hides devices or makes a mount namespace");
+    let (dir, copy) = unit_copy("unit-sec", &unit);
     let out = Command::new("systemd-analyze")
         .args(["security", "--offline=true", "--threshold=56"])
         .arg(&copy)
