@@ -176,13 +176,28 @@ fn alert_rules() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/prometheus/ramslog-alerts.yml")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn real_io_fills_the_endpoint_and_prometheus_scrapes_it() {
+/// A target serving metrics on a free port of 127.0.0.1 (given as a bare
+/// port when `bare_port`, which must bind loopback), with `flags`: the
+/// endpoint's address and the target.
+fn metrics_target(bare_port: bool, flags: &[&str]) -> (SocketAddr, TargetProcess) {
     let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let at = if bare_port {
+        metrics.port().to_string()
+    } else {
+        metrics.to_string()
+    };
+    let mut extra_args = vec!["--metrics".to_string(), at];
+    extra_args.extend(flags.iter().map(|f| f.to_string()));
     let t = TargetProcess::start_with(TargetOptions {
-        extra_args: vec!["--metrics".into(), metrics.to_string()],
+        extra_args,
         ..Default::default()
     });
+    (metrics, t)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_io_fills_the_endpoint_and_prometheus_scrapes_it() {
+    let (metrics, t) = metrics_target(false, &[]);
     let s = open(&t, PROBE_INITIATOR).await;
     let data = random_bytes(4096);
     for i in 0..200u64 {
@@ -315,16 +330,7 @@ fn read10(lba: u32, blocks: u16) -> [u8; 10] {
 
 #[tokio::test]
 async fn refused_logins_and_limits_are_counted_without_peer_names() {
-    let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-    let t = TargetProcess::start_with(TargetOptions {
-        extra_args: vec![
-            "--metrics".into(),
-            metrics.to_string(),
-            "--max-connections".into(),
-            "1".into(),
-        ],
-        ..Default::default()
-    });
+    let (metrics, t) = metrics_target(false, &["--max-connections", "1"]);
     // The harness's readiness probe holds the one connection until the
     // daemon sees it closed.
     wait_for_no_connections(metrics);
@@ -371,11 +377,7 @@ async fn refused_logins_and_limits_are_counted_without_peer_names() {
 
 #[test]
 fn the_endpoint_answers_only_metrics() {
-    let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-    let _t = TargetProcess::start_with(TargetOptions {
-        extra_args: vec!["--metrics".into(), metrics.port().to_string()],
-        ..Default::default()
-    });
+    let (metrics, _t) = metrics_target(true, &[]);
     assert_eq!(http_get(metrics, "/").0, "HTTP/1.1 404 Not Found");
     let mut s = TcpStream::connect(metrics).unwrap();
     s.write_all(b"POST /metrics HTTP/1.1\r\n\r\n").unwrap();
@@ -434,19 +436,10 @@ fn promtool_accepts_the_alert_rules_and_their_tests() {
 async fn a_host_that_stops_reading_is_dropped_after_the_output_stall_timeout() {
     use ramslog_common::iscsi::{Bhs, Opcode};
     const STALL: Duration = Duration::from_secs(4);
-    let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-    let t = TargetProcess::start_with(TargetOptions {
-        extra_args: vec![
-            "--metrics".into(),
-            metrics.to_string(),
-            "--output-stall-timeout".into(),
-            STALL.as_secs().to_string(),
-            // No ping may end the connection first.
-            "--nop-interval".into(),
-            "3600".into(),
-        ],
-        ..Default::default()
-    });
+    // No ping may end the connection first.
+    let stall = STALL.as_secs().to_string();
+    let flags = ["--output-stall-timeout", &stall, "--nop-interval", "3600"];
+    let (metrics, t) = metrics_target(false, &flags);
     let mut c = ramslog_initiator::Connection::connect(t.addr())
         .await
         .expect("connect");
@@ -506,16 +499,7 @@ async fn a_host_that_stops_reading_is_dropped_after_the_output_stall_timeout() {
 async fn task_set_full_on_the_wire_is_retried_and_counted() {
     use ramslog_common::iscsi::{Bhs, Opcode, RESERVED_TAG};
     use ramslog_common::scsi_wire::status;
-    let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-    let t = TargetProcess::start_with(TargetOptions {
-        extra_args: vec![
-            "--metrics".into(),
-            metrics.to_string(),
-            "--cmd-window".into(),
-            "4".into(),
-        ],
-        ..Default::default()
-    });
+    let (metrics, t) = metrics_target(false, &["--cmd-window", "4"]);
     let mut c = ramslog_initiator::Connection::connect(t.addr())
         .await
         .expect("connect");
@@ -623,11 +607,7 @@ fn idle_client(from: std::net::Ipv4Addr, to: SocketAddr, head: &[u8]) -> std::ne
 /// connection that has not sent a whole request.
 #[test]
 fn slow_clients_never_keep_a_scrape_out() {
-    let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-    let _t = TargetProcess::start_with(TargetOptions {
-        extra_args: vec!["--metrics".into(), metrics.port().to_string()],
-        ..Default::default()
-    });
+    let (metrics, _t) = metrics_target(true, &[]);
     assert_eq!(http_get(metrics, "/metrics").0, "HTTP/1.1 200 OK");
     // Many sources, each idling in the middle of its request head.
     let idle: Vec<_> = (2..40u8)
@@ -673,18 +653,15 @@ fn slow_clients_never_keep_a_scrape_out() {
 /// others answered; the flag without `--metrics` names the fix.
 #[test]
 fn metrics_allow_answers_only_its_networks() {
-    let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-    let _t = TargetProcess::start_with(TargetOptions {
-        extra_args: vec![
-            "--metrics".into(),
-            metrics.port().to_string(),
-            "--metrics-allow".into(),
-            "127.0.0.2".into(),
-            "--metrics-allow".into(),
-            "127.0.1.0/24".into(),
+    let (metrics, _t) = metrics_target(
+        true,
+        &[
+            "--metrics-allow",
+            "127.0.0.2",
+            "--metrics-allow",
+            "127.0.1.0/24",
         ],
-        ..Default::default()
-    });
+    );
     let scrape_from = |from: std::net::Ipv4Addr| -> String {
         let mut s = idle_client(
             from,

@@ -259,18 +259,28 @@ async fn every_acknowledged_write_survives_a_stop_under_load() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A target of `dir` whose LUN got a random pattern (seeded `seed`) and
+/// then SIGTERM: it is fencing and dumping.
+async fn written_then_stopping(dir: &Path, seed: u64) -> TargetProcess {
+    let t = started_and_written(dir, &random_pattern(seed)).await;
+    ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::TERM);
+    t
+}
+
+/// A target of `dir` whose LUN holds `pattern`.
+async fn started_and_written(dir: &Path, pattern: &Arc<Vec<u8>>) -> TargetProcess {
+    let t = TargetProcess::start_with(persistent(dir, None, &[]));
+    let s = Arc::new(open(&t, INITIATOR).await);
+    write_all(&s, pattern).await;
+    t
+}
+
 /// (e) Once shutdown began, logins are refused while the dump runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logins_during_the_dump_are_refused() {
     let dir = scratch("dump-login");
-    let pattern = random_pattern(2);
-    let mut t = TargetProcess::start_with(persistent(&dir, None, &[]));
-    let s = Arc::new(open(&t, INITIATOR).await);
-    write_all(&s, &pattern).await;
-    drop(s);
+    let mut t = written_then_stopping(&dir, 2).await;
     let (addr, name) = (t.addr(), t.target_name().to_string());
-    let pid = t.pid();
-    ramslog_tests::send_signal(pid, ramslog_tests::Signal::TERM);
     let mut attempts = 0;
     let mut logged_in = 0;
     while t.is_running() {
@@ -305,13 +315,8 @@ async fn logins_during_the_dump_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_during_the_dump_are_refused_by_the_kernel() {
     let dir = scratch("dump-connect");
-    let pattern = random_pattern(5);
-    let mut t = TargetProcess::start_with(persistent(&dir, None, &[]));
-    let s = Arc::new(open(&t, INITIATOR).await);
-    write_all(&s, &pattern).await;
-    drop(s);
+    let mut t = written_then_stopping(&dir, 5).await;
     let addr = t.addr();
-    ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::TERM);
     let (mut during_dump, mut accepted) = (0, 0);
     while t.is_running() {
         if !t.output().contains("logins refused") {
@@ -388,11 +393,8 @@ async fn state_directories_are_exclusive_and_images_are_never_confused() {
 async fn stop_command_and_a_stop_during_restore() {
     let dir = scratch("stop");
     let pattern = random_pattern(3);
-    let mut t = TargetProcess::start_with(persistent(&dir, None, &[]));
+    let mut t = started_and_written(&dir, &pattern).await;
     let port = t.port();
-    let s = Arc::new(open(&t, INITIATOR).await);
-    write_all(&s, &pattern).await;
-    drop(s);
     let out = cli(&["stop"], &dir);
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "stop: {out:?}");
@@ -532,13 +534,8 @@ fn naa_of_images(dir: &Path) -> String {
 async fn a_kill_during_the_dump_leaves_the_lun_not_ready_and_accept_empty_clears_it() {
     use ramslog_tests::Signal;
     let dir = scratch("kill-dump");
-    let pattern = random_pattern(4);
-    let mut t = TargetProcess::start_with(persistent(&dir, None, &[]));
+    let mut t = written_then_stopping(&dir, 4).await;
     let port = t.port();
-    let s = Arc::new(open(&t, INITIATOR).await);
-    write_all(&s, &pattern).await;
-    drop(s);
-    ramslog_tests::send_signal(t.pid(), Signal::TERM);
     // Catch the dump under way: stop the process the moment it says so (a
     // new LUN's empty image was dumped at start already).
     let since_stop = |t: &TargetProcess| {

@@ -14,12 +14,18 @@ const LUN_BYTES: u64 = 256 << 20;
 /// 120 READs of 16 MiB sent back to back without reading a byte of the
 /// answers: the target must stream its Data-In with back-pressure, not
 /// build ~2 GiB of output.
+/// A target with the flood tests' LUN and `flags`.
+fn flood_target(flags: &[&str]) -> TargetProcess {
+    TargetProcess::start_with(TargetOptions {
+        size: LUN.into(),
+        extra_args: flags.iter().map(|f| f.to_string()).collect(),
+        ..Default::default()
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipelined_reads_without_reading_stay_bounded() {
-    let t = TargetProcess::start_with(TargetOptions {
-        size: LUN.into(),
-        ..Default::default()
-    });
+    let t = flood_target(&[]);
     let by = Bystander::new(&t, 500_000).await;
     let sampler = RssSampler::start(t.pid());
     let mut c = raw_login(&t, |_| {}).await;
@@ -47,10 +53,7 @@ async fn pipelined_reads_without_reading_stay_bounded() {
 /// per-connection bound and all together under the total one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_connections_flooding_reads_stay_bounded_in_total() {
-    let t = TargetProcess::start_with(TargetOptions {
-        size: LUN.into(),
-        ..Default::default()
-    });
+    let t = flood_target(&[]);
     let by = Bystander::new(&t, 500_000).await;
     let sampler = RssSampler::start(t.pid());
     let mut conns = Vec::new();
@@ -83,11 +86,7 @@ async fn many_connections_flooding_reads_stay_bounded_in_total() {
 /// address are kept; the rest are closed at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_that_never_log_in_are_capped_per_host() {
-    let t = TargetProcess::start_with(TargetOptions {
-        size: LUN.into(),
-        extra_args: vec!["--max-logins-per-host".into(), "4".into()],
-        ..Default::default()
-    });
+    let t = flood_target(&["--max-logins-per-host", "4"]);
     let by = Bystander::new(&t, 500_000).await;
     let sampler = RssSampler::start(t.pid());
     let mut streams = Vec::new();
@@ -128,11 +127,7 @@ async fn connections_that_never_log_in_are_capped_per_host() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_login_that_never_reads_is_dropped_by_the_login_timeout() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let t = TargetProcess::start_with(TargetOptions {
-        size: LUN.into(),
-        extra_args: vec!["--login-timeout".into(), "8".into()],
-        ..Default::default()
-    });
+    let t = flood_target(&["--login-timeout", "8"]);
     let sampler = RssSampler::start(t.pid());
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
     socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
