@@ -12,7 +12,8 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use ramslog_common::iscsi::{Bhs, Opcode, BHS_LEN};
 use ramslog_common::iser::{Header, Message, RemoteBuffer, HEADER_LEN};
 use ramslog_target::engine::{Action, Connection, Input, OutPdu};
@@ -132,6 +133,9 @@ fn status(p: &OutPdu) -> Option<u8> {
 }
 
 /// One command the way the TCP driver handles it; returns its SCSI status.
+// Never inlined: tests/bench/instructions.sh counts the instructions of
+// each call of it.
+#[inline(never)]
 fn tcp_command(conn: &mut Connection, wire: &Wire, wbuf: &mut Vec<u8>) -> Option<u8> {
     let now = Instant::now();
     let Ok(bhs) = Bhs::decode(&wire.bytes()[..BHS_LEN]) else {
@@ -158,6 +162,9 @@ fn tcp_command(conn: &mut Connection, wire: &Wire, wbuf: &mut Vec<u8>) -> Option
 
 /// One command the way the iSER driver handles it (the RDMA WRITE of read
 /// data is the HCA's work); returns its SCSI status.
+// Never inlined: tests/bench/instructions.sh counts the instructions of
+// each call of it.
+#[inline(never)]
 fn iser_command(conn: &mut Connection, wire: &Wire, slot: &mut [u8]) -> Option<u8> {
     let now = Instant::now();
     let Ok(Message::Pdu(pdu)) = Message::parse(wire.bytes(), conn.max_rx_data_segment()) else {
@@ -183,6 +190,27 @@ fn iser_command(conn: &mut Connection, wire: &Wire, slot: &mut [u8]) -> Option<u
     st
 }
 
+/// Measure one case: `command` runs the next command of `wire` and returns
+/// its status. The power-on unit attention goes to the first command; the
+/// measured path must be the successful one.
+fn measure(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    name: String,
+    mut wire: Wire,
+    mut command: impl FnMut(&Wire) -> Option<u8>,
+) {
+    wire.next();
+    command(&wire);
+    wire.next();
+    assert_eq!(command(&wire), Some(0));
+    g.bench_function(name, |b| {
+        b.iter(|| {
+            wire.next();
+            command(&wire);
+        })
+    });
+}
+
 fn engine(c: &mut Criterion) {
     let mut g = c.benchmark_group("4KiB command");
     g.throughput(Throughput::Elements(1));
@@ -193,34 +221,21 @@ fn engine(c: &mut Criterion) {
         ("read +metrics", false, true),
     ] {
         let mut conn = logged_in(false, metrics);
-        let mut wire = Wire::new(false, write);
         let mut wbuf = Vec::with_capacity(64 * 1024);
-        // The power-on unit attention goes to the first command; the
-        // measured path must be the successful one.
-        wire.next();
-        tcp_command(&mut conn, &wire, &mut wbuf);
-        wire.next();
-        assert_eq!(tcp_command(&mut conn, &wire, &mut wbuf), Some(0));
-        g.bench_function(format!("tcp {name}"), |b| {
-            b.iter(|| {
-                wire.next();
-                tcp_command(&mut conn, &wire, &mut wbuf);
-            })
-        });
-
+        measure(
+            &mut g,
+            format!("tcp {name}"),
+            Wire::new(false, write),
+            |w| tcp_command(&mut conn, w, &mut wbuf),
+        );
         let mut conn = logged_in(true, metrics);
-        let mut wire = Wire::new(true, write);
         let mut slot = vec![0u8; ramslog_common::iser::peer::ILLUMOS_MSG_LEN];
-        wire.next();
-        iser_command(&mut conn, &wire, &mut slot);
-        wire.next();
-        assert_eq!(iser_command(&mut conn, &wire, &mut slot), Some(0));
-        g.bench_function(format!("iser {name}"), |b| {
-            b.iter(|| {
-                wire.next();
-                iser_command(&mut conn, &wire, &mut slot);
-            })
-        });
+        measure(
+            &mut g,
+            format!("iser {name}"),
+            Wire::new(true, write),
+            |w| iser_command(&mut conn, w, &mut slot),
+        );
     }
     g.finish();
 }

@@ -506,33 +506,16 @@ fn acl_entries_bound_to_a_network_refuse_other_sources() {
     let status_for = |entry: &str| {
         let acl = Acl::Only(vec![entry.parse().unwrap()]);
         let mut h = Harness::new(RamPortal::new(IQN).acl(acl).build());
-        let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
-        let r = h.login_pdu(
-            flags,
-            &[
-                ("InitiatorName", INI),
-                ("TargetName", IQN),
-                ("SessionType", "Normal"),
-            ],
-        );
-        r[0].bhs.login_status()
+        h.login_response(INI, &[]).bhs.login_status()
     };
-    assert_eq!(
-        status_for(&format!("{INI}@127.0.0.0/8")),
-        login_status::SUCCESS
-    );
-    assert_eq!(
-        status_for(&format!("{INI}@127.0.0.1")),
-        login_status::SUCCESS
-    );
-    assert_eq!(
-        status_for(&format!("{INI}@192.0.2.0/24")),
-        login_status::FORBIDDEN
-    );
-    assert_eq!(
-        status_for(&format!("{INI}@::1/128")),
-        login_status::FORBIDDEN
-    );
+    for (network, status) in [
+        ("127.0.0.0/8", login_status::SUCCESS),
+        ("127.0.0.1", login_status::SUCCESS),
+        ("192.0.2.0/24", login_status::FORBIDDEN),
+        ("::1/128", login_status::FORBIDDEN),
+    ] {
+        assert_eq!(status_for(&format!("{INI}@{network}")), status, "{network}");
+    }
     assert!("iqn.x@not-a-net".parse::<AclEntry>().is_err());
 }
 
@@ -615,19 +598,26 @@ const PR_REGISTER: u8 = 0;
 const PR_RESERVE: u8 = 1;
 const PR_PREEMPT_AND_ABORT: u8 = 5;
 
+/// Host A over TCP and host B (over iSER when `b_over_iser`, with
+/// `b_keys`) logged in to one LUN.
+fn hosts_a_and_b(b_over_iser: bool, b_keys: &[(&str, &str)]) -> (Harness, Harness) {
+    let portal = RamPortal::new(IQN).size(LUN_BYTES).build();
+    let mut a = Harness::new(portal.clone());
+    login_named(&mut a, "iqn.2026-11.org.ramslog:host-a", &[]);
+    let mut b = if b_over_iser {
+        Harness::new_iser(portal)
+    } else {
+        Harness::new(portal)
+    };
+    login_named(&mut b, "iqn.2026-11.org.ramslog:host-b", b_keys);
+    (a, b)
+}
+
 /// SPC-4 5.13.11.2.6: the preempted nexus's tasks are aborted. Data that
 /// arrives for them afterwards must not land, and none of them gets GOOD.
 #[test]
 fn preempt_and_abort_fences_the_preempted_writes_over_tcp() {
-    let portal = RamPortal::new(IQN).size(LUN_BYTES).build();
-    let mut a = Harness::new(portal.clone());
-    login_named(&mut a, "iqn.2026-11.org.ramslog:host-a", &[]);
-    let mut b = Harness::new(portal.clone());
-    login_named(
-        &mut b,
-        "iqn.2026-11.org.ramslog:host-b",
-        &[("InitialR2T", "Yes"), ("ImmediateData", "Yes")],
-    );
+    let (mut a, mut b) = hosts_a_and_b(false, &[("InitialR2T", "Yes"), ("ImmediateData", "Yes")]);
     assert_eq!(pr_out(&mut a, PR_REGISTER, 0, 0xaa), status::GOOD);
     assert_eq!(pr_out(&mut b, PR_REGISTER, 0, 0xbb), status::GOOD);
     assert_eq!(pr_out(&mut b, PR_RESERVE, 0xbb, 0), status::GOOD);
@@ -657,26 +647,14 @@ fn preempt_and_abort_fences_the_preempted_writes_over_tcp() {
 /// The iSER case: the RDMA READ completes after the preempt.
 #[test]
 fn preempt_and_abort_fences_the_preempted_writes_over_iser() {
-    let portal = RamPortal::new(IQN).size(LUN_BYTES).build();
-    let mut a = Harness::new(portal.clone());
-    login_named(&mut a, "iqn.2026-11.org.ramslog:host-a", &[]);
-    let mut b = Harness::new_iser(portal.clone());
-    login_named(
-        &mut b,
-        "iqn.2026-11.org.ramslog:host-b",
-        &[
-            ("RDMAExtensions", "Yes"),
-            ("ImmediateData", "Yes"),
-            ("InitialR2T", "Yes"),
-        ],
-    );
+    let b_keys = [
+        ("RDMAExtensions", "Yes"),
+        ("ImmediateData", "Yes"),
+        ("InitialR2T", "Yes"),
+    ];
+    let (mut a, mut b) = hosts_a_and_b(true, &b_keys);
     assert_eq!(pr_out(&mut a, PR_REGISTER, 0, 0xaa), status::GOOD);
-    let mut cdb = [0u8; 10];
-    cdb[0] = 0x5f;
-    cdb[2] = 0x01;
-    cdb[8] = 24;
-    let mut params = [0u8; 24];
-    params[8..16].copy_from_slice(&0xbbu64.to_be_bytes());
+    let (cdb, params) = ramslog_common::cdb::persistent_reserve_out(PR_REGISTER, 0, 0xbb);
     // Parameter data over iSER arrives as immediate data here.
     let (_, r) = b.iser_command(&cdb, 0xa1, 24, &params, None, None);
     assert_eq!(r[0].bhs.scsi_status(), status::GOOD);
@@ -713,17 +691,8 @@ fn initiator_names_with_control_characters_are_refused() {
         "iqn.x y",
     ] {
         let mut h = Harness::new(RamPortal::new(IQN).build());
-        let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
-        let r = h.login_pdu(
-            flags,
-            &[
-                ("InitiatorName", name),
-                ("TargetName", IQN),
-                ("SessionType", "Normal"),
-            ],
-        );
         assert_eq!(
-            r[0].bhs.login_status(),
+            h.login_response(name, &[]).bhs.login_status(),
             login_status::INITIATOR_ERROR,
             "defect 11: initiator name {name:?} accepted"
         );
