@@ -94,6 +94,9 @@ lint() {
   cargo clippy -j2 --workspace --all-targets -- -D warnings
   # The API docs build clean: a broken link or a stray <placeholder> fails here.
   RUSTDOCFLAGS="-D warnings" cargo doc -j2 --no-deps --workspace
+  # And so do the README and the guide: every relative link and anchor.
+  python3 tests/docs/check-links.py --self-test
+  python3 tests/docs/check-links.py
 }
 tier "format and lint" lint
 tier "build" cargo build -j2 --workspace --all-targets
