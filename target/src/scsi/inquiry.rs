@@ -102,3 +102,35 @@ pub(crate) fn report_luns(out: &mut Vec<u8>, select: u8, luns: impl Iterator<Ite
     let len = (out.len() - 8) as u32;
     out[0..4].copy_from_slice(&len.to_be_bytes());
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{PRODUCT, VENDOR};
+
+    /// The illumos `sd.conf` line the README gives names this device as
+    /// INQUIRY reports it: `sd` matches the 8-byte vendor field, then the
+    /// product. A change to either constant must change the docs with it.
+    #[test]
+    fn the_sd_conf_line_in_the_docs_names_this_device() {
+        let vendor = std::str::from_utf8(VENDOR).expect("ASCII");
+        let product = std::str::from_utf8(PRODUCT).expect("ASCII").trim_end();
+        let line = format!("sd-config-list = \"{vendor}{product}\", \"cache-nonvolatile:true\";");
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut docs = vec![root.join("README.md")];
+        if let Ok(dir) = std::fs::read_dir(root.join("docs")) {
+            docs.extend(dir.filter_map(|e| e.ok()).map(|e| e.path()));
+        }
+        let mut found = 0;
+        for path in docs
+            .iter()
+            .filter(|p| p.extension().is_some_and(|x| x == "md"))
+        {
+            let text = std::fs::read_to_string(path).expect("read the docs");
+            for l in text.lines().filter(|l| l.contains("sd-config-list = ")) {
+                assert_eq!(l.trim(), line, "{}", path.display());
+                found += 1;
+            }
+        }
+        assert!(found > 0, "no sd-config-list line in README.md or docs/");
+    }
+}
