@@ -712,7 +712,7 @@ fi
 step "j2. the host settings ramslog ships (target/host/ramslog-log-sessions), applied the planned way"
 x "$REPO/target/host/ramslog-log-sessions" "$IQN_A" "$RXE_ADDR_A:3260" "$IQN_B" "$RXE_ADDR_B:3260"
 # NOP-Out values take effect at a login: take half B out of the mirror for
-# the maintenance, log in again, put it back (the README's planned-restart runbook).
+# the maintenance, log in again, put it back (docs/zfs-runbook.md, planned restarts).
 x zpool offline "$POOL" "$LOG_B"
 timeout 60 iscsiadm -m node -T "$IQN_B" -p "$RXE_ADDR_B:3260" --logout >/dev/null
 # No discovery here: it would reset the node record to iscsid.conf's defaults.
