@@ -97,6 +97,8 @@ lint() {
   # And so do the README and the guide: every relative link and anchor.
   python3 tests/docs/check-links.py --self-test
   python3 tests/docs/check-links.py
+  # The guide's blocks the lab runs as written (tests/softroce/zfs/scenario.sh) are where it finds them.
+  tests/docs/block.sh --check README.md docs/*.md
 }
 tier "format and lint" lint
 tier "build" cargo build -j2 --workspace --all-targets

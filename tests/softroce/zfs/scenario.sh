@@ -3,7 +3,10 @@
 # SoftRoCE exists (tests/softroce/run boots the guest; tests/softroce/zfs/run
 # prepares the modules first): OpenZFS pool on a slow disk whose log is a
 # mirror of two ramslog-target "boxes" (one process per rxe address, 256 MiB
-# LUN each) reached by open-iscsi over iSER, with udev for stable names.
+# LUN each) reached by open-iscsi over iSER, with udev for stable names. The
+# boxes are started and the log is created with the guide's own commands
+# (docs/zfs-runbook.md, Create: the blocks marked <!-- walk: -->), run as
+# written but for the lab's addresses, size and state directories.
 #
 #   a. sync writes (fio 4 KiB + fsync, QD1, sync=always): no log, then
 #      ramslog's and LIO's mirrored logs in turns (ZFS_ROUNDS, default 1:
@@ -71,8 +74,9 @@ TARGET_BIN=${TARGET_BIN:-$(pick_bin ramslog-target)} || { echo "build ramslog-ta
 BIN=$TARGET_BIN
 POOL=tank
 DS=$POOL/sync
-IQN_A=iqn.2026-11.org.ramslog:box-a
-IQN_B=iqn.2026-11.org.ramslog:box-b
+# The guide's names (docs/zfs-runbook.md), so that its commands run as written.
+IQN_A=iqn.2026-11.org.ramslog:slog-a
+IQN_B=iqn.2026-11.org.ramslog:slog-b
 LIO_A=iqn.2026-11.org.ramslog.lab:lio-a
 LIO_B=iqn.2026-11.org.ramslog.lab:lio-b
 LIO_SERIAL_A=ramslog-lab-lio-a
@@ -90,13 +94,35 @@ fail() { echo "FAILED: $*"; zpool status -P "$POOL" 2>/dev/null || true; exit 1;
 x() { echo "# $*"; "$@"; }
 
 declare -A TARGET_PID BOX_LOG
-# start_box NAME ADDR IQN: one ramslog-target "box" on its own rxe address.
+# The guide's commands, run as written (docs/zfs-runbook.md's blocks marked
+# <!-- walk: NAME -->; tests/docs/block.sh), with the documentation addresses
+# and the placeholder for the host's IQN replaced by this lab's.
+guide() { # BLOCK
+  "$REPO/tests/docs/block.sh" "$REPO/docs/zfs-runbook.md" "$1" |
+    sed -e "s/192\.0\.2\.10/$RXE_ADDR_A/g" -e "s/192\.0\.2\.11/$RXE_ADDR_B/g" \
+      -e "s/<the host's initiator IQN>/$INITIATOR/g"
+}
+# start_box NAME ADDR IQN: one ramslog-target "box" on its own rxe address,
+# started with the guide's command for box A ("box B the same with slog-b
+# and its own address"). The lab changes only what one guest holding both
+# boxes needs: 256 MiB instead of 16 GiB, a state directory per box, and no
+# busy polling (the boxes share the guest's CPUs with the host side).
 start_box() {
-  local name=$1 addr=$2 iqn=$3 log rc=0
+  local name=$1 addr=$2 iqn=$3 log rc=0 cmd i
+  local -a args
+  cmd=$(guide box) || fail "the guide has no box command"
+  [ "$name" = a ] || cmd=$(sed -e 's/slog-a/slog-b/g' -e "s/$RXE_ADDR_A/$addr/g" <<<"$cmd")
+  [[ " $cmd " == *" --listen $addr:3260 "* && " $cmd " == *" --target-name $iqn "* ]] ||
+    fail "the guide's box command no longer gives box $name $iqn on $addr:3260: $cmd"
+  read -r -a args <<<"$cmd"
+  [ "${args[0]}" = ramslog-target ] || fail "the guide's box command does not start ramslog-target: $cmd"
+  args=("${args[@]:1}")
+  for i in "${!args[@]}"; do [ "${args[i]}" != --size ] || args[i + 1]=256M; done
   log=$RESULTS/ramslog-$name-$(date +%s%N).log
   BOX_LOG[$name]=$log
-  target_start "$log" "iSER listening on $addr:3260" --size 256M --listen "$addr:3260" \
-    --target-name "$iqn" --allow "$INITIATOR" --state-dir "/tmp/ramslog-$name" --iser-spin 0 || rc=$?
+  echo "# ramslog-target ${args[*]} --state-dir /tmp/ramslog-$name --iser-spin 0"
+  target_start "$log" "iSER listening on $addr:3260" "${args[@]}" \
+    --state-dir "/tmp/ramslog-$name" --iser-spin 0 || rc=$?
   TARGET_PID[$name]=$TARGET_STARTED
   [ "$rc" = 0 ] || fail "ramslog-target $name did not start"
   echo "box $name: ramslog-target pid ${TARGET_PID[$name]} on $addr:3260 ($log)"
@@ -307,8 +333,9 @@ echo "initiator $INITIATOR; ramslog-target $BIN"
 step "two ramslog boxes: $IQN_A on $RXE_ADDR_A, $IQN_B on $RXE_ADDR_B"
 rm -rf /tmp/ramslog-a /tmp/ramslog-b
 start_both_boxes
-login "$IQN_A" "$RXE_ADDR_A:3260"
-login "$IQN_B" "$RXE_ADDR_B:3260"
+step "the guide's Linux host commands (docs/zfs-runbook.md, Create), with this lab's addresses"
+guide linux-host >/tmp/guide-linux-host.sh || fail "the guide has no Linux host commands"
+timeout 300 bash -ex /tmp/guide-linux-host.sh || fail "the guide's Linux host commands failed"
 for t in "$IQN_A" "$IQN_B"; do
   iscsiadm -m session -P1 | awk -v t="$t" '$1 == "Target:" { c = ($2 == t) } c && /Iface Transport/' | grep -q iser ||
     fail "session to $t is not over iSER"
@@ -318,8 +345,8 @@ LOG_A=$(by_path "$RXE_ADDR_A:3260" "$IQN_A")
 LOG_B=$(by_path "$RXE_ADDR_B:3260" "$IQN_B")
 SD_B=$(readlink -f "$LOG_B")
 echo "log halves: $LOG_A -> $(readlink -f "$LOG_A"), $LOG_B -> $SD_B"
-x zpool add "$POOL" log mirror "$LOG_A" "$LOG_B"
 x zpool status -P "$POOL"
+[ "$(vdev_state "$LOG_A")" = ONLINE ] && [ "$(vdev_state "$LOG_B")" = ONLINE ] || fail "the guide's log halves are not ONLINE"
 
 # ramslog's mirrored log and LIO's take turns, ramslog first and last, so
 # neither has the advantage of running last: R, L, R (ZFS_ROUNDS=1).
