@@ -53,8 +53,12 @@ pub fn open_volumes(
     let mut volumes = Vec::new();
     for t in &cfg.targets {
         for l in &t.luns {
-            let store = Store::new(l.size, cfg.hugepages)
-                .map_err(|e| format!("target {} LUN {}: {e}", t.name, l.lun))?;
+            let store = Store::named(
+                &format!("ramslog {} LUN {}", t.name, l.lun),
+                l.size,
+                cfg.hugepages,
+            )
+            .map_err(|e| format!("target {} LUN {}: {e}", t.name, l.lun))?;
             tracing::info!(target = %t.name, lun = l.lun, size = l.size, "LUN memory locked in RAM ({})", store.page_kind());
             let store = Arc::new(store);
             let volume = match persistence {

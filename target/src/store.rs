@@ -1,8 +1,17 @@
-//! The LUN memory: one anonymous mapping, prefaulted and locked in RAM.
+//! The LUN memory: one sealed memfd, mapped shared, prefaulted, locked in
+//! RAM and left out of core dumps.
 //!
 //! Everything unsafe about the LUN memory lives here. The rest of the target
 //! sees range-checked copies in and out; the iSER driver sees the base address
 //! and length for one memory registration per RDMA device.
+//!
+//! The memory is a memfd rather than an anonymous mapping so that it can
+//! outlive the process that filled it (a restart hands the file on); it is
+//! mapped `MAP_SHARED`, because a private mapping would keep every write in
+//! copies that die with the process; it is sealed against resizing (a
+//! shrunk file would fault the mapping and any RDMA landing in it); and it
+//! is `MADV_DONTDUMP`, because a panic must not stream gigabytes of
+//! somebody's log into a core file.
 //!
 //! The same bytes may be written by two hosts' overlapping commands at once,
 //! or by the HCA while a thread reads them. A disk may tear such writes, but
@@ -13,7 +22,9 @@
 //! accesses, and never a reference into the mapping.
 #![allow(unsafe_code)]
 
+use std::ffi::CString;
 use std::fmt;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -65,6 +76,8 @@ pub enum StoreError {
          or use --hugepages auto"
     )]
     HugePagesUnavailable { need: u64, free: u64 },
+    #[error("cannot create {size} bytes of LUN memory (memfd): {source}")]
+    Create { size: u64, source: std::io::Error },
     #[error("cannot map {size} bytes of LUN memory: {source}")]
     Map { size: u64, source: std::io::Error },
     #[error("access of {len} bytes at offset {offset} is past the end of the {size}-byte LUN")]
@@ -89,8 +102,15 @@ impl fmt::Display for PageKind {
 
 pub struct Store {
     base: NonNull<u8>,
+    /// The LUN's size: every access is checked against it.
     len: usize,
+    /// The memfd's size and the mapping's: `len` rounded up to whole pages
+    /// of `pages` (huge pages cannot be mapped in part).
+    mapped: usize,
     pages: PageKind,
+    /// The file behind the mapping. The mapping alone keeps the memory; the
+    /// file is what a successor process can be handed.
+    _memory: OwnedFd,
 }
 
 // SAFETY: the mapping is owned by the Store for its whole life; all access goes
@@ -109,6 +129,7 @@ impl fmt::Debug for Store {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Store")
             .field("len", &self.len)
+            .field("mapped", &self.mapped)
             .field("pages", &self.pages)
             .finish()
     }
@@ -145,10 +166,40 @@ fn memlock_limit() -> String {
     }
 }
 
+/// memfd names are at most 249 bytes (NAME_MAX less "memfd:").
+const MEMFD_NAME_MAX: usize = 249;
+
+/// A new close-on-exec memfd named `name` (cut to the kernel's limit; a
+/// name the kernel cannot take falls back to a generic one), `len` bytes
+/// long and sealed at that size.
+fn sealed_memfd(name: &str, len: u64, huge: bool) -> std::io::Result<OwnedFd> {
+    use rustix::fs::{MemfdFlags, SealFlags};
+    let mut end = name.len().min(MEMFD_NAME_MAX);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    let name = CString::new(&name[..end]).unwrap_or_else(|_| c"ramslog LUN".to_owned());
+    let mut flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+    if huge {
+        flags |= MemfdFlags::HUGETLB | MemfdFlags::HUGE_2MB;
+    }
+    let fd = rustix::fs::memfd_create(name.as_c_str(), flags)?;
+    rustix::fs::ftruncate(&fd, len)?;
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+    Ok(fd)
+}
+
 impl Store {
-    /// Map `size` bytes, prefault them and lock them in RAM.
+    /// `size` bytes of LUN memory under a generic name (tests, tools).
     pub fn new(size: u64, huge: HugePages) -> Result<Store, StoreError> {
-        if size == 0 || !size.is_multiple_of(4096) || size > isize::MAX as u64 {
+        Store::named("ramslog LUN", size, huge)
+    }
+
+    /// Create the memfd `name` (shown in /proc/PID/maps and fd listings) of
+    /// `size` bytes, seal its size, map it shared, prefault it, lock it in
+    /// RAM and keep it out of core dumps.
+    pub fn named(name: &str, size: u64, huge: HugePages) -> Result<Store, StoreError> {
+        if size == 0 || !size.is_multiple_of(4096) || size > isize::MAX as u64 - HUGE_PAGE as u64 {
             return Err(StoreError::BadSize(size));
         }
         let len = size as usize;
@@ -157,7 +208,7 @@ impl Store {
             HugePages::Auto | HugePages::Require => {
                 let need = size.div_ceil(HUGE_PAGE as u64);
                 let free = free_huge_pages();
-                if free >= need && len.is_multiple_of(HUGE_PAGE) {
+                if free >= need {
                     true
                 } else if huge == HugePages::Require {
                     return Err(StoreError::HugePagesUnavailable { need, free });
@@ -166,28 +217,15 @@ impl Store {
                 }
             }
         };
-        let (ptr, pages) = match Self::map(len, want_huge) {
-            Ok(p) => (
-                p,
-                if want_huge {
-                    PageKind::Huge2M
-                } else {
-                    PageKind::Normal
-                },
-            ),
+        let store = match Self::create(name, len, want_huge) {
             Err(e) if want_huge && huge == HugePages::Auto => {
-                tracing::info!("huge page mapping failed ({e}); using normal pages");
-                (Self::map(len, false)?, PageKind::Normal)
+                tracing::info!("huge page memory failed ({e}); using normal pages");
+                Self::create(name, len, false)?
             }
-            Err(e) => return Err(e),
+            other => other?,
         };
-        let store = Store {
-            base: ptr,
-            len,
-            pages,
-        };
-        // SAFETY: [base, base+len) is the mapping we just created.
-        if unsafe { libc::mlock(store.base.as_ptr().cast(), len) } != 0 {
+        // SAFETY: [base, base+mapped) is the mapping `create` made.
+        if unsafe { libc::mlock(store.base.as_ptr().cast(), store.mapped) } != 0 {
             let source = std::io::Error::last_os_error();
             return Err(StoreError::Mlock {
                 size,
@@ -198,32 +236,57 @@ impl Store {
         Ok(store)
     }
 
-    fn map(len: usize, huge: bool) -> Result<NonNull<u8>, StoreError> {
-        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE;
-        if huge {
-            flags |= libc::MAP_HUGETLB;
-        }
-        // SAFETY: anonymous mapping with no address hint; the result is checked.
+    /// The sealed memfd and its shared, prefaulted, undumped mapping; `len`
+    /// rounded up to whole huge pages when `huge`.
+    fn create(name: &str, len: usize, huge: bool) -> Result<Store, StoreError> {
+        let (mapped, pages) = if huge {
+            (len.div_ceil(HUGE_PAGE) * HUGE_PAGE, PageKind::Huge2M)
+        } else {
+            (len, PageKind::Normal)
+        };
+        let memory =
+            sealed_memfd(name, mapped as u64, huge).map_err(|source| StoreError::Create {
+                size: mapped as u64,
+                source,
+            })?;
+        // SAFETY: a shared mapping of the whole file, with no address hint;
+        // the result is checked.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len,
+                mapped,
                 libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                -1,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                memory.as_raw_fd(),
                 0,
             )
         };
         if p == libc::MAP_FAILED {
             return Err(StoreError::Map {
-                size: len as u64,
+                size: mapped as u64,
                 source: std::io::Error::last_os_error(),
             });
         }
-        NonNull::new(p.cast()).ok_or(StoreError::Map {
-            size: len as u64,
+        let base = NonNull::new(p.cast()).ok_or(StoreError::Map {
+            size: mapped as u64,
             source: std::io::Error::other("mmap returned NULL"),
-        })
+        })?;
+        // From here on the Store owns the mapping: an early return unmaps it.
+        let store = Store {
+            base,
+            len,
+            mapped,
+            pages,
+            _memory: memory,
+        };
+        // SAFETY: advice on the mapping made above, which the Store owns.
+        if unsafe { libc::madvise(p, mapped, libc::MADV_DONTDUMP) } != 0 {
+            return Err(StoreError::Map {
+                size: mapped as u64,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(store)
     }
 
     pub fn len(&self) -> u64 {
@@ -363,7 +426,9 @@ impl Store {
             verbs::MemoryRegion::register(
                 pd,
                 self.base.as_ptr(),
-                self.len,
+                // The whole mapping: a length ending inside a huge page is
+                // refused by some drivers. Accesses stay inside `len` (`sge`).
+                self.mapped,
                 verbs::Access::LOCAL_WRITE,
             )
         }?;
@@ -401,7 +466,6 @@ impl Store {
         file_offset: u64,
         parts: &[(&[u8], u64, usize)],
     ) -> std::io::Result<usize> {
-        use std::os::fd::AsRawFd;
         let mut iov = Vec::with_capacity(parts.len() * 2);
         let mut total = 0usize;
         for &(head, offset, len) in parts {
@@ -465,10 +529,11 @@ impl Store {
 
 impl Drop for Store {
     fn drop(&mut self) {
-        // SAFETY: unmapping the region this Store owns; nothing refers to it after drop.
+        // SAFETY: unmapping the region this Store owns; nothing refers to it
+        // after drop. The memfd closes after this, with the last of the pages.
         unsafe {
-            libc::munlock(self.base.as_ptr().cast(), self.len);
-            libc::munmap(self.base.as_ptr().cast(), self.len);
+            libc::munlock(self.base.as_ptr().cast(), self.mapped);
+            libc::munmap(self.base.as_ptr().cast(), self.mapped);
         }
     }
 }
@@ -547,6 +612,58 @@ mod tests {
                 }
             });
         });
+    }
+
+    /// The mapping's line in /proc/self/smaps and its VmFlags.
+    fn smaps_entry(s: &Store) -> (String, String) {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+        let start = format!("{:x}-", s.base.as_ptr() as usize);
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
+        let header = lines.next().expect("the LUN mapping in smaps").to_string();
+        let flags = lines
+            .find_map(|l| l.strip_prefix("VmFlags:"))
+            .expect("VmFlags")
+            .to_string();
+        (header, flags)
+    }
+
+    /// The LUN memory can outlive the process only as a shared mapping of a
+    /// file whose size nobody can change, and it must never reach a core
+    /// dump.
+    #[test]
+    fn the_lun_memory_is_a_sealed_shared_memfd_left_out_of_core_dumps() {
+        let s = Store::named("ramslog iqn.2026-11.test:a LUN 3", 1 << 20, HugePages::Off).unwrap();
+        let (header, flags) = smaps_entry(&s);
+        let fields: Vec<&str> = header.split_whitespace().collect();
+        assert_eq!(fields[1], "rw-s", "a shared mapping: {header}");
+        assert!(
+            header.ends_with("/memfd:ramslog iqn.2026-11.test:a LUN 3 (deleted)"),
+            "named after its LUN: {header}"
+        );
+        let flags: Vec<&str> = flags.split_whitespace().collect();
+        assert!(flags.contains(&"dd"), "MADV_DONTDUMP: {flags:?}");
+        assert!(flags.contains(&"lo"), "locked in RAM: {flags:?}");
+        use rustix::fs::SealFlags;
+        assert_eq!(
+            rustix::fs::fcntl_get_seals(&s._memory).unwrap(),
+            SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL
+        );
+        assert!(
+            rustix::io::fcntl_getfd(&s._memory)
+                .unwrap()
+                .contains(rustix::io::FdFlags::CLOEXEC),
+            "never leaked to a child"
+        );
+        assert_eq!(rustix::fs::fstat(&s._memory).unwrap().st_size, 1 << 20);
+        // Writes land in the file, not in private copies.
+        s.write(4096, b"kept").unwrap();
+        let mut b = [0u8; 4];
+        assert_eq!(rustix::io::pread(&s._memory, &mut b, 4096).unwrap(), 4);
+        assert_eq!(&b, b"kept");
+        // A name the kernel would refuse is cut, not an error.
+        let long = "x".repeat(400);
+        assert!(Store::named(&long, 4096, HugePages::Off).is_ok());
+        assert!(Store::named("nul\0inside", 4096, HugePages::Off).is_ok());
     }
 
     #[test]

@@ -203,6 +203,10 @@ fn device_resources(
         return Ok(r.clone());
     }
     let pd = ProtectionDomain::new(&dev)?;
+    // Registration pins and maps every page for the device: the part of a
+    // start (and of a restart that keeps the memory) that grows with the
+    // LUNs' size, so the log says how long it took.
+    let started = std::time::Instant::now();
     let regions = portal
         .volumes
         .iter()
@@ -211,6 +215,8 @@ fn device_resources(
     tracing::info!(
         device = %dev.name(),
         luns = regions.len(),
+        bytes = portal.volumes.iter().map(|v| v.store().len()).sum::<u64>(),
+        ms = started.elapsed().as_secs_f64() * 1e3,
         "iSER: LUN memory registered with the RDMA device"
     );
     let r = Arc::new(DeviceResources {
