@@ -15,6 +15,7 @@
 
 mod identity;
 pub mod image;
+pub mod kept;
 pub mod state;
 
 use std::path::PathBuf;

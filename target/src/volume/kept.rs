@@ -1,0 +1,431 @@
+//! The kept-memory record: what a process that is handed a LUN's memory (a
+//! restart's successor, or the start after a crash under systemd) must know
+//! before it may serve that memory as the LUN's current content.
+//!
+//! The record lives in its own small memory area beside the LUN's memfd, as
+//! two slots of [`SLOT_BYTES`]. A write goes to the slot that does not hold
+//! the newest valid record, with the next sequence number, and carries a
+//! CRC32C over its header and body; a reader takes the valid slot with the
+//! highest sequence number. A write torn by a crash therefore leaves the
+//! previous record in force. Writers lower trust before an act and raise it
+//! after (RESTORING before a restore, VALID after it), so falling back to
+//! the older slot is never more permissive than the truth.
+//!
+//! The newest checksummed slot decides: if this binary cannot read it (a
+//! format it does not know, a body that does not parse), the answer is an
+//! error, which the caller turns into NOT READY, never a fall-back to the
+//! older slot (an older writer's record) and never a panic.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// The record format this binary writes and reads.
+pub const FORMAT: u32 = 1;
+
+/// Bytes of one slot; the area is two of them.
+pub const SLOT_BYTES: usize = 128 << 10;
+
+/// Bytes of the whole record area.
+pub const AREA_BYTES: usize = 2 * SLOT_BYTES;
+
+const MAGIC: [u8; 8] = *b"RSLOGKPT";
+/// magic, sequence, body length, CRC32C.
+const HEADER: usize = 8 + 8 + 4 + 4;
+
+/// What the memory holds, as far as its last writer knew.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeptState {
+    /// Being zeroed for a new identity (accept-empty): not content yet.
+    Initialising,
+    /// Being filled from an image: not content until the restore verified.
+    Restoring,
+    /// This memory is this identity's current content.
+    Valid,
+    /// Handed to a successor by a planned restart; `token` is the one the
+    /// successor was given, `ready` the volume's readiness then.
+    HandedOver { token: u64, ready: bool },
+    /// Not to be served, ever again, for this reason.
+    Discarded { reason: String },
+}
+
+/// The process that may write the memory: a successor proves it gone
+/// before it claims the memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Owner {
+    pub pid: u32,
+    /// Field 22 of /proc/PID/stat (clock ticks after boot): tells a reused
+    /// pid from the owner.
+    pub start_time: u64,
+    /// Random per process: tells two incarnations under one pid apart.
+    pub incarnation: u64,
+}
+
+/// Why the owner ended, when it could say so before it died.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExitCause {
+    /// A Rust panic (the panic hook recorded it).
+    Panic { message: String },
+    /// A fault signal (SIGSEGV, SIGBUS, SIGILL) caught by the handler.
+    Signal { signal: i32 },
+}
+
+/// Which parts of the LUN were ever written (what a dump must save).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Written {
+    All,
+    /// One bit per `chunk_bytes` of the LUN, least significant bit first,
+    /// as hex bytes.
+    Chunks {
+        chunk_bytes: u64,
+        bitmap: String,
+    },
+}
+
+/// One kept LUN memory, as recorded by its last writer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptRecord {
+    pub format: u32,
+    /// The identity (NAA as 16 hex digits, serial) and where it is served.
+    pub naa: String,
+    pub serial: String,
+    pub target: String,
+    pub lun: u64,
+    /// The LUN's size, and its memfd's (rounded up to whole huge pages).
+    pub lun_bytes: u64,
+    pub memfd_bytes: u64,
+    pub block_size: u32,
+    /// The state directory's generation this content belongs to, and the
+    /// next one while a bump is under way.
+    pub generation: u64,
+    pub pending_generation: Option<u64>,
+    pub state: KeptState,
+    /// /proc/sys/kernel/random/boot_id of the boot that filled the memory.
+    pub boot_id: String,
+    pub owner: Owner,
+    pub exit_cause: Option<ExitCause>,
+    pub written: Written,
+}
+
+/// Why one slot holds no record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotFault {
+    /// Never written (all zero magic).
+    Empty,
+    /// Something other than a record's magic.
+    BadMagic,
+    /// A body length past the slot's end.
+    BadLength(u32),
+    /// Torn or overwritten: the checksum does not match.
+    BadChecksum,
+}
+
+impl std::fmt::Display for SlotFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SlotFault::Empty => f.write_str("never written"),
+            SlotFault::BadMagic => f.write_str("not a record"),
+            SlotFault::BadLength(n) => write!(f, "a body of {n} bytes does not fit"),
+            SlotFault::BadChecksum => f.write_str("checksum mismatch (torn or overwritten)"),
+        }
+    }
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum KeptError {
+    #[error("the kept-memory record area is {0} bytes, not {AREA_BYTES}")]
+    AreaSize(usize),
+    #[error("no valid kept-memory record (slot 0: {0}; slot 1: {1})")]
+    NoValidSlot(SlotFault, SlotFault),
+    #[error(
+        "the kept-memory record (sequence {sequence}) is in format {format}; this binary reads \
+         format {FORMAT}"
+    )]
+    UnknownFormat { format: u64, sequence: u64 },
+    #[error("the kept-memory record (sequence {sequence}) does not parse: {reason}")]
+    Unparsable { sequence: u64, reason: String },
+    #[error("the kept-memory record takes {0} bytes, more than a slot's {SLOT_BYTES}")]
+    TooLarge(usize),
+}
+
+/// The record in force: the newest valid slot's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Current {
+    pub record: KeptRecord,
+    pub sequence: u64,
+    pub slot: usize,
+}
+
+/// Where the next write goes: the slot not holding `current`, with the
+/// next sequence number (slot 0, sequence 1 on an empty area).
+pub fn next_write(current: Option<&Current>) -> (usize, u64) {
+    match current {
+        None => (0, 1),
+        Some(c) => (1 - c.slot, c.sequence + 1),
+    }
+}
+
+/// `record` as slot bytes (header and body; the rest of the slot may hold
+/// anything) under `sequence`.
+pub fn encode_slot(record: &KeptRecord, sequence: u64) -> Result<Vec<u8>, KeptError> {
+    let body = serde_json::to_vec(record).map_err(|e| KeptError::Unparsable {
+        sequence,
+        reason: e.to_string(),
+    })?;
+    if HEADER + body.len() > SLOT_BYTES {
+        return Err(KeptError::TooLarge(HEADER + body.len()));
+    }
+    let mut out = Vec::with_capacity(HEADER + body.len());
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&sequence.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&out), &body);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// The sequence number and body of one slot, if it holds a whole record.
+fn slot_body(slot: &[u8]) -> Result<(u64, &[u8]), SlotFault> {
+    let field = |at: usize, n: usize| &slot[at..at + n];
+    if field(0, 8) != MAGIC {
+        return Err(if field(0, 8) == [0; 8] {
+            SlotFault::Empty
+        } else {
+            SlotFault::BadMagic
+        });
+    }
+    let u64_at = |at| u64::from_le_bytes(field(at, 8).try_into().unwrap_or_default());
+    let u32_at = |at| u32::from_le_bytes(field(at, 4).try_into().unwrap_or_default());
+    let (sequence, len, crc) = (u64_at(8), u32_at(16), u32_at(20));
+    let end = HEADER
+        .checked_add(len as usize)
+        .filter(|&end| end <= slot.len())
+        .ok_or(SlotFault::BadLength(len))?;
+    let body = &slot[HEADER..end];
+    if crc32c::crc32c_append(crc32c::crc32c(&slot[..20]), body) != crc {
+        return Err(SlotFault::BadChecksum);
+    }
+    Ok((sequence, body))
+}
+
+/// The record in force in `area` (both slots): the newest checksummed
+/// slot's, which this binary must be able to read.
+pub fn read_area(area: &[u8]) -> Result<Current, KeptError> {
+    if area.len() != AREA_BYTES {
+        return Err(KeptError::AreaSize(area.len()));
+    }
+    let (a, b) = area.split_at(SLOT_BYTES);
+    let (slot, sequence, body) = match (slot_body(a), slot_body(b)) {
+        (Err(fa), Err(fb)) => return Err(KeptError::NoValidSlot(fa, fb)),
+        (Ok((sa, ba)), Ok((sb, _))) if sa >= sb => (0, sa, ba),
+        (Ok(_), Ok((sb, bb))) | (Err(_), Ok((sb, bb))) => (1, sb, bb),
+        (Ok((sa, ba)), Err(_)) => (0, sa, ba),
+    };
+    let unparsable = |e: serde_json::Error| KeptError::Unparsable {
+        sequence,
+        reason: e.to_string(),
+    };
+    // The format first: a newer binary's record may not parse as ours.
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(unparsable)?;
+    let format = value.get("format").and_then(|f| f.as_u64());
+    if format != Some(u64::from(FORMAT)) {
+        return Err(format.map_or_else(
+            || KeptError::Unparsable {
+                sequence,
+                reason: "no format number".into(),
+            },
+            |format| KeptError::UnknownFormat { format, sequence },
+        ));
+    }
+    let record = serde_json::from_value(value).map_err(unparsable)?;
+    Ok(Current {
+        record,
+        sequence,
+        slot,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn record(state: KeptState) -> KeptRecord {
+        KeptRecord {
+            format: FORMAT,
+            naa: "3a1b2c3d4e5f6071".into(),
+            serial: "0b5e3c8e-4f4a-4c1e-9d55-3c0f1e2d3c4b".into(),
+            target: "iqn.2026-11.org.ramslog:slog-a".into(),
+            lun: 0,
+            lun_bytes: 16 << 30,
+            memfd_bytes: 16 << 30,
+            block_size: 512,
+            generation: 7,
+            pending_generation: None,
+            state,
+            boot_id: "c0ffee00-1111-2222-3333-444455556666".into(),
+            owner: Owner {
+                pid: 4242,
+                start_time: 123_456,
+                incarnation: 0x5eed,
+            },
+            exit_cause: None,
+            written: Written::Chunks {
+                chunk_bytes: 1 << 20,
+                bitmap: "ff01".into(),
+            },
+        }
+    }
+
+    /// Write `record` the way a writer does: into the slot `next_write`
+    /// names, returning the area's new record in force.
+    fn write(area: &mut [u8], record: &KeptRecord) -> Current {
+        let current = read_area(area).ok();
+        let (slot, sequence) = next_write(current.as_ref());
+        let bytes = encode_slot(record, sequence).unwrap();
+        area[slot * SLOT_BYTES..slot * SLOT_BYTES + bytes.len()].copy_from_slice(&bytes);
+        read_area(area).unwrap()
+    }
+
+    #[test]
+    fn the_newest_record_is_in_force_and_writes_alternate_slots() {
+        let mut area = vec![0u8; AREA_BYTES];
+        assert_eq!(
+            read_area(&area),
+            Err(KeptError::NoValidSlot(SlotFault::Empty, SlotFault::Empty))
+        );
+        let first = write(&mut area, &record(KeptState::Restoring));
+        assert_eq!((first.slot, first.sequence), (0, 1));
+        let second = write(&mut area, &record(KeptState::Valid));
+        assert_eq!((second.slot, second.sequence), (1, 2));
+        assert_eq!(second.record.state, KeptState::Valid);
+        let third = write(
+            &mut area,
+            &record(KeptState::HandedOver {
+                token: 99,
+                ready: true,
+            }),
+        );
+        assert_eq!((third.slot, third.sequence), (0, 3));
+        assert_eq!(read_area(&area).unwrap(), third);
+    }
+
+    /// A crash in the middle of a write leaves the record before it in
+    /// force: the writer lowered trust before the act, so that older record
+    /// is never more permissive.
+    #[test]
+    fn a_torn_write_leaves_the_previous_record_in_force() {
+        let mut area = vec![0u8; AREA_BYTES];
+        write(&mut area, &record(KeptState::Valid));
+        let restoring = write(&mut area, &record(KeptState::Restoring));
+        let (slot, sequence) = next_write(Some(&restoring));
+        // Not the record the slot held before: a tear must mix old and new.
+        let bumped = KeptRecord {
+            generation: 8,
+            ..record(KeptState::Valid)
+        };
+        let bytes = encode_slot(&bumped, sequence).unwrap();
+        let at = slot * SLOT_BYTES;
+        // A tear past the last byte that differs from the slot's old bytes
+        // has written the whole new record; every tear before it must not count.
+        let last_new = (0..bytes.len())
+            .rev()
+            .find(|&i| bytes[i] != area[at + i])
+            .unwrap();
+        assert!(last_new > HEADER, "the bodies differ");
+        for torn in [8, HEADER, HEADER + 1, last_new / 2, last_new] {
+            let mut area = area.clone();
+            area[at..at + torn].copy_from_slice(&bytes[..torn]);
+            assert_eq!(
+                read_area(&area).unwrap(),
+                restoring,
+                "torn after {torn} bytes"
+            );
+        }
+        // A bit flipped anywhere in the newer slot's record has the same effect.
+        let mut flipped = area.clone();
+        flipped[at..at + bytes.len()].copy_from_slice(&bytes);
+        flipped[at + bytes.len() - 3] ^= 0x10;
+        assert_eq!(read_area(&flipped).unwrap(), restoring);
+    }
+
+    /// What this binary cannot read is refused, even when the older slot
+    /// holds a record it can read: that one is an older writer's.
+    #[test]
+    fn an_unreadable_newest_record_is_an_error_not_a_fallback() {
+        let mut area = vec![0u8; AREA_BYTES];
+        let valid = write(&mut area, &record(KeptState::Valid));
+        let newer = |body: &[u8]| {
+            let mut area = area.clone();
+            let mut bytes = encode_slot(&record(KeptState::Valid), valid.sequence + 1).unwrap();
+            bytes.truncate(HEADER);
+            bytes[16..20].copy_from_slice(&(body.len() as u32).to_le_bytes());
+            let crc = crc32c::crc32c_append(crc32c::crc32c(&bytes[..20]), body);
+            bytes[20..24].copy_from_slice(&crc.to_le_bytes());
+            bytes.extend_from_slice(body);
+            area[SLOT_BYTES..SLOT_BYTES + bytes.len()].copy_from_slice(&bytes);
+            read_area(&area)
+        };
+        assert_eq!(
+            newer(br#"{"format": 2, "whatever": true}"#),
+            Err(KeptError::UnknownFormat {
+                format: 2,
+                sequence: 2
+            })
+        );
+        assert!(matches!(
+            newer(br#"{"format": 1, "naa": 5}"#),
+            Err(KeptError::Unparsable { sequence: 2, .. })
+        ));
+        assert!(matches!(
+            newer(b"\xff\xfe not json"),
+            Err(KeptError::Unparsable { sequence: 2, .. })
+        ));
+        assert!(matches!(
+            newer(br#"{"naa": "x"}"#),
+            Err(KeptError::Unparsable { sequence: 2, .. })
+        ));
+        assert_eq!(
+            read_area(&area[1..]),
+            Err(KeptError::AreaSize(AREA_BYTES - 1))
+        );
+    }
+
+    #[test]
+    fn a_record_too_large_for_a_slot_is_refused_when_written() {
+        let mut big = record(KeptState::Valid);
+        big.written = Written::Chunks {
+            chunk_bytes: 4096,
+            bitmap: "0".repeat(SLOT_BYTES),
+        };
+        assert!(matches!(encode_slot(&big, 1), Err(KeptError::TooLarge(_))));
+    }
+
+    proptest! {
+        /// Whatever a slot holds, reading the area returns an answer: a
+        /// random header, a checksummed body of random bytes.
+        #[test]
+        fn any_bytes_read_without_a_panic(
+            slot in 0usize..2,
+            sequence in any::<u64>(),
+            len in any::<u32>(),
+            body in proptest::collection::vec(any::<u8>(), 0..512),
+            checksummed in any::<bool>(),
+        ) {
+            let len = if checksummed { body.len() as u32 } else { len };
+            let mut bytes = MAGIC.to_vec();
+            bytes.extend_from_slice(&sequence.to_le_bytes());
+            bytes.extend_from_slice(&len.to_le_bytes());
+            let crc = crc32c::crc32c_append(crc32c::crc32c(&bytes), &body);
+            bytes.extend_from_slice(&(if checksummed { crc } else { crc ^ 1 }).to_le_bytes());
+            bytes.extend_from_slice(&body);
+            let mut area = vec![0u8; AREA_BYTES];
+            area[slot * SLOT_BYTES..slot * SLOT_BYTES + bytes.len()].copy_from_slice(&bytes);
+            let read = read_area(&area);
+            prop_assert!(read.is_err(), "random bytes taken for a record: {read:?}");
+        }
+    }
+}
