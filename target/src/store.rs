@@ -297,6 +297,11 @@ impl Store {
         self.len == 0
     }
 
+    /// The memfd's size: the LUN's, rounded up to whole huge pages.
+    pub fn mapped_len(&self) -> u64 {
+        self.mapped as u64
+    }
+
     pub fn page_kind(&self) -> PageKind {
         self.pages
     }

@@ -16,8 +16,12 @@
 //! error, which the caller turns into NOT READY, never a fall-back to the
 //! older slot (an older writer's record) and never a panic.
 
+use std::sync::{Mutex, OnceLock};
+
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
+
+use crate::store::{HugePages, Store, StoreError};
 
 /// The record format this binary writes and reads.
 pub const FORMAT: u32 = 1;
@@ -248,6 +252,98 @@ pub fn read_area(area: &[u8]) -> Result<Current, KeptError> {
     })
 }
 
+/// A volume's record, in a small memfd of its own beside the LUN's memory
+/// (locked and left out of core dumps like it), written at every change of
+/// what the memory is.
+pub struct RecordArea {
+    area: Store,
+    /// The record in force, as last written (the writer is the only one).
+    current: Mutex<Option<Current>>,
+}
+
+impl RecordArea {
+    /// An empty area: no record in force until the first write.
+    pub fn new(name: &str) -> Result<RecordArea, StoreError> {
+        Ok(RecordArea {
+            area: Store::named(name, AREA_BYTES as u64, HugePages::Off)?,
+            current: Mutex::new(None),
+        })
+    }
+
+    /// Make `record` the one in force: written to the other slot, so a
+    /// crash half-way leaves the previous one. A record that cannot be
+    /// encoded invalidates the area instead (no record in force is NOT
+    /// READY for a successor; an outdated one could be more permissive).
+    pub fn write(&self, record: &KeptRecord) -> Result<(), KeptError> {
+        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let (slot, sequence) = next_write(current.as_ref());
+        let written = encode_slot(record, sequence).and_then(|bytes| {
+            self.area
+                .write((slot * SLOT_BYTES) as u64, &bytes)
+                .map_err(|_| KeptError::TooLarge(bytes.len()))
+        });
+        match written {
+            Ok(()) => {
+                *current = Some(Current {
+                    record: record.clone(),
+                    sequence,
+                    slot,
+                });
+                Ok(())
+            }
+            Err(e) => {
+                for slot in 0..2 {
+                    let _ = self.area.zero((slot * SLOT_BYTES) as u64, HEADER);
+                }
+                *current = None;
+                Err(e)
+            }
+        }
+    }
+
+    /// The record in force, read back from the memory as a successor would.
+    pub fn read(&self) -> Result<Current, KeptError> {
+        let mut bytes = vec![0u8; AREA_BYTES];
+        self.area
+            .read(0, &mut bytes)
+            .map_err(|_| KeptError::AreaSize(AREA_BYTES))?;
+        read_area(&bytes)
+    }
+}
+
+/// This boot's id (`/proc/sys/kernel/random/boot_id`): kept memory from
+/// another boot cannot exist, a record that says so is not ours.
+pub fn boot_id() -> &'static str {
+    static BOOT_ID: OnceLock<String> = OnceLock::new();
+    BOOT_ID.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    })
+}
+
+/// This process as a record's owner.
+pub fn this_process() -> Owner {
+    static OWNER: OnceLock<Owner> = OnceLock::new();
+    *OWNER.get_or_init(|| {
+        let pid = std::process::id();
+        Owner {
+            pid,
+            start_time: start_time(pid).unwrap_or(0),
+            incarnation: rand::random(),
+        }
+    })
+}
+
+/// Field 22 of /proc/PID/stat, the start time in clock ticks after boot;
+/// `None` if the process is gone. The command name (field 2) may hold
+/// spaces and parentheses, so fields are counted from its last ')'.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, after_name) = stat.rsplit_once(')')?;
+    after_name.split_whitespace().nth(19)?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -402,6 +498,42 @@ mod tests {
             bitmap: "0".repeat(SLOT_BYTES),
         };
         assert!(matches!(encode_slot(&big, 1), Err(KeptError::TooLarge(_))));
+    }
+
+    #[test]
+    fn the_record_area_holds_what_was_written_last() {
+        let area = RecordArea::new("ramslog test LUN 0 record").unwrap();
+        assert_eq!(
+            area.read(),
+            Err(KeptError::NoValidSlot(SlotFault::Empty, SlotFault::Empty))
+        );
+        area.write(&record(KeptState::Restoring)).unwrap();
+        area.write(&record(KeptState::Valid)).unwrap();
+        let current = area.read().unwrap();
+        assert_eq!((current.sequence, current.slot), (2, 1));
+        assert_eq!(current.record.state, KeptState::Valid);
+        // One that cannot be written leaves no record in force, not the
+        // older (more permissive) one.
+        let huge = KeptRecord {
+            state: KeptState::Discarded {
+                reason: "x".repeat(SLOT_BYTES),
+            },
+            ..record(KeptState::Valid)
+        };
+        assert!(matches!(area.write(&huge), Err(KeptError::TooLarge(_))));
+        assert!(matches!(area.read(), Err(KeptError::NoValidSlot(..))));
+        area.write(&record(KeptState::Valid)).unwrap();
+        assert_eq!(area.read().unwrap().record.state, KeptState::Valid);
+    }
+
+    #[test]
+    fn this_process_is_its_own_owner() {
+        let me = this_process();
+        assert_eq!(me.pid, std::process::id());
+        assert!(me.start_time > 0);
+        assert_eq!(start_time(me.pid), Some(me.start_time));
+        assert_eq!(this_process(), me, "one incarnation per process");
+        assert_eq!(boot_id().len(), 36, "{}", boot_id());
     }
 
     proptest! {

@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::SystemTime;
 
 use crate::store::Store;
+use kept::{KeptRecord, KeptState, RecordArea, Written};
 use state::StateDir;
 
 pub use identity::{naa_hex, Identity};
@@ -219,6 +220,10 @@ struct Meta {
     restored: Option<Restored>,
     /// This run's generation, once bumped (or the restored one until then).
     generation: u64,
+    /// The generation a bump under way makes durable.
+    pending_generation: Option<u64>,
+    /// What the memory is, as its kept-memory record says.
+    kept: KeptState,
 }
 
 /// A volume's state as `status` shows it.
@@ -256,6 +261,10 @@ pub struct Volume {
     /// One image write of this volume at a time (a dump, accept-empty's
     /// empty image): two would share one temporary file.
     imaging: Mutex<()>,
+    /// The kept-memory record (`kept`), rewritten whenever what the memory
+    /// is changes, always under the `meta` lock; `None` if its memory could
+    /// not be had (logged), which a successor reads as "not servable".
+    record: Option<RecordArea>,
 }
 
 impl std::fmt::Debug for Volume {
@@ -278,7 +287,13 @@ impl Volume {
         generation: u64,
     ) -> Volume {
         let ready = cfg.readiness == Readiness::Ready;
-        Volume {
+        let record_name = format!("ramslog {} LUN {} record", cfg.target, cfg.lun);
+        let record = RecordArea::new(&record_name)
+            .inspect_err(|e| {
+                tracing::error!(target = %cfg.target, lun = cfg.lun, "no kept-memory record ({e}): this memory can never be handed on")
+            })
+            .ok();
+        let volume = Volume {
             id: VolumeId(0),
             target: cfg.target,
             lun: cfg.lun,
@@ -295,10 +310,59 @@ impl Volume {
                 not_ready_reason: None,
                 restored: None,
                 generation,
+                pending_generation: None,
+                // Being filled until a restore says otherwise.
+                kept: if ready {
+                    KeptState::Valid
+                } else {
+                    KeptState::Restoring
+                },
             }),
             persistence,
             imaging: Mutex::new(()),
+            record,
+        };
+        volume.write_record(&volume.meta());
+        volume
+    }
+
+    /// Write the kept-memory record from `m` (its lock held, so records are
+    /// written in the order of the changes they describe).
+    fn write_record(&self, m: &Meta) {
+        let Some(area) = &self.record else {
+            return;
+        };
+        let record = KeptRecord {
+            format: kept::FORMAT,
+            naa: naa_hex(&m.identity.naa),
+            serial: m.identity.serial.clone(),
+            target: self.target.clone(),
+            lun: self.lun,
+            lun_bytes: self.store.len(),
+            memfd_bytes: self.store.mapped_len(),
+            block_size: self.block_size,
+            generation: m.generation,
+            pending_generation: m.pending_generation,
+            state: m.kept.clone(),
+            boot_id: kept::boot_id().into(),
+            owner: kept::this_process(),
+            exit_cause: None,
+            written: Written::All,
+        };
+        if let Err(e) = area.write(&record) {
+            tracing::error!(target = %self.target, lun = self.lun, "kept-memory record not written ({e}): no successor will serve this memory");
         }
+    }
+
+    /// Record what the memory is now.
+    fn set_kept(&self, m: &mut Meta, state: KeptState) {
+        m.kept = state;
+        self.write_record(m);
+    }
+
+    /// The kept-memory record in force, read back from its memory.
+    pub fn kept_record(&self) -> Option<Result<kept::Current, kept::KeptError>> {
+        self.record.as_ref().map(RecordArea::read)
     }
 
     /// A volume with no state directory (tests, `--ephemeral`).
@@ -359,6 +423,13 @@ impl Volume {
     /// NOT READY from now on, with the reason kept for `status`.
     pub fn set_not_ready(&self, reason: String) {
         let mut m = self.meta();
+        // Lowered before anything else: the memory is not to be served.
+        self.set_kept(
+            &mut m,
+            KeptState::Discarded {
+                reason: reason.clone(),
+            },
+        );
         m.readiness = Readiness::NeedsAcceptance;
         m.not_ready_reason = Some(reason);
         self.ready.store(false, Ordering::Release);
@@ -373,6 +444,7 @@ impl Volume {
         let mut m = self.meta();
         m.generation = from.generation;
         m.restored = Some(from);
+        self.set_kept(&mut m, KeptState::Valid);
         m.readiness = Readiness::Ready;
         m.not_ready_reason = None;
         self.ready.store(true, Ordering::Release);
@@ -429,10 +501,17 @@ impl Volume {
         if m.readiness != Readiness::Ready {
             return Err(VolumeError::NotReady);
         }
+        // The record names the bump before the state makes it durable: a
+        // successor finding the state one ahead of the memory's generation
+        // knows why (and finishes the bump).
+        m.pending_generation = m.generation.checked_add(1);
+        self.write_record(&m);
         match p.state().bump_generation(&self.target, self.lun) {
             Ok(g) => {
                 tracing::info!(target = %self.target, lun = self.lun, generation = g, "first write of this run: generation bumped");
                 m.generation = g;
+                m.pending_generation = None;
+                self.write_record(&m);
                 self.generation_open.store(true, Ordering::Release);
                 Ok(())
             }
@@ -441,6 +520,13 @@ impl Volume {
                     "the new generation could not be made durable ({e}); nothing written since is acknowledged"
                 );
                 tracing::error!(target = %self.target, lun = self.lun, "{reason}");
+                m.pending_generation = None;
+                self.set_kept(
+                    &mut m,
+                    KeptState::Discarded {
+                        reason: reason.clone(),
+                    },
+                );
                 m.readiness = Readiness::NeedsAcceptance;
                 m.not_ready_reason = Some(reason);
                 self.ready.store(false, Ordering::Release);
@@ -630,11 +716,22 @@ impl Volume {
                 ));
             }
             let old = m.identity.clone();
+            // The memory is being made empty from here on: a successor that
+            // finds this record finishes accept-empty, never serves the old
+            // content.
+            let before = std::mem::replace(&mut m.kept, KeptState::Initialising);
+            self.write_record(&m);
             if let Some(p) = &self.persistence {
-                let g = p
-                    .state()
-                    .set(&self.target, self.lun, &new)
-                    .map_err(|e| format!("identity not changed: {e}"))?;
+                let g = match p.state().set(&self.target, self.lun, &new) {
+                    Ok(g) => g,
+                    Err(e) => {
+                        // Still the old identity: its record goes back to
+                        // what it was (never INITIALISING, which a successor
+                        // would finish under the identity it names).
+                        self.set_kept(&mut m, before);
+                        return Err(format!("identity not changed: {e}"));
+                    }
+                };
                 m.generation = g;
                 if let Err(e) = image::remove_images(&p.image_dir, &old.naa, None) {
                     tracing::warn!(target = %self.target, lun = self.lun, "cannot remove the old identity's images: {e}");
@@ -643,12 +740,15 @@ impl Volume {
             m.identity = new;
             m.restored = None;
             m.not_ready_reason = Some("accept-empty is writing the empty image".into());
+            self.write_record(&m);
         }
         // Whatever a failed restore left behind goes.
         let _ = self.store.zero(0, self.store.len() as usize);
         self.written.clear();
         self.dirty.store(false, Ordering::SeqCst);
         self.generation_open.store(false, Ordering::SeqCst);
+        // Zeroed: the memory is the new identity's (empty) content.
+        self.set_kept(&mut self.meta(), KeptState::Valid);
         announce();
         if let Some(p) = &self.persistence {
             if let Err(e) = self.empty_image(p) {
@@ -745,6 +845,88 @@ mod tests {
 
     fn not_ready(v: &Volume) {
         v.set_not_ready("the test lost its content".into());
+    }
+
+    /// The record in force, as a successor would read it from memory.
+    fn kept(v: &Volume) -> KeptRecord {
+        v.kept_record()
+            .expect("a record area")
+            .expect("a record in force")
+            .record
+    }
+
+    /// VALID is positive: the record says VALID only while the memory is
+    /// this identity's current content, names every generation the state
+    /// makes durable, and is lowered before the memory stops being that.
+    #[test]
+    fn the_kept_record_follows_what_the_memory_is() {
+        let (dir, v) = persistent_volume("kept");
+        let (identity, _) = v.identity();
+        let r = kept(&v);
+        assert_eq!(r.state, KeptState::Valid, "a new identity's empty memory");
+        assert_eq!(
+            (r.naa, r.serial.as_str()),
+            (naa_hex(&identity.naa), identity.serial.as_str())
+        );
+        assert_eq!((r.target.as_str(), r.lun, r.block_size), ("iqn.t", 0, 512));
+        assert_eq!((r.lun_bytes, r.memfd_bytes), (3 << 20, 3 << 20));
+        assert_eq!((r.generation, r.pending_generation), (1, None));
+        assert_eq!(r.owner, kept::this_process());
+        assert_eq!(r.boot_id, kept::boot_id());
+
+        v.commit_write(0, 512).expect("first write");
+        let r = kept(&v);
+        assert_eq!((r.generation, r.pending_generation), (2, None));
+        assert_eq!(r.generation, state_generation(&v), "the state's generation");
+
+        not_ready(&v);
+        assert_eq!(
+            kept(&v).state,
+            KeptState::Discarded {
+                reason: "the test lost its content".into()
+            }
+        );
+
+        let fresh = Identity::generate();
+        let mut seen_while_announcing = None;
+        v.accept_empty(fresh.clone(), || seen_while_announcing = Some(kept(&v)))
+            .expect("accept-empty");
+        let during = seen_while_announcing.expect("announced");
+        assert_eq!(
+            during.state,
+            KeptState::Valid,
+            "zeroed before the announcement"
+        );
+        assert_eq!(during.naa, naa_hex(&fresh.naa), "under the new identity");
+        let r = kept(&v);
+        assert_eq!((r.state, r.naa), (KeptState::Valid, naa_hex(&fresh.naa)));
+        assert_eq!(r.generation, state_generation(&v));
+
+        // A restore: RESTORING from construction until it verified.
+        let restoring = Volume::new(
+            VolumeConfig {
+                target: "iqn.t".into(),
+                lun: 1,
+                block_size: 4096,
+                identity: Identity::generate(),
+                readiness: Readiness::NeedsAcceptance,
+            },
+            Arc::new(Store::new(1 << 20, HugePages::Off).expect("store")),
+            None,
+            5,
+        );
+        assert_eq!(kept(&restoring).state, KeptState::Restoring);
+        restoring.set_restored(
+            Restored {
+                image: "x".into(),
+                taken_unix: 0,
+                generation: 5,
+            },
+            [0],
+        );
+        let r = kept(&restoring);
+        assert_eq!((r.state, r.generation), (KeptState::Valid, 5));
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// Two accept-empty requests for one NOT READY LUN: the second, queued
