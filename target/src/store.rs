@@ -24,7 +24,7 @@
 
 use std::ffi::CString;
 use std::fmt;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -80,6 +80,8 @@ pub enum StoreError {
     Create { size: u64, source: std::io::Error },
     #[error("cannot map {size} bytes of LUN memory: {source}")]
     Map { size: u64, source: std::io::Error },
+    #[error("the memory handed over is not this LUN's: {0}")]
+    NotKept(String),
     #[error("access of {len} bytes at offset {offset} is past the end of the {size}-byte LUN")]
     OutOfRange { offset: u64, len: usize, size: u64 },
 }
@@ -109,8 +111,8 @@ pub struct Store {
     mapped: usize,
     pages: PageKind,
     /// The file behind the mapping. The mapping alone keeps the memory; the
-    /// file is what a successor process can be handed.
-    _memory: OwnedFd,
+    /// file is what a successor process is handed.
+    memory: OwnedFd,
 }
 
 // SAFETY: the mapping is owned by the Store for its whole life; all access goes
@@ -189,6 +191,35 @@ fn sealed_memfd(name: &str, len: u64, huge: bool) -> std::io::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// The descriptors `raws` a predecessor handed across exec, owned from now
+/// on and close-on-exec again. Each must be open and named once, and none
+/// may be standard input, output or error: a wrong number would otherwise
+/// close (or map) somebody else's file.
+pub fn inherited_fds(raws: &[RawFd]) -> Result<Vec<OwnedFd>, String> {
+    for (i, &raw) in raws.iter().enumerate() {
+        if raw < 3 {
+            return Err(format!("descriptor {raw} is a standard stream"));
+        }
+        if raws[..i].contains(&raw) {
+            return Err(format!("descriptor {raw} is named twice"));
+        }
+        // SAFETY: F_GETFD only queries the descriptor table.
+        if unsafe { libc::fcntl(raw, libc::F_GETFD) } < 0 {
+            return Err(format!("descriptor {raw} is not open"));
+        }
+    }
+    raws.iter()
+        .map(|&raw| {
+            // SAFETY: `raw` is open (checked above), named once, and was
+            // handed to this process to own: nothing else here refers to it.
+            let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+            rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::CLOEXEC)
+                .map_err(|e| format!("descriptor {raw}: {e}"))?;
+            Ok(fd)
+        })
+        .collect()
+}
+
 impl Store {
     /// `size` bytes of LUN memory under a generic name (tests, tools).
     pub fn new(size: u64, huge: HugePages) -> Result<Store, StoreError> {
@@ -224,16 +255,21 @@ impl Store {
             }
             other => other?,
         };
-        // SAFETY: [base, base+mapped) is the mapping `create` made.
-        if unsafe { libc::mlock(store.base.as_ptr().cast(), store.mapped) } != 0 {
+        store.locked()
+    }
+
+    /// This store with its whole mapping locked in RAM.
+    fn locked(self) -> Result<Store, StoreError> {
+        // SAFETY: [base, base+mapped) is the mapping this Store owns.
+        if unsafe { libc::mlock(self.base.as_ptr().cast(), self.mapped) } != 0 {
             let source = std::io::Error::last_os_error();
             return Err(StoreError::Mlock {
-                size,
+                size: self.len as u64,
                 limit: memlock_limit(),
                 source,
             });
         }
-        Ok(store)
+        Ok(self)
     }
 
     /// The sealed memfd and its shared, prefaulted, undumped mapping; `len`
@@ -249,6 +285,52 @@ impl Store {
                 size: mapped as u64,
                 source,
             })?;
+        Self::map_memory(memory, len, mapped, pages)
+    }
+
+    /// Take over the memory a predecessor handed on: `memory` must be a
+    /// memfd sealed the way [`Store::named`] seals it, `mapped` bytes long,
+    /// holding a LUN of `len` bytes. It is mapped, prefaulted, locked and
+    /// kept out of core dumps like new memory, its content untouched.
+    pub fn adopt(memory: OwnedFd, len: u64, mapped: u64) -> Result<Store, StoreError> {
+        use rustix::fs::SealFlags;
+        let not_kept = |why: String| StoreError::NotKept(why);
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", memory.as_raw_fd()))
+            .map_err(|e| not_kept(format!("cannot inspect the descriptor: {e}")))?;
+        if !link.to_string_lossy().starts_with("/memfd:") {
+            return Err(not_kept(format!("{} is not a memfd", link.display())));
+        }
+        let seals = rustix::fs::fcntl_get_seals(&memory)
+            .map_err(|e| not_kept(format!("cannot read its seals: {e}")))?;
+        let want = SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL;
+        if seals != want {
+            return Err(not_kept(format!("sealed {seals:?}, not {want:?}")));
+        }
+        let stat =
+            rustix::fs::fstat(&memory).map_err(|e| not_kept(format!("cannot stat it: {e}")))?;
+        if u64::try_from(stat.st_size) != Ok(mapped) || len == 0 || len > mapped {
+            return Err(not_kept(format!(
+                "{} bytes, not the {mapped} its record names for a {len}-byte LUN",
+                stat.st_size
+            )));
+        }
+        // hugetlbfs reports its page size as the block size.
+        let pages = if stat.st_blksize as usize == HUGE_PAGE {
+            PageKind::Huge2M
+        } else {
+            PageKind::Normal
+        };
+        Self::map_memory(memory, len as usize, mapped as usize, pages)?.locked()
+    }
+
+    /// The memory of the file for `len` bytes of LUN: mapped shared and
+    /// prefaulted, left out of core dumps (not yet locked).
+    fn map_memory(
+        memory: OwnedFd,
+        len: usize,
+        mapped: usize,
+        pages: PageKind,
+    ) -> Result<Store, StoreError> {
         // SAFETY: a shared mapping of the whole file, with no address hint;
         // the result is checked.
         let p = unsafe {
@@ -277,7 +359,7 @@ impl Store {
             len,
             mapped,
             pages,
-            _memory: memory,
+            memory,
         };
         // SAFETY: advice on the mapping made above, which the Store owns.
         if unsafe { libc::madvise(p, mapped, libc::MADV_DONTDUMP) } != 0 {
@@ -300,6 +382,11 @@ impl Store {
     /// The memfd's size: the LUN's, rounded up to whole huge pages.
     pub fn mapped_len(&self) -> u64 {
         self.mapped as u64
+    }
+
+    /// The memfd, to hand on to a successor.
+    pub fn memory(&self) -> BorrowedFd<'_> {
+        self.memory.as_fd()
     }
 
     pub fn page_kind(&self) -> PageKind {
@@ -636,7 +723,7 @@ mod tests {
     /// file whose size nobody can change, and it must never reach a core
     /// dump.
     #[test]
-    fn the_lun_memory_is_a_sealed_shared_memfd_left_out_of_core_dumps() {
+    fn the_lunmemory_is_a_sealed_shared_memfd_left_out_of_core_dumps() {
         let s = Store::named("ramslog iqn.2026-11.test:a LUN 3", 1 << 20, HugePages::Off).unwrap();
         let (header, flags) = smaps_entry(&s);
         let fields: Vec<&str> = header.split_whitespace().collect();
@@ -650,25 +737,74 @@ mod tests {
         assert!(flags.contains(&"lo"), "locked in RAM: {flags:?}");
         use rustix::fs::SealFlags;
         assert_eq!(
-            rustix::fs::fcntl_get_seals(&s._memory).unwrap(),
+            rustix::fs::fcntl_get_seals(&s.memory).unwrap(),
             SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL
         );
         assert!(
-            rustix::io::fcntl_getfd(&s._memory)
+            rustix::io::fcntl_getfd(&s.memory)
                 .unwrap()
                 .contains(rustix::io::FdFlags::CLOEXEC),
             "never leaked to a child"
         );
-        assert_eq!(rustix::fs::fstat(&s._memory).unwrap().st_size, 1 << 20);
+        assert_eq!(rustix::fs::fstat(&s.memory).unwrap().st_size, 1 << 20);
         // Writes land in the file, not in private copies.
         s.write(4096, b"kept").unwrap();
         let mut b = [0u8; 4];
-        assert_eq!(rustix::io::pread(&s._memory, &mut b, 4096).unwrap(), 4);
+        assert_eq!(rustix::io::pread(&s.memory, &mut b, 4096).unwrap(), 4);
         assert_eq!(&b, b"kept");
         // A name the kernel would refuse is cut, not an error.
         let long = "x".repeat(400);
         assert!(Store::named(&long, 4096, HugePages::Off).is_ok());
         assert!(Store::named("nul\0inside", 4096, HugePages::Off).is_ok());
+    }
+
+    /// A successor takes over the memory its predecessor filled, and
+    /// nothing else: not a memfd of another size, not an unsealed one, not
+    /// a plain file.
+    #[test]
+    fn adopted_memory_is_the_predecessors_and_nothing_else() {
+        let s = Store::named("ramslog adopt LUN 0", 1 << 20, HugePages::Off).unwrap();
+        s.write(8192, b"survives").unwrap();
+        let handed = rustix::io::dup(s.memory()).unwrap();
+        let other_size = rustix::io::dup(s.memory()).unwrap();
+        drop(s);
+        let mut b = [0u8; 8];
+        let wrong = Store::adopt(other_size, 1 << 20, 2 << 20).unwrap_err();
+        assert!(matches!(wrong, StoreError::NotKept(_)), "{wrong}");
+        let adopted = Store::adopt(handed, 1 << 20, 1 << 20).unwrap();
+        adopted.read(8192, &mut b).unwrap();
+        assert_eq!(&b, b"survives");
+        assert_eq!(adopted.page_kind(), PageKind::Normal);
+        let (_, flags) = smaps_entry(&adopted);
+        assert!(flags.contains(" dd") && flags.contains(" lo"), "{flags}");
+
+        use rustix::fs::MemfdFlags;
+        let unsealed = rustix::fs::memfd_create("x", MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&unsealed, 1 << 20).unwrap();
+        assert!(matches!(
+            Store::adopt(unsealed, 1 << 20, 1 << 20),
+            Err(StoreError::NotKept(_))
+        ));
+        let file: OwnedFd = std::fs::File::open("/proc/self/stat").unwrap().into();
+        let err = Store::adopt(file, 4096, 4096).unwrap_err();
+        assert!(err.to_string().contains("not a memfd"), "{err}");
+    }
+
+    #[test]
+    fn inherited_descriptors_are_checked_before_they_are_owned() {
+        assert!(inherited_fds(&[1]).unwrap_err().contains("standard stream"));
+        let open = rustix::io::dup(std::io::stdin()).unwrap();
+        let raw = open.as_raw_fd();
+        assert!(inherited_fds(&[raw, raw]).unwrap_err().contains("twice"));
+        drop(open);
+        assert!(inherited_fds(&[raw]).unwrap_err().contains("not open"));
+        let handed = rustix::io::dup(std::io::stdin()).unwrap();
+        let raw = std::os::fd::IntoRawFd::into_raw_fd(handed);
+        let owned = inherited_fds(&[raw]).unwrap();
+        assert_eq!(owned[0].as_raw_fd(), raw);
+        assert!(rustix::io::fcntl_getfd(&owned[0])
+            .unwrap()
+            .contains(rustix::io::FdFlags::CLOEXEC));
     }
 
     #[test]

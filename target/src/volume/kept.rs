@@ -16,6 +16,7 @@
 //! error, which the caller turns into NOT READY, never a fall-back to the
 //! older slot (an older writer's record) and never a panic.
 
+use std::os::fd::BorrowedFd;
 use std::sync::{Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
@@ -309,6 +310,69 @@ impl RecordArea {
             .map_err(|_| KeptError::AreaSize(AREA_BYTES))?;
         read_area(&bytes)
     }
+
+    /// The area's memfd, to hand on beside the LUN's.
+    pub fn memory(&self) -> BorrowedFd<'_> {
+        self.area.memory()
+    }
+}
+
+/// The record in force in a record memfd handed over by a predecessor.
+pub fn read_handed(memory: BorrowedFd<'_>) -> Result<Current, KeptError> {
+    let mut bytes = vec![0u8; AREA_BYTES];
+    let mut done = 0;
+    while done < AREA_BYTES {
+        match rustix::io::pread(memory, &mut bytes[done..], done as u64) {
+            Ok(0) | Err(_) => return Err(KeptError::AreaSize(done)),
+            Ok(n) => done += n,
+        }
+    }
+    read_area(&bytes)
+}
+
+impl Written {
+    /// The chunks `marked` says were written, of `chunks` chunks of
+    /// `chunk_bytes`.
+    pub fn from_chunks(chunk_bytes: u64, chunks: u64, marked: impl Fn(u64) -> bool) -> Written {
+        let mut bytes = vec![0u8; chunks.div_ceil(8) as usize];
+        for c in (0..chunks).filter(|&c| marked(c)) {
+            bytes[(c / 8) as usize] |= 1 << (c % 8);
+        }
+        Written::Chunks {
+            chunk_bytes,
+            bitmap: bytes.iter().map(|b| format!("{b:02x}")).collect(),
+        }
+    }
+
+    /// The written chunks of a LUN of `chunks` chunks of `chunk_bytes`:
+    /// every one for `All`, `None` for a bitmap of another chunk size or
+    /// one that does not parse.
+    pub fn chunks(&self, chunk_bytes: u64, chunks: u64) -> Option<Vec<u64>> {
+        match self {
+            Written::All => Some((0..chunks).collect()),
+            Written::Chunks {
+                chunk_bytes: c,
+                bitmap,
+            } if *c == chunk_bytes && bitmap.len() as u64 == chunks.div_ceil(8) * 2 => {
+                let mut out = Vec::new();
+                for (i, pair) in bitmap.as_bytes().chunks(2).enumerate() {
+                    let byte = std::str::from_utf8(pair)
+                        .ok()
+                        .and_then(|p| u8::from_str_radix(p, 16).ok())?;
+                    out.extend(
+                        (0..8)
+                            .filter(|b| byte & (1 << b) != 0)
+                            .map(|b| i as u64 * 8 + b),
+                    );
+                }
+                if out.last().is_some_and(|&c| c >= chunks) {
+                    return None;
+                }
+                Some(out)
+            }
+            Written::Chunks { .. } => None,
+        }
+    }
 }
 
 /// This boot's id (`/proc/sys/kernel/random/boot_id`): kept memory from
@@ -524,6 +588,34 @@ mod tests {
         assert!(matches!(area.read(), Err(KeptError::NoValidSlot(..))));
         area.write(&record(KeptState::Valid)).unwrap();
         assert_eq!(area.read().unwrap().record.state, KeptState::Valid);
+    }
+
+    #[test]
+    fn written_chunks_survive_the_record() {
+        let w = Written::from_chunks(1 << 20, 21, |c| c == 0 || c == 9 || c == 20);
+        let json = serde_json::to_string(&w).unwrap();
+        let back: Written = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.chunks(1 << 20, 21), Some(vec![0, 9, 20]));
+        assert_eq!(back.chunks(4096, 21), None, "another chunk size");
+        assert_eq!(back.chunks(1 << 20, 40), None, "another LUN size");
+        assert_eq!(Written::All.chunks(1, 3), Some(vec![0, 1, 2]));
+        let bad = Written::Chunks {
+            chunk_bytes: 1,
+            bitmap: "zz".into(),
+        };
+        assert_eq!(bad.chunks(1, 8), None);
+        let past_end = Written::Chunks {
+            chunk_bytes: 1,
+            bitmap: "80".into(),
+        };
+        assert_eq!(past_end.chunks(1, 7), None, "a bit past the last chunk");
+    }
+
+    #[test]
+    fn a_handed_record_reads_as_its_area_does() {
+        let area = RecordArea::new("ramslog test LUN 1 record").unwrap();
+        area.write(&record(KeptState::Valid)).unwrap();
+        assert_eq!(read_handed(area.memory()), area.read());
     }
 
     #[test]

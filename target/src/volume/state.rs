@@ -4,6 +4,8 @@
 //! accepts the empty device. The daemon holds an exclusive lock on the
 //! directory for its lifetime.
 
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -105,7 +107,7 @@ pub struct StateDir {
     path: PathBuf,
     file: StateFile,
     /// Holds the exclusive lock for as long as the daemon runs.
-    _lock: std::fs::File,
+    lock: std::fs::File,
 }
 
 fn parse_naa(s: &str) -> Option<[u8; 8]> {
@@ -121,11 +123,39 @@ fn parse_naa(s: &str) -> Option<[u8; 8]> {
 
 impl StateDir {
     pub fn open(path: &Path) -> Result<StateDir, StateError> {
+        Self::open_with(path, None)
+    }
+
+    /// Open the state directory at `path`, locked through `inherited` when
+    /// the process that held the lock handed it over across exec (a second
+    /// open of the directory could not lock it: the lock belongs to that
+    /// open file). A descriptor of another directory is refused.
+    pub fn open_with(path: &Path, inherited: Option<OwnedFd>) -> Result<StateDir, StateError> {
         private_dir::prepare(path, "state directory")?;
-        let lock = std::fs::File::open(path).map_err(|source| StateError::Lock {
-            path: path.into(),
-            source,
-        })?;
+        let lock = match inherited {
+            Some(fd) => {
+                let lock = std::fs::File::from(fd);
+                let same = |a: &std::fs::Metadata, b: &std::fs::Metadata| {
+                    a.dev() == b.dev() && a.ino() == b.ino()
+                };
+                match (lock.metadata(), std::fs::metadata(path)) {
+                    (Ok(held), Ok(dir)) if same(&held, &dir) => lock,
+                    _ => {
+                        return Err(StateError::Lock {
+                            path: path.into(),
+                            source: std::io::Error::other(
+                                "the lock handed over is not this directory's",
+                            ),
+                        })
+                    }
+                }
+            }
+            None => std::fs::File::open(path).map_err(|source| StateError::Lock {
+                path: path.into(),
+                source,
+            })?,
+        };
+        // Taking a lock this open file holds already succeeds.
         match lock.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
@@ -166,12 +196,17 @@ impl StateDir {
         Ok(StateDir {
             path: path.into(),
             file,
-            _lock: lock,
+            lock,
         })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The open directory that holds the lock, to hand on across exec.
+    pub fn lock(&self) -> BorrowedFd<'_> {
+        self.lock.as_fd()
     }
 
     fn record(&self, target: &str, lun: u64) -> Option<&LunRecord> {
