@@ -25,7 +25,13 @@ pub enum Request {
     },
     /// Fence, dump and exit; the reply comes when the dump is done.
     Stop,
+    /// Hand the LUN memory over to the binary on disk, executed in this
+    /// process; the reply comes when the handover starts (or was refused).
+    Restart,
 }
+
+/// `restored_from` of a LUN whose content is the memory a restart kept.
+pub const KEPT_MEMORY: &str = "the memory kept across a restart";
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct LunStatus {
@@ -93,6 +99,9 @@ pub struct Status {
     pub portal: PortalStatus,
     #[serde(default)]
     pub process: ProcessMemory,
+    /// Random per executed program: a restart changes it, the pid stays.
+    #[serde(default)]
+    pub incarnation: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -106,6 +115,8 @@ pub enum Reply {
         serial: String,
     },
     Stopped(String),
+    /// The handover to the new program began.
+    Restarting(String),
     Error(String),
 }
 
@@ -116,7 +127,13 @@ pub struct Control {
     /// `stopped`.
     pub stop: Arc<tokio::sync::Notify>,
     pub stopped: tokio::sync::watch::Receiver<Option<Result<String, String>>>,
+    /// Asks the daemon for a planned restart; it answers on the sender it
+    /// is given when the handover starts, or why it refused.
+    pub restart: tokio::sync::mpsc::Sender<RestartReply>,
 }
+
+/// Where the daemon answers one restart request.
+pub type RestartReply = tokio::sync::oneshot::Sender<Result<String, String>>;
 
 impl Control {
     pub fn handle(&self, req: Request) -> Reply {
@@ -124,6 +141,22 @@ impl Control {
             Request::Status => Reply::Status(self.status()),
             Request::AcceptEmpty { target, lun } => self.accept_empty(&target, lun),
             Request::Stop => Reply::Error("stop is answered when the dump is done".into()),
+            Request::Restart => Reply::Error("restart is answered when the handover starts".into()),
+        }
+    }
+
+    /// Ask the daemon for a planned restart and wait until it begins.
+    async fn restart(&self) -> Reply {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.restart.try_send(tx).is_err() {
+            return Reply::Error(
+                "a restart or a stop is already under way; see `ramslog-target status`".into(),
+            );
+        }
+        match rx.await {
+            Ok(Ok(msg)) => Reply::Restarting(msg),
+            Ok(Err(msg)) => Reply::Error(msg),
+            Err(_) => Reply::Error("the daemon is stopping; it did not restart".into()),
         }
     }
 
@@ -161,10 +194,10 @@ impl Control {
                             ready: st.readiness == Readiness::Ready,
                             not_ready_reason: st.not_ready_reason,
                             generation: st.generation,
-                            restored_from: st
-                                .restored
-                                .as_ref()
-                                .map(|r| r.image.display().to_string()),
+                            restored_from: st.restored.as_ref().map(|r| match r.kept_memory {
+                                true => KEPT_MEMORY.to_string(),
+                                false => r.image.display().to_string(),
+                            }),
                             restored_taken_unix: st.restored.map(|r| r.taken_unix),
                             written_bytes: st.written_bytes,
                             io: lu.metrics().totals().report(),
@@ -211,6 +244,7 @@ impl Control {
             sessions,
             portal,
             process: ProcessMemory::now(),
+            incarnation: crate::volume::kept::this_process().incarnation,
         }
     }
 
@@ -377,6 +411,7 @@ async fn serve_client(stream: UnixStream, control: Arc<Control>) {
             .and_then(|l| serde_json::from_str::<Request>(l.trim_end()).map_err(|e| e.to_string()))
         {
             Ok(Request::Stop) => control.stop().await,
+            Ok(Request::Restart) => control.restart().await,
             // accept-empty zeroes the LUN, waits for the old identity's
             // transfers and writes an image: not on an async worker.
             Ok(req @ Request::AcceptEmpty { .. }) => {

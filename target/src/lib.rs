@@ -15,6 +15,7 @@ pub mod config;
 pub mod control;
 pub mod engine;
 pub mod exposition;
+pub mod handover;
 pub mod lifecycle;
 pub mod metrics;
 pub mod notify;

@@ -9,8 +9,9 @@ use clap::{Parser, Subcommand};
 use ramslog_target::config::{
     check_file, default_control_sockets, Config, ConfigError, Problem, RunArgs,
 };
-use ramslog_target::control::{self, Control, Reply, Request};
-use ramslog_target::lifecycle::{self, StartError};
+use ramslog_target::control::{self, Control, Reply, Request, RestartReply};
+use ramslog_target::handover::{self, Inherited};
+use ramslog_target::lifecycle::{self, Handover, StartError};
 use ramslog_target::notify::notify;
 use ramslog_target::portal::{Acl, Portal, TargetDef};
 use ramslog_target::scsi::ScsiTarget;
@@ -50,6 +51,17 @@ enum Cmd {
     /// Stop the daemon cleanly: refuse logins, close connections, dump every
     /// changed LUN to its image, exit. Waits for the dump and reports it.
     Stop(SocketArgs),
+    /// Restart in place (an upgrade, `systemctl reload`): check the binary on
+    /// disk with the daemon's flags, then fence, dump, and execute it in the
+    /// same process, which takes each LUN's memory over instead of reading
+    /// the image. Refused, the daemon keeps serving and says why.
+    Restart {
+        /// Wait until the new program answers and report its LUNs.
+        #[arg(long)]
+        wait: bool,
+        #[command(flatten)]
+        socket: SocketArgs,
+    },
     /// Check a config file without starting: the first TOML syntax error, or
     /// every semantic error, each as FILE:LINE:COLUMN (the daemon runs the same
     /// check at start).
@@ -133,6 +145,12 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
+    // Before any other thread runs: it takes the handover's variable out of
+    // the environment.
+    let inherited = match cli.cmd {
+        None => handover::inherited(),
+        Some(_) => Ok(None),
+    };
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -144,9 +162,10 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.cmd {
-        None => rt.block_on(run(cli.run)),
+        None => rt.block_on(run(cli.run, inherited)),
         Some(Cmd::Status { json, socket }) => rt.block_on(status(socket, json)),
         Some(Cmd::Stop(s)) => rt.block_on(stop(s)),
+        Some(Cmd::Restart { wait, socket }) => rt.block_on(restart(socket, wait)),
         Some(Cmd::CheckConfig { file }) => check_config(&file),
         Some(Cmd::GenerateDocs { dir }) => generate_docs(&dir),
         Some(Cmd::AcceptEmpty {
@@ -290,6 +309,62 @@ async fn stop(s: SocketArgs) -> Result<(), String> {
     }
 }
 
+/// How long `restart --wait` waits for the new program to answer.
+const RESTART_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
+
+async fn restart(s: SocketArgs, wait: bool) -> Result<(), String> {
+    let path = s.path()?;
+    let incarnation = |reply| match reply {
+        Ok(Ok(Reply::Status(st))) => Some(st),
+        _ => None,
+    };
+    let ask = |req| {
+        let path = path.clone();
+        async move {
+            tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                control::request(&path, &req),
+            )
+            .await
+        }
+    };
+    let before = incarnation(ask(Request::Status).await)
+        .ok_or_else(|| format!("the daemon at {} does not answer status", path.display()))?;
+    let started = std::time::Instant::now();
+    match control::request(&path, &Request::Restart).await? {
+        Reply::Restarting(msg) => print_stdout(&format!("restarting: {msg}\n"))?,
+        Reply::Error(e) => return Err(e),
+        other => return Err(format!("unexpected reply: {other:?}")),
+    }
+    if !wait {
+        return Ok(());
+    }
+    while started.elapsed() < RESTART_WAIT {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let Some(now) = incarnation(ask(Request::Status).await) else {
+            continue;
+        };
+        if now.incarnation == before.incarnation {
+            continue;
+        }
+        let luns: Vec<_> = now.targets.iter().flat_map(|t| &t.luns).collect();
+        let ready = luns.iter().filter(|l| l.ready).count();
+        let kept = luns
+            .iter()
+            .filter(|l| l.restored_from.as_deref() == Some(control::KEPT_MEMORY))
+            .count();
+        return print_stdout(&format!(
+            "restarted in {:.2} s: {ready} of {} LUNs ready, {kept} kept in memory\n",
+            started.elapsed().as_secs_f64(),
+            luns.len()
+        ));
+    }
+    Err(format!(
+        "no new program answered at {} within {RESTART_WAIT:?}; see the daemon's log",
+        path.display()
+    ))
+}
+
 async fn accept_empty(target: String, lun: u64, s: SocketArgs) -> Result<(), String> {
     match control::request(&s.path()?, &Request::AcceptEmpty { target, lun }).await? {
         Reply::Accepted {
@@ -318,8 +393,37 @@ fn print_stdout(text: &str) -> Result<(), String> {
     }
 }
 
-async fn run(args: RunArgs) -> Result<(), String> {
+async fn run(args: RunArgs, inherited: Result<Option<Inherited>, String>) -> Result<(), String> {
     let cfg = Config::load(&args).map_err(|e| e.to_string())?;
+    if args.handover_check {
+        let report =
+            serde_json::to_string(&handover::Report::of(&cfg)).map_err(|e| e.to_string())?;
+        return print_stdout(&format!("{report}\n"));
+    }
+    // What a restart executes again: this binary's path (the file there then,
+    // after an upgrade the new one) with these arguments.
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let inherited = inherited.unwrap_or_else(|e| {
+        tracing::error!(
+            "the previous program's handover is unusable ({e}): starting as after a stop"
+        );
+        None
+    });
+    let (handover, inherited_listeners, inherited_lock) = match inherited {
+        Some(i) => {
+            tracing::info!(
+                luns = i.volumes.len(),
+                "started by a restart: taking over the memory handed on"
+            );
+            (
+                Some(Handover::new(i.token, i.volumes, i.rdma_descriptors)),
+                i.listeners,
+                i.state_lock,
+            )
+        }
+        None => (None, Vec::new(), None),
+    };
     if cfg.state_dir.is_none() {
         tracing::warn!(
             "--ephemeral: no state directory, every start is a first start with a new identity. \
@@ -342,13 +446,13 @@ async fn run(args: RunArgs) -> Result<(), String> {
             "SIGHUP ignored: nothing to reload; stop with SIGTERM or `ramslog-target stop`"
         )
     };
-    let persistence = lifecycle::open_persistence(&cfg)?;
+    let persistence = lifecycle::open_persistence(&cfg, inherited_lock)?;
     notify("STATUS=restoring LUN content");
     let cancelled = Arc::new(AtomicBool::new(false));
     let mut opening = {
         let (cfg, persistence, cancelled) = (cfg.clone(), persistence.clone(), cancelled.clone());
         tokio::task::spawn_blocking(move || {
-            lifecycle::open_volumes(&cfg, persistence.as_ref(), &cancelled)
+            lifecycle::open_volumes(&cfg, persistence.as_ref(), &cancelled, handover)
         })
     };
     let opened = loop {
@@ -413,12 +517,14 @@ async fn run(args: RunArgs) -> Result<(), String> {
 
     let stop = Arc::new(tokio::sync::Notify::new());
     let (stopped_tx, stopped_rx) = tokio::sync::watch::channel(None);
+    let (restart_tx, mut restart_rx) = tokio::sync::mpsc::channel::<RestartReply>(1);
     {
         let control = Arc::new(Control {
             portal: portal.clone(),
             state_dir: cfg.state_dir.clone(),
             stop: stop.clone(),
             stopped: stopped_rx,
+            restart: restart_tx,
         });
         let path = &cfg.control_socket;
         control::serve(path.clone(), control)
@@ -436,13 +542,35 @@ async fn run(args: RunArgs) -> Result<(), String> {
         .map_err(|e| format!("cannot serve metrics on {addr}: {e} (change --metrics)"))?;
     }
     // Every address is bound before any is served: a start that fails on
-    // the second must not have accepted a host's write on the first.
+    // the second must not have accepted a host's write on the first. A
+    // restart hands over the sockets it listened on (hosts' reconnects
+    // waited in their queues meanwhile); the rest are closed.
+    let mut inherited_listeners: Vec<std::net::TcpListener> =
+        inherited_listeners.into_iter().map(Into::into).collect();
     let mut bound = Vec::new();
     for addr in &cfg.listen {
-        bound.push(tcp::listen(*addr).map_err(|e| {
+        let kept = inherited_listeners
+            .iter()
+            .position(|l| l.local_addr().ok() == Some(*addr))
+            .map(|i| inherited_listeners.swap_remove(i));
+        let listener = match kept {
+            Some(l) => l
+                .set_nonblocking(true)
+                .and_then(|()| tokio::net::TcpListener::from_std(l)),
+            None => tcp::listen(*addr),
+        };
+        bound.push(listener.map_err(|e| {
             format!("cannot listen on {addr}: {e} (is another target on that port? use --listen)")
         })?);
     }
+    drop(inherited_listeners);
+    // Second descriptors of the listening sockets: a restart aborts the
+    // accept loops (which close theirs) and hands these on.
+    let listener_fds = bound
+        .iter()
+        .map(|l| rustix::io::fcntl_dupfd_cloexec(l, 3))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("cannot keep the listening sockets for a restart: {e}"))?;
     let mut tcp_listeners = Vec::new();
     for listener in bound {
         tracing::info!(
@@ -465,7 +593,8 @@ async fn run(args: RunArgs) -> Result<(), String> {
     }
 
     notify("READY=1\nSTATUS=serving");
-    loop {
+    let running = handover::Report::of(&cfg);
+    let restart = loop {
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: stopping"),
             _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
@@ -474,15 +603,51 @@ async fn run(args: RunArgs) -> Result<(), String> {
                 continue;
             }
             _ = stop.notified() => tracing::info!("stop requested on the control socket"),
+            Some(reply) = restart_rx.recv() => {
+                // Checked while still serving: a refusal changes nothing.
+                let checked = if persistence.is_none() {
+                    Err("an --ephemeral target keeps nothing across a restart: stop and start it".into())
+                } else {
+                    let (exe, argv, running) = (exe.clone(), argv.clone(), running.clone());
+                    tokio::task::spawn_blocking(move || {
+                        handover::check(&exe, &argv, &running, std::time::Duration::from_secs(30))
+                    })
+                    .await
+                    .unwrap_or_else(|e| Err(format!("the handover check failed: {e}")))
+                };
+                match checked {
+                    Ok(()) => {
+                        tracing::info!("restart requested: handing over to {}", exe.display());
+                        break Some(reply);
+                    }
+                    Err(why) => {
+                        tracing::warn!("restart refused, still serving: {why}");
+                        let _ = reply.send(Err(format!("restart refused, still serving: {why}")));
+                        continue;
+                    }
+                }
+            }
         }
-        break;
-    }
-    notify("STOPPING=1\nSTATUS=fencing and dumping LUN content");
+        break None;
+    };
+    notify(if restart.is_some() {
+        "STATUS=restarting: fencing, dumping and handing over LUN memory"
+    } else {
+        "STOPPING=1\nSTATUS=fencing and dumping LUN content"
+    });
     // Close the listening sockets before anything else, so a host's reconnect
     // during the dump is refused by the kernel (a failure initiators retry)
     // instead of being accepted and dropped mid-login, which can wedge
     // open-iscsi's session for good. An aborted task's future, with its
     // listener, is dropped before its handle resolves.
+    // A stop closes them for good; a restart keeps the second descriptors,
+    // so that hosts' reconnects wait in the queue for the new program.
+    let listener_fds = if restart.is_some() {
+        listener_fds
+    } else {
+        drop(listener_fds);
+        Vec::new()
+    };
     for listener in &tcp_listeners {
         listener.abort();
     }
@@ -510,6 +675,18 @@ async fn run(args: RunArgs) -> Result<(), String> {
             }
         }
     };
+    if let Some(reply) = restart {
+        return hand_over(
+            &portal,
+            persistence.as_deref(),
+            &listener_fds,
+            outcome,
+            reply,
+            &exe,
+            &argv,
+        )
+        .await;
+    }
     let _ = stopped_tx.send(Some(outcome.clone()));
     // Let a waiting `ramslog-target stop` read its answer.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
@@ -521,4 +698,65 @@ async fn run(args: RunArgs) -> Result<(), String> {
         }
         Err(msg) => Err(format!("stopped, but the content was not saved: {msg}")),
     }
+}
+
+/// The rest of a planned restart, after the fence and the dump: record each
+/// READY volume's memory as handed over, let it and the listening sockets
+/// and the state directory's lock cross `execve`, answer the requester and
+/// execute the binary again. Returns only when the exec failed: the images
+/// written by the dump are then what the next start restores.
+async fn hand_over(
+    portal: &Portal,
+    persistence: Option<&ramslog_target::volume::Persistence>,
+    listener_fds: &[std::os::fd::OwnedFd],
+    dumped: Result<String, String>,
+    reply: RestartReply,
+    exe: &Path,
+    argv: &[std::ffi::OsString],
+) -> Result<(), String> {
+    use std::os::fd::AsFd;
+    match &dumped {
+        Ok(msg) => tracing::info!("restart: dumped first ({msg})"),
+        // The memory still holds the content: handing it over keeps it,
+        // exiting now would lose it.
+        Err(msg) => tracing::error!(
+            "restart: the dump failed ({msg}); handing the memory over, the only copy"
+        ),
+    }
+    let token: u64 = rand::random();
+    let mut handed = handover::Handed {
+        token,
+        ..Default::default()
+    };
+    let keep = |fd: std::os::fd::BorrowedFd<'_>| {
+        handover::keep_across_exec(fd).map_err(|e| format!("restart: {e}"))
+    };
+    for v in portal.volumes.iter() {
+        match v.hand_over(token) {
+            Some((memory, record)) => handed.volumes.push((keep(memory)?, keep(record)?)),
+            None => {
+                tracing::warn!(target = %v.target(), lun = v.lun(), "not READY: its memory is not handed over; the new program starts it from its image")
+            }
+        }
+    }
+    for fd in listener_fds {
+        handed.listeners.push(keep(fd.as_fd())?);
+    }
+    if let Some(p) = persistence {
+        handed.state_lock = Some(keep(p.state().lock())?);
+    }
+    let _ = reply.send(Ok(format!(
+        "{} of {} LUNs handed over in memory to {}",
+        handed.volumes.len(),
+        portal.volumes.len(),
+        exe.display()
+    )));
+    // Let the requester read its answer before this program is gone.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let err = handover::exec(exe, argv, &handed);
+    Err(format!(
+        "restart: cannot execute {}: {err}; exiting (the next start takes each LUN from its image{})",
+        exe.display(),
+        if dumped.is_ok() { "" } else { ", and the dump had failed" }
+    ))
 }

@@ -164,6 +164,9 @@ pub struct TargetOptions {
     pub ready_timeout: Duration,
     /// A command the binary runs under (e.g. `setpriv` with its options).
     pub wrapper: Vec<String>,
+    /// Run this file instead of [`target_binary`] (a copy a test replaces,
+    /// as an upgrade replaces the installed binary).
+    pub binary: Option<PathBuf>,
     /// Leave an ephemeral target's control socket at the daemon's default
     /// (`/run/ramslog/control.sock` for root). Tests run in parallel, so by
     /// default each ephemeral target gets its own socket; only one test may
@@ -183,6 +186,7 @@ impl Default for TargetOptions {
             env: Vec::new(),
             ready_timeout: Duration::from_secs(10),
             wrapper: Vec::new(),
+            binary: None,
             default_control_socket: false,
         }
     }
@@ -217,7 +221,7 @@ impl TargetProcess {
 
     /// Start without waiting for the portal (to watch the start-up itself).
     pub fn spawn_with(opts: TargetOptions) -> Self {
-        let bin = target_binary();
+        let bin = opts.binary.clone().unwrap_or_else(target_binary);
         let n = INSTANCE.fetch_add(1, Ordering::SeqCst);
         let port = opts.port.unwrap_or_else(free_port);
         let addr: SocketAddr = ([127, 0, 0, 1], port).into();

@@ -142,10 +142,15 @@ pub struct RunArgs {
     /// Run without a state directory: every start is a first start (unsafe as a ZFS log).
     #[arg(long, conflicts_with = "state_dir")]
     pub ephemeral: bool,
-    /// Control socket for `status`, `stop` and `accept-empty` (default: `<state-dir>/control.sock`;
-    /// with --ephemeral /run/ramslog/control.sock for root).
+    /// Control socket for `status`, `stop`, `restart` and `accept-empty` (default:
+    /// `<state-dir>/control.sock`; with --ephemeral /run/ramslog/control.sock for root).
     #[arg(long)]
     pub control_socket: Option<PathBuf>,
+    /// Load the configuration these flags give, print what a restart must
+    /// compare (as JSON) and exit: `restart` runs the new binary so before
+    /// it fences anything.
+    #[arg(long, hide = true)]
+    pub handover_check: bool,
     /// Where LUN images go at a clean stop (default: `<state-dir>/images`; mode 0700).
     #[arg(long, conflicts_with = "ephemeral")]
     pub image_dir: Option<PathBuf>,

@@ -18,6 +18,7 @@ pub mod image;
 pub mod kept;
 pub mod state;
 
+use std::os::fd::BorrowedFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -120,7 +121,12 @@ pub enum Readiness {
 /// Where a volume's content came from at start.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Restored {
+    /// The image of `generation` (for kept memory: the one written before
+    /// the handover, if it was).
     pub image: PathBuf,
+    /// The content is the memory a planned restart handed over, not a copy
+    /// read from the image.
+    pub kept_memory: bool,
     /// When the image was written (seconds since the epoch).
     pub taken_unix: u64,
     pub generation: u64,
@@ -329,6 +335,10 @@ impl Volume {
     /// Write the kept-memory record from `m` (its lock held, so records are
     /// written in the order of the changes they describe).
     fn write_record(&self, m: &Meta) {
+        self.write_record_with(m, Written::All);
+    }
+
+    fn write_record_with(&self, m: &Meta, written: Written) {
         let Some(area) = &self.record else {
             return;
         };
@@ -347,7 +357,7 @@ impl Volume {
             boot_id: kept::boot_id().into(),
             owner: kept::this_process(),
             exit_cause: None,
-            written: Written::All,
+            written,
         };
         if let Err(e) = area.write(&record) {
             tracing::error!(target = %self.target, lun = self.lun, "kept-memory record not written ({e}): no successor will serve this memory");
@@ -358,6 +368,26 @@ impl Volume {
     fn set_kept(&self, m: &mut Meta, state: KeptState) {
         m.kept = state;
         self.write_record(m);
+    }
+
+    /// A planned restart: record this fenced, READY volume's memory as
+    /// handed over under `token`, with the chunks the next dump must carry,
+    /// and return its memfd and its record's, for the successor. `None`
+    /// (and nothing recorded) for a volume that is not fenced, not READY or
+    /// has no record: the successor takes those from their images, as a
+    /// start after a stop does.
+    pub fn hand_over(&self, token: u64) -> Option<(BorrowedFd<'_>, BorrowedFd<'_>)> {
+        let area = self.record.as_ref()?;
+        let mut m = self.meta();
+        if !self.fenced.load(Ordering::SeqCst) || m.readiness != Readiness::Ready {
+            return None;
+        }
+        m.kept = KeptState::HandedOver { token, ready: true };
+        let written = Written::from_chunks(CHUNK_SIZE, self.written.chunks(), |c| {
+            self.written.is_marked(c)
+        });
+        self.write_record_with(&m, written);
+        Some((self.store.memory(), area.memory()))
     }
 
     /// The kept-memory record in force, read back from its memory.
@@ -919,6 +949,7 @@ mod tests {
         restoring.set_restored(
             Restored {
                 image: "x".into(),
+                kept_memory: false,
                 taken_unix: 0,
                 generation: 5,
             },

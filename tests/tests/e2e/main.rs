@@ -7,6 +7,7 @@ mod images;
 mod integrity;
 mod metrics;
 mod persistence;
+mod restart;
 mod sessions;
 mod startup;
 mod systemd;

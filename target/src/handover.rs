@@ -1,0 +1,405 @@
+//! A planned restart (`ramslog-target restart`, `systemctl reload`): the
+//! daemon executes its binary again (the file on disk, so an upgrade takes
+//! effect) in the same process, and hands the new program what a stop and a
+//! start would lose or redo: each LUN's memory with its kept-memory record
+//! (memfds), the TCP listening sockets (the kernel queues hosts' reconnects
+//! in the meantime instead of refusing them) and the state directory's lock.
+//! They cross `execve` as descriptors without close-on-exec, named in one
+//! environment variable; everything else (the RDMA devices' descriptors
+//! above all) is close-on-exec and gone before the new program runs.
+//! docs/restarts.md says what survives what.
+
+use std::ffi::OsString;
+use std::io::Read;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+
+use crate::store;
+use crate::volume::kept::{self, Current, KeptError};
+
+/// The variable that names what was handed over.
+pub const ENV_VAR: &str = "RAMSLOG_HANDOVER";
+/// The variable's layout this binary writes and reads.
+const VERSION: &str = "1";
+
+/// What a restart hands over, by descriptor number.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Handed {
+    /// Names this handover in every volume's record.
+    pub token: u64,
+    /// Each LUN's memory and its record's.
+    pub volumes: Vec<(RawFd, RawFd)>,
+    pub listeners: Vec<RawFd>,
+    pub state_lock: Option<RawFd>,
+}
+
+impl Handed {
+    /// `1 token=HEX volumes=D:R,D:R listeners=F,F state-lock=F`.
+    pub fn encode(&self) -> String {
+        let list = |fds: &mut dyn Iterator<Item = String>| fds.collect::<Vec<_>>().join(",");
+        let mut out = format!(
+            "{VERSION} token={:016x} volumes={} listeners={}",
+            self.token,
+            list(&mut self.volumes.iter().map(|(d, r)| format!("{d}:{r}"))),
+            list(&mut self.listeners.iter().map(|f| f.to_string())),
+        );
+        if let Some(lock) = self.state_lock {
+            out += &format!(" state-lock={lock}");
+        }
+        out
+    }
+
+    /// The inverse of [`Handed::encode`]; anything else is an error.
+    pub fn decode(text: &str) -> Result<Handed, String> {
+        let mut words = text.split(' ');
+        if words.next() != Some(VERSION) {
+            return Err(format!("not a version {VERSION} handover: {text:?}"));
+        }
+        let fd = |s: &str| {
+            s.parse::<RawFd>()
+                .map_err(|_| format!("bad descriptor {s:?}"))
+        };
+        let fds = |s: &str| -> Result<Vec<RawFd>, String> {
+            s.split(',').filter(|f| !f.is_empty()).map(fd).collect()
+        };
+        let mut handed = Handed::default();
+        let mut token = None;
+        for word in words {
+            let (key, value) = word
+                .split_once('=')
+                .ok_or_else(|| format!("bad handover field {word:?}"))?;
+            match key {
+                "token" => {
+                    token = Some(
+                        u64::from_str_radix(value, 16)
+                            .map_err(|_| format!("bad token {value:?}"))?,
+                    )
+                }
+                "volumes" => {
+                    for pair in value.split(',').filter(|p| !p.is_empty()) {
+                        let (d, r) = pair
+                            .split_once(':')
+                            .ok_or_else(|| format!("bad volume {pair:?}"))?;
+                        handed.volumes.push((fd(d)?, fd(r)?));
+                    }
+                }
+                "listeners" => handed.listeners = fds(value)?,
+                "state-lock" => handed.state_lock = Some(fd(value)?),
+                _ => return Err(format!("unknown handover field {key:?}")),
+            }
+        }
+        handed.token = token.ok_or("the handover names no token")?;
+        Ok(handed)
+    }
+
+    /// Every descriptor it names.
+    fn descriptors(&self) -> Vec<RawFd> {
+        let mut all: Vec<RawFd> = self.volumes.iter().flat_map(|&(d, r)| [d, r]).collect();
+        all.extend(&self.listeners);
+        all.extend(self.state_lock);
+        all
+    }
+}
+
+/// One LUN's memory as handed over, and what its record says (read before
+/// the record's memfd was closed).
+#[derive(Debug)]
+pub struct KeptVolume {
+    pub memory: OwnedFd,
+    pub record: Result<Current, KeptError>,
+}
+
+/// What this process was handed by the program it replaced.
+#[derive(Debug)]
+pub struct Inherited {
+    pub token: u64,
+    pub volumes: Vec<KeptVolume>,
+    pub listeners: Vec<OwnedFd>,
+    pub state_lock: Option<OwnedFd>,
+    /// Set when this process holds an RDMA device's descriptor: then the
+    /// predecessor's queue pairs may be alive and no kept memory is served.
+    pub rdma_descriptors: Vec<String>,
+}
+
+/// What the variable names, owned from now on; the variable is removed
+/// (a child must never take it for its own), so call this before any
+/// other thread runs. `Ok(None)` on an ordinary start.
+pub fn inherited() -> Result<Option<Inherited>, String> {
+    let Some(text) = std::env::var_os(ENV_VAR) else {
+        return Ok(None);
+    };
+    std::env::remove_var(ENV_VAR);
+    let handed = Handed::decode(&text.to_string_lossy())?;
+    let mut fds = store::inherited_fds(&handed.descriptors())?.into_iter();
+    let mut volumes = Vec::new();
+    for _ in &handed.volumes {
+        let (Some(memory), Some(record)) = (fds.next(), fds.next()) else {
+            return Err("the handover names fewer descriptors than it holds".into());
+        };
+        let record = kept::read_handed(record.as_fd());
+        volumes.push(KeptVolume { memory, record });
+    }
+    let listeners = fds.by_ref().take(handed.listeners.len()).collect();
+    let state_lock = fds.next();
+    Ok(Some(Inherited {
+        token: handed.token,
+        volumes,
+        listeners,
+        state_lock,
+        rdma_descriptors: rdma_descriptors(),
+    }))
+}
+
+/// Open descriptors of RDMA devices (`/dev/infiniband/...`) in this process.
+pub fn rdma_descriptors() -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return vec!["/proc/self/fd unreadable".into()];
+    };
+    dir.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|l| l.display().to_string())
+        .filter(|l| l.starts_with("/dev/infiniband/"))
+        .collect()
+}
+
+/// Let `fd` survive the coming `execve`.
+pub fn keep_across_exec(fd: BorrowedFd<'_>) -> std::io::Result<RawFd> {
+    rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::empty())?;
+    Ok(fd.as_raw_fd())
+}
+
+/// What `--handover-check` prints: what the new binary would serve, for the
+/// running one to compare before it fences anything.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Report {
+    /// The kept-memory record format the new binary reads.
+    pub format: u32,
+    pub state_dir: Option<PathBuf>,
+    pub luns: Vec<LunShape>,
+}
+
+/// A LUN as a restart must keep it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LunShape {
+    pub target: String,
+    pub lun: u64,
+    pub size: u64,
+    pub block_size: u32,
+}
+
+impl Report {
+    /// What a configuration serves.
+    pub fn of(cfg: &Config) -> Report {
+        Report {
+            format: kept::FORMAT,
+            state_dir: cfg.state_dir.clone(),
+            luns: cfg
+                .targets
+                .iter()
+                .flat_map(|t| {
+                    t.luns.iter().map(|l| LunShape {
+                        target: t.name.clone(),
+                        lun: l.lun,
+                        size: l.size,
+                        block_size: l.block_size,
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// Why the program that printed `new` may not take over from the one
+    /// serving `self`: another record format or state directory, or a LUN
+    /// served now that it would drop or serve with another size or block
+    /// size (a LUN it adds is fine: it starts as on a first start).
+    pub fn refusal(&self, new: &Report) -> Option<String> {
+        if new.format != self.format {
+            return Some(format!(
+                "the new binary reads kept-memory format {}, this one writes {}",
+                new.format, self.format
+            ));
+        }
+        if new.state_dir != self.state_dir {
+            return Some(format!(
+                "the new configuration's state directory is {:?}, this one's {:?}",
+                new.state_dir, self.state_dir
+            ));
+        }
+        for lun in &self.luns {
+            let found = new
+                .luns
+                .iter()
+                .find(|n| n.target == lun.target && n.lun == lun.lun);
+            match found {
+                None => {
+                    return Some(format!(
+                        "the new configuration drops {} LUN {}",
+                        lun.target, lun.lun
+                    ))
+                }
+                Some(n) if (n.size, n.block_size) != (lun.size, lun.block_size) => {
+                    return Some(format!(
+                        "the new configuration gives {} LUN {} {} bytes of {}-byte blocks, not {} of {}",
+                        lun.target, lun.lun, n.size, n.block_size, lun.size, lun.block_size
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        None
+    }
+}
+
+/// Variables a child or the next program must not take for its own: the
+/// handover's, and systemd's socket-activation ones (this process owns
+/// whatever they named).
+pub const SCRUBBED: [&str; 4] = [ENV_VAR, "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"];
+
+/// Run `exe ARGS --handover-check` (without systemd's notify socket: the
+/// check is not the service) and compare what it would serve with
+/// `running`. Bounded: a binary that hangs is killed after `limit`.
+pub fn check(
+    exe: &Path,
+    args: &[OsString],
+    running: &Report,
+    limit: Duration,
+) -> Result<(), String> {
+    let mut cmd = Command::new(exe);
+    cmd.args(args)
+        .arg("--handover-check")
+        .env_remove("NOTIFY_SOCKET")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for v in SCRUBBED {
+        cmd.env_remove(v);
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", exe.display()))?;
+    let started = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if started.elapsed() < limit => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "{} --handover-check did not answer within {limit:?}",
+                    exe.display()
+                ));
+            }
+            Err(e) => return Err(format!("waiting for {}: {e}", exe.display())),
+        }
+    };
+    let read = |pipe: Option<&mut dyn Read>| {
+        let mut text = String::new();
+        if let Some(p) = pipe {
+            let _ = p.take(1 << 20).read_to_string(&mut text);
+        }
+        text
+    };
+    let out = read(child.stdout.as_mut().map(|p| p as &mut dyn Read));
+    let err = read(child.stderr.as_mut().map(|p| p as &mut dyn Read));
+    if !status.success() {
+        let why = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("no message");
+        return Err(format!(
+            "{} --handover-check failed ({status}): {why}",
+            exe.display()
+        ));
+    }
+    let new: Report = serde_json::from_str(out.trim())
+        .map_err(|e| format!("{} --handover-check answered {out:?}: {e}", exe.display()))?;
+    running.refusal(&new).map_or(Ok(()), Err)
+}
+
+/// Replace this program with `exe ARGS`, handing over `handed`. Returns
+/// only if that failed.
+pub fn exec(exe: &Path, args: &[OsString], handed: &Handed) -> std::io::Error {
+    let mut cmd = Command::new(exe);
+    cmd.args(args);
+    for v in SCRUBBED {
+        cmd.env_remove(v);
+    }
+    cmd.env(ENV_VAR, handed.encode());
+    std::os::unix::process::CommandExt::exec(&mut cmd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_variable_round_trips_and_nothing_else_decodes() {
+        let handed = Handed {
+            token: 0xfeed_beef_0000_0001,
+            volumes: vec![(5, 6), (7, 8)],
+            listeners: vec![9],
+            state_lock: Some(10),
+        };
+        assert_eq!(
+            handed.encode(),
+            "1 token=feedbeef00000001 volumes=5:6,7:8 listeners=9 state-lock=10"
+        );
+        assert_eq!(Handed::decode(&handed.encode()), Ok(handed.clone()));
+        assert_eq!(handed.descriptors(), vec![5, 6, 7, 8, 9, 10]);
+        let bare = Handed {
+            token: 1,
+            ..Handed::default()
+        };
+        assert_eq!(Handed::decode(&bare.encode()), Ok(bare));
+        for bad in [
+            "",
+            "2 token=1",
+            "1 volumes=5:6",
+            "1 token=xyz",
+            "1 token=1 volumes=5",
+            "1 token=1 listeners=a",
+            "1 token=1 colour=blue",
+            "1 token=1 listeners",
+        ] {
+            assert!(Handed::decode(bad).is_err(), "{bad:?} decoded");
+        }
+    }
+
+    #[test]
+    fn a_restart_keeps_every_lun_or_is_refused() {
+        let lun = |target: &str, lun, size| LunShape {
+            target: target.into(),
+            lun,
+            size,
+            block_size: 512,
+        };
+        let running = Report {
+            format: kept::FORMAT,
+            state_dir: Some("/var/lib/ramslog".into()),
+            luns: vec![lun("iqn.a", 0, 1 << 30), lun("iqn.a", 1, 1 << 30)],
+        };
+        let mut new = running.clone();
+        new.luns.push(lun("iqn.b", 0, 1 << 20));
+        assert_eq!(running.refusal(&new), None, "a LUN added is fine");
+        let refused = |change: &dyn Fn(&mut Report)| {
+            let mut new = running.clone();
+            change(&mut new);
+            running.refusal(&new).expect("refused")
+        };
+        assert!(refused(&|r| r.format += 1).contains("format"));
+        assert!(refused(&|r| r.state_dir = None).contains("state directory"));
+        assert!(refused(&|r| {
+            r.luns.remove(1);
+        })
+        .contains("drops iqn.a LUN 1"));
+        assert!(refused(&|r| r.luns[0].size *= 2).contains("iqn.a LUN 0 2147483648 bytes"));
+        assert!(refused(&|r| r.luns[1].block_size = 4096).contains("4096-byte blocks"));
+    }
+}

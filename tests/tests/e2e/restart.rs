@@ -1,0 +1,276 @@
+//! A planned restart (`ramslog-target restart`): the binary on disk is
+//! checked, the daemon fences, dumps and executes it in the same process,
+//! and the new program serves the memory it was handed under the same
+//! identity, without reading the image. Refused, nothing changes.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ramslog_initiator::{LoginParams, Session};
+use ramslog_tests::{target_binary, TargetProcess};
+
+use super::*;
+
+const LANES: u64 = 32;
+/// 4 KiB blocks of the default 256 MiB LUN.
+const BLOCKS: u64 = (256 << 20) / 4096;
+
+fn scratch(name: &str) -> PathBuf {
+    scratch_dir("restart", name)
+}
+
+/// `ramslog-target restart --wait` against the daemon of `state_dir`: its
+/// output, or the failure's.
+fn restart(state_dir: &Path) -> Result<String, String> {
+    let out = cli(&["restart", "--wait"], state_dir);
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        Ok(text)
+    } else {
+        Err(text)
+    }
+}
+
+/// A block's content for round `round`: its number, then a fill.
+fn block(lba4k: u64, round: u64) -> Vec<u8> {
+    let mut data = vec![(lba4k as u8) ^ (round as u8).wrapping_mul(37) ^ 0x5a; 4096];
+    data[..8].copy_from_slice(&lba4k.to_be_bytes());
+    data[8..16].copy_from_slice(&round.to_be_bytes());
+    data
+}
+
+/// 32 lanes of random-order 4 KiB writes until the session breaks: the
+/// blocks each got an acknowledgement for, with their content.
+async fn write_until_cut(
+    s: Arc<Session>,
+    round: u64,
+    progress: Arc<AtomicUsize>,
+) -> Vec<(u64, Vec<u8>)> {
+    let mut lanes = Vec::new();
+    for lane in 0..LANES {
+        let (s, progress) = (s.clone(), progress.clone());
+        lanes.push(tokio::spawn(async move {
+            let mut acked = Vec::new();
+            let mut lba4k = (lane * 7919 + round * 104_729) % BLOCKS;
+            loop {
+                let data = block(lba4k, round);
+                if s.write(0, lba4k * 8, &data, false).await.is_err() {
+                    return acked;
+                }
+                acked.push((lba4k, data));
+                progress.fetch_add(1, Ordering::Relaxed);
+                lba4k = (lba4k + LANES * 13 + 1) % BLOCKS;
+            }
+        }));
+    }
+    let mut acked = Vec::new();
+    for l in lanes {
+        acked.extend(l.await.expect("lane"));
+    }
+    acked
+}
+
+/// Every acknowledged write is in place (the last acknowledged content of
+/// each block).
+async fn assert_present(
+    s: &Session,
+    expected: &std::collections::HashMap<u64, Vec<u8>>,
+    when: &str,
+) {
+    for (lba4k, data) in expected {
+        let got = s.read(0, lba4k * 8, 8, 512).await.expect("READ");
+        assert!(got == *data, "acknowledged block {lba4k} lost {when}");
+    }
+}
+
+/// Ten restarts, each under 32 writers: the same process, the same identity,
+/// the memory taken over (never the image read), every acknowledged write
+/// present after each; then a stop and a start through the image, with
+/// every acknowledged write of all rounds present.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_restarts_under_load_keep_every_acknowledged_write() {
+    const ROUNDS: u64 = 10;
+    let dir = scratch("load");
+    let mut t = TargetProcess::start_with(persistent(&dir, None, &[]));
+    let port = t.port();
+    let pid = t.pid();
+    let mut expected = std::collections::HashMap::new();
+    let mut id = None;
+    for round in 0..ROUNDS {
+        let s = Arc::new(open(&t, INITIATOR).await);
+        let now = (
+            s.inquiry(0, true, 0x80, 255).await.expect("VPD 80h"),
+            s.inquiry(0, true, 0x83, 255).await.expect("VPD 83h"),
+        );
+        assert_eq!(
+            id.get_or_insert(now.clone()),
+            &now,
+            "identity after restart {round}"
+        );
+        assert_present(&s, &expected, &format!("in restart {round}")).await;
+        let progress = Arc::new(AtomicUsize::new(0));
+        let writers = tokio::spawn(write_until_cut(s.clone(), round, progress.clone()));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while progress.load(Ordering::Relaxed) < 300 {
+            assert!(Instant::now() < deadline, "the writers are stuck");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let restarted = {
+            let dir = dir.clone();
+            tokio::task::spawn_blocking(move || restart(&dir))
+                .await
+                .expect("restart")
+        };
+        let acked = writers.await.expect("writers");
+        let out =
+            restarted.unwrap_or_else(|e| panic!("restart {round}: {e}\n{}", t.output_tail(30)));
+        assert!(
+            out.contains("1 of 1 LUNs ready, 1 kept in memory"),
+            "restart {round}: {out}"
+        );
+        assert!(!acked.is_empty(), "round {round} wrote nothing");
+        expected.extend(acked);
+        assert!(t.is_running(), "the daemon exited in restart {round}");
+        assert_eq!(t.pid(), pid, "a restart keeps the process");
+        eprintln!("restart {round}: {}", out.trim());
+    }
+    let log = t.output();
+    assert_eq!(
+        log.matches("LUN content kept in memory across the restart")
+            .count(),
+        ROUNDS as usize,
+        "{}",
+        t.output_tail(40)
+    );
+    assert!(
+        !log.contains("restoring LUN content"),
+        "no restart read the image"
+    );
+    let st = status_text(&dir);
+    assert!(
+        st.contains("restored from the memory kept across a restart"),
+        "{st}"
+    );
+
+    let stopped = t.stop();
+    assert!(stopped.success(), "{stopped:?}\n{}", t.output_tail(20));
+    let t = TargetProcess::start_with(persistent(&dir, Some(port), &[]));
+    assert!(
+        t.output().contains("restoring LUN content"),
+        "the image path after a stop"
+    );
+    let s = open(&t, INITIATOR).await;
+    assert_present(&s, &expected, "after stop and start").await;
+    eprintln!(
+        "{} blocks written under {ROUNDS} restarts, all present",
+        expected.len()
+    );
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A copy of the daemon's binary in `dir`, which the test then replaces.
+fn binary_copy(dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir).expect("mkdir");
+    let copy = dir.join("ramslog-target");
+    std::fs::copy(target_binary(), &copy).expect("copy the binary");
+    copy
+}
+
+/// Replace `path` with an executable script (as an upgrade replaces the
+/// installed binary: a new file renamed over the old name).
+fn replace_with_script(path: &Path, script: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    let new = path.with_extension("new");
+    std::fs::write(&new, script).expect("write the script");
+    std::fs::set_permissions(&new, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::rename(&new, path).expect("rename over the binary");
+}
+
+/// A new binary that does not start, and a new configuration that would
+/// change the LUN's size, are both refused before anything is fenced: the
+/// daemon keeps serving, same program, same content. Put right, the
+/// restart goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_the_new_binary_cannot_take_is_refused_and_changes_nothing() {
+    let dir = scratch("refused");
+    let bin = binary_copy(&dir.join("bin"));
+    let state = dir.join("state");
+    let t = TargetProcess::start_with(ramslog_tests::TargetOptions {
+        binary: Some(bin.clone()),
+        ..persistent(&state, None, &[])
+    });
+    let s = open(&t, INITIATOR).await;
+    let data = random_bytes(4096);
+    s.write(0, 800, &data, false).await.expect("WRITE");
+
+    replace_with_script(
+        &bin,
+        "#!/bin/sh\necho 'error while loading shared libraries: libwhatever.so' >&2\nexit 127\n",
+    );
+    let refused = restart(&state).expect_err("a broken binary must be refused");
+    assert!(
+        refused.contains("restart refused, still serving")
+            && refused.contains("--handover-check failed")
+            && refused.contains("libwhatever.so"),
+        "{refused}"
+    );
+    let real = target_binary();
+    replace_with_script(
+        &bin,
+        &format!(
+            "#!/bin/bash\nargs=()\nfor a in \"$@\"; do [ \"$a\" = 256M ] && a=512M; args+=(\"$a\"); done\nexec {} \"${{args[@]}}\"\n",
+            real.display()
+        ),
+    );
+    let refused = restart(&state).expect_err("a new LUN size must be refused");
+    assert!(
+        refused.contains("restart refused, still serving") && refused.contains("536870912 bytes"),
+        "{refused}"
+    );
+    // Still the same program, serving the same content.
+    assert_eq!(s.read(0, 800, 8, 512).await.expect("READ"), data);
+    s.write(0, 900, &data, false)
+        .await
+        .expect("WRITE after the refusals");
+    assert!(!t.output().contains("fenced"), "{}", t.output_tail(20));
+
+    std::fs::remove_file(&bin).expect("rm");
+    std::fs::copy(&real, &bin).expect("the real binary back");
+    let out = restart(&state).unwrap_or_else(|e| panic!("{e}\n{}", t.output_tail(30)));
+    assert!(out.contains("1 kept in memory"), "{out}");
+    let s = open(&t, INITIATOR).await;
+    assert_eq!(s.read(0, 800, 8, 512).await.expect("READ"), data);
+    assert_eq!(s.read(0, 900, 8, 512).await.expect("READ"), data);
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Without a state directory nothing is kept, so nothing is restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ephemeral_target_refuses_a_restart() {
+    let t = TargetProcess::start();
+    let socket = t
+        .control_socket()
+        .expect("own control socket")
+        .to_path_buf();
+    let out = std::process::Command::new(target_binary())
+        .args(["restart", "--control-socket"])
+        .arg(&socket)
+        .output()
+        .expect("restart");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--ephemeral target keeps nothing"),
+        "{err}"
+    );
+    let s = Session::login(t.addr(), LoginParams::normal(INITIATOR, t.target_name()))
+        .await
+        .expect("still serving");
+    drop(s);
+}
