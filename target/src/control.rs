@@ -132,8 +132,23 @@ pub struct Control {
     pub restart: tokio::sync::mpsc::Sender<RestartReply>,
 }
 
-/// Where the daemon answers one restart request.
-pub type RestartReply = tokio::sync::oneshot::Sender<Result<String, String>>;
+/// One restart request, as the daemon sees it.
+pub struct RestartReply {
+    answer: tokio::sync::oneshot::Sender<Result<String, String>>,
+    delivered: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl RestartReply {
+    /// Answer the requester, and for an `Ok` wait (bounded) until the
+    /// answer is written to its socket: the program that executes next
+    /// cannot write it any more.
+    pub async fn answer(self, result: Result<String, String>) {
+        let wait = result.is_ok();
+        if self.answer.send(result).is_ok() && wait {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(1), self.delivered).await;
+        }
+    }
+}
 
 impl Control {
     pub fn handle(&self, req: Request) -> Reply {
@@ -145,19 +160,27 @@ impl Control {
         }
     }
 
-    /// Ask the daemon for a planned restart and wait until it begins.
-    async fn restart(&self) -> Reply {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        if self.restart.try_send(tx).is_err() {
-            return Reply::Error(
+    /// Ask the daemon for a planned restart and wait until it begins; the
+    /// sender is to be told once the reply is written.
+    async fn restart(&self) -> (Reply, tokio::sync::oneshot::Sender<()>) {
+        let (answer, rx) = tokio::sync::oneshot::channel();
+        let (written, delivered) = tokio::sync::oneshot::channel();
+        let reply = if self
+            .restart
+            .try_send(RestartReply { answer, delivered })
+            .is_err()
+        {
+            Reply::Error(
                 "a restart or a stop is already under way; see `ramslog-target status`".into(),
-            );
-        }
-        match rx.await {
-            Ok(Ok(msg)) => Reply::Restarting(msg),
-            Ok(Err(msg)) => Reply::Error(msg),
-            Err(_) => Reply::Error("the daemon is stopping; it did not restart".into()),
-        }
+            )
+        } else {
+            match rx.await {
+                Ok(Ok(msg)) => Reply::Restarting(msg),
+                Ok(Err(msg)) => Reply::Error(msg),
+                Err(_) => Reply::Error("the daemon is stopping; it did not restart".into()),
+            }
+        };
+        (reply, written)
     }
 
     /// Ask the daemon to stop and wait for the dump's outcome.
@@ -411,7 +434,15 @@ async fn serve_client(stream: UnixStream, control: Arc<Control>) {
             .and_then(|l| serde_json::from_str::<Request>(l.trim_end()).map_err(|e| e.to_string()))
         {
             Ok(Request::Stop) => control.stop().await,
-            Ok(Request::Restart) => control.restart().await,
+            Ok(Request::Restart) => {
+                let (reply, written) = control.restart().await;
+                let sent = write_reply(&mut wr, &reply).await;
+                let _ = written.send(());
+                if sent.is_err() || !complete {
+                    return;
+                }
+                continue;
+            }
             // accept-empty zeroes the LUN, waits for the old identity's
             // transfers and writes an image: not on an async worker.
             Ok(req @ Request::AcceptEmpty { .. }) => {

@@ -622,7 +622,7 @@ async fn run(args: RunArgs, inherited: Result<Option<Inherited>, String>) -> Res
                     }
                     Err(why) => {
                         tracing::warn!("restart refused, still serving: {why}");
-                        let _ = reply.send(Err(format!("restart refused, still serving: {why}")));
+                        reply.answer(Err(format!("restart refused, still serving: {why}"))).await;
                         continue;
                     }
                 }
@@ -745,14 +745,14 @@ async fn hand_over(
     if let Some(p) = persistence {
         handed.state_lock = Some(keep(p.state().lock())?);
     }
-    let _ = reply.send(Ok(format!(
-        "{} of {} LUNs handed over in memory to {}",
-        handed.volumes.len(),
-        portal.volumes.len(),
-        exe.display()
-    )));
-    // Let the requester read its answer before this program is gone.
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    reply
+        .answer(Ok(format!(
+            "{} of {} LUNs handed over in memory to {}",
+            handed.volumes.len(),
+            portal.volumes.len(),
+            exe.display()
+        )))
+        .await;
     let err = handover::exec(exe, argv, &handed);
     Err(format!(
         "restart: cannot execute {}: {err}; exiting (the next start takes each LUN from its image{})",

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# A planned restart against a stop and a start, side by side in one run.
+#
+#   tests/bench/restart.sh [DIR] [SIZE]
+#
+# DIR (default /var/tmp/ramslog-restart-bench) holds the state and images;
+# SIZE (default 4G) is the LUN, filled completely over iSCSI/TCP (lun-fill).
+# HUGEPAGES=off|require (default off; require reserves the 2 MiB pages it
+# needs for the run and gives them back). Each round: `restart --wait`
+# (dump, exec, take the memory over), then SIGTERM and a start (dump, restore),
+# each timed from the fence to the new program listening, split from the
+# daemon's log (check: the binary on disk tried; fence and drain; dump; exec:
+# the old program's last line to the new one's first; take-over or restore;
+# listen); the content is checked after the last round. Prints a table and
+# writes build/bench/restart.json.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+DIR=${1:-/var/tmp/ramslog-restart-bench}
+SIZE=${2:-4G}
+PORT=${PORT:-3302}
+HUGEPAGES=${HUGEPAGES:-off}
+ROUNDS=${ROUNDS:-3}
+IQN=iqn.2026-11.org.ramslog:restart-bench
+
+cargo build -j2 --release -q -p ramslog-target -p ramslog-tests
+BIN=build/release/ramslog-target
+FILL=build/release/lun-fill
+rm -rf "$DIR"; mkdir -p "$DIR"
+LOG="$DIR/target.log"
+pid=
+huge_before=$(cat /proc/sys/vm/nr_hugepages)
+cleanup() {
+  [[ -n $pid ]] && kill -9 "$pid" 2>/dev/null
+  echo "$huge_before" >/proc/sys/vm/nr_hugepages 2>/dev/null || true
+}
+trap cleanup EXIT
+if [[ $HUGEPAGES == require ]]; then
+  need=$(( $(numfmt --from=iec "$SIZE") / (2 << 20) + 16 ))
+  echo $((huge_before + need)) >/proc/sys/vm/nr_hugepages
+fi
+
+start() {
+  "$BIN" --size "$SIZE" --listen "127.0.0.1:$PORT" --target-name "$IQN" \
+    --state-dir "$DIR/state" --image-dir "$DIR/images" --hugepages "$HUGEPAGES" >>"$LOG" 2>&1 &
+  pid=$!
+}
+# Wait until the log has N lines matching PATTERN.
+wait_log() {
+  for _ in $(seq 1 3000); do
+    (( $(grep -c "$1" "$LOG") >= $2 )) && return 0
+    kill -0 "$pid" 2>/dev/null || { tail -20 "$LOG"; exit 1; }
+    sleep 0.1
+  done
+  echo "timed out waiting for '$1'"; tail -20 "$LOG"; exit 1
+}
+
+: >"$LOG"
+start
+wait_log "listening on" 1
+"$FILL" --target "127.0.0.1:$PORT" --iqn "$IQN" --seed 7 >/dev/null
+results=()
+for round in $(seq 1 "$ROUNDS"); do
+  mark=$(wc -l <"$LOG")
+  t0=$(date +%s.%N)
+  "$BIN" restart --wait --state-dir "$DIR/state" >"$DIR/restart.out"
+  t1=$(date +%s.%N)
+  results+=("restart" "$(tail -n +$((mark + 1)) "$LOG" | base64 -w0)" "$(awk "BEGIN { print $t1 - $t0 }")")
+  "$FILL" --target "127.0.0.1:$PORT" --iqn "$IQN" --seed $((round + 7)) >/dev/null
+  mark=$(wc -l <"$LOG")
+  t0=$(date +%s.%N)
+  kill -TERM "$pid"
+  wait "$pid" || { echo "target exited non-zero"; tail -20 "$LOG"; exit 1; }
+  start
+  wait_log "listening on" $(( $(grep -c "listening on" "$LOG") + 1 ))
+  t1=$(date +%s.%N)
+  results+=("stop-start" "$(tail -n +$((mark + 1)) "$LOG" | base64 -w0)" "$(awk "BEGIN { print $t1 - $t0 }")")
+  "$FILL" --target "127.0.0.1:$PORT" --iqn "$IQN" --seed $((round + 100)) >/dev/null
+done
+"$BIN" restart --wait --state-dir "$DIR/state" >/dev/null
+"$FILL" --target "127.0.0.1:$PORT" --iqn "$IQN" --seed $((ROUNDS + 100)) --check
+kill -TERM "$pid"; wait "$pid"; pid=
+
+mkdir -p build/bench
+python3 - "$SIZE" "$HUGEPAGES" "${results[@]}" <<'PY' | tee build/bench/restart.json
+import base64, datetime, json, re, statistics, sys
+size, huge, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+def at(line):
+    m = re.match(r"(\S+Z)", line)
+    return datetime.datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp() if m else None
+def first(lines, pattern, after=0.0):
+    for l in lines:
+        t = at(l)
+        if t is not None and t >= after and re.search(pattern, l):
+            return t
+    raise SystemExit(f"no line matching {pattern!r}")
+rounds = {"restart": [], "stop-start": []}
+for i in range(0, len(args), 3):
+    kind, text, wall = args[i], base64.b64decode(args[i + 1]).decode(), float(args[i + 2])
+    lines = text.splitlines()
+    fence = first(lines, "shutting down")
+    dumped = first(lines, r"dumped to|nothing written since", fence)
+    if kind == "restart":
+        asked = first(lines, "restart requested")
+        new = first(lines, "started by a restart", dumped)
+        ready = first(lines, "kept in memory across the restart", new)
+        listen = first(lines, "listening on", ready)
+        split = {"dump_s": dumped - fence, "exec_s": new - dumped, "take_over_s": ready - new,
+                 "listen_s": listen - ready}
+    else:
+        new = first(lines, "restoring LUN content", dumped)
+        ready = first(lines, "restored and verified", new)
+        listen = first(lines, "listening on", ready)
+        split = {"dump_s": dumped - fence, "exit_and_start_s": new - dumped,
+                 "restore_s": ready - new, "listen_s": listen - ready}
+    rounds[kind].append({"fence_to_listening_s": listen - fence, "command_wall_s": wall, **split})
+med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in rounds.items()}
+med["ratio_restart_vs_stop_start"] = (med["restart"]["fence_to_listening_s"]
+                                      / med["stop-start"]["fence_to_listening_s"])
+r3 = lambda d: {k: (round(v, 3) if isinstance(v, float) else r3(v)) for k, v in d.items()}
+print(json.dumps({"size": size, "hugepages": huge, "median": r3(med),
+                  "rounds": {k: [r3(x) for x in v] for k, v in rounds.items()}}, indent=1))
+PY
