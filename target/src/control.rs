@@ -13,6 +13,7 @@ use tokio::net::{UnixListener, UnixStream};
 use crate::admission::FrontEnd;
 use crate::metrics::{LimitHit, LoginRefusal, LunIo, ProcessMemory};
 use crate::portal::Portal;
+use crate::volume::state::FailedStop;
 use crate::volume::{naa_hex, Identity, Readiness};
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -102,6 +103,9 @@ pub struct Status {
     /// Random per executed program: a restart changes it, the pid stays.
     #[serde(default)]
     pub incarnation: u64,
+    /// The last stop, if its dump failed (until a stop succeeds).
+    #[serde(default)]
+    pub failed_stop: Option<FailedStop>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -268,6 +272,12 @@ impl Control {
             portal,
             process: ProcessMemory::now(),
             incarnation: crate::volume::kept::this_process().incarnation,
+            failed_stop: self
+                .portal
+                .volumes
+                .iter()
+                .find_map(|v| v.persistence())
+                .and_then(|p| p.state().failed_stop().cloned()),
         }
     }
 

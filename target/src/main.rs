@@ -17,7 +17,27 @@ use ramslog_target::portal::{Acl, Portal, TargetDef};
 use ramslog_target::scsi::ScsiTarget;
 use ramslog_target::tcp;
 use ramslog_target::volume::image;
+use ramslog_target::volume::state::FailedStop;
 use tokio::signal::unix::{signal, SignalKind};
+
+/// The exit status of a stop whose dump failed (EX_IOERR). The unit names
+/// it in RestartPreventExitStatus=: a stop that could not save the content
+/// must not be undone by a restart that serves the LUNs NOT READY.
+const EXIT_DUMP_FAILED: u8 = 74;
+
+/// Why the daemon ended badly; the exit status says which.
+enum Failure {
+    /// Anything that kept it from starting or serving: exit 1.
+    Other(String),
+    /// A stop was asked for and a dump failed: [`EXIT_DUMP_FAILED`].
+    DumpFailed(String),
+}
+
+impl From<String> for Failure {
+    fn from(msg: String) -> Failure {
+        Failure::Other(msg)
+    }
+}
 
 /// How far ahead of now systemd's stop timeout is kept while a dump makes
 /// progress.
@@ -162,7 +182,14 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.cmd {
-        None => rt.block_on(run(cli.run, inherited)),
+        None => match rt.block_on(run(cli.run, inherited)) {
+            Err(Failure::DumpFailed(msg)) => {
+                eprintln!("ramslog-target: {msg}");
+                return ExitCode::from(EXIT_DUMP_FAILED);
+            }
+            Err(Failure::Other(msg)) => Err(msg),
+            Ok(()) => Ok(()),
+        },
         Some(Cmd::Status { json, socket }) => rt.block_on(status(socket, json)),
         Some(Cmd::Stop(s)) => rt.block_on(stop(s)),
         Some(Cmd::Restart { wait, socket }) => rt.block_on(restart(socket, wait)),
@@ -194,6 +221,12 @@ async fn status(s: SocketArgs, json: bool) -> Result<(), String> {
                 "state directory: {}\n",
                 st.state_dir.as_deref().unwrap_or("(none: --ephemeral)")
             );
+            if let Some(f) = &st.failed_stop {
+                out += &format!(
+                    "last stop: its dump failed at unix time {}: {} (the LUNs it did not save are NOT READY)\n",
+                    f.at_unix, f.reason
+                );
+            }
             for t in &st.targets {
                 out += &format!("target {}\n", t.name);
                 for l in &t.luns {
@@ -393,12 +426,13 @@ fn print_stdout(text: &str) -> Result<(), String> {
     }
 }
 
-async fn run(args: RunArgs, inherited: Result<Option<Inherited>, String>) -> Result<(), String> {
+async fn run(args: RunArgs, inherited: Result<Option<Inherited>, String>) -> Result<(), Failure> {
     let cfg = Config::load(&args).map_err(|e| e.to_string())?;
     if args.handover_check {
         let report =
             serde_json::to_string(&handover::Report::of(&cfg)).map_err(|e| e.to_string())?;
-        return print_stdout(&format!("{report}\n"));
+        print_stdout(&format!("{report}\n"))?;
+        return Ok(());
     }
     // What a restart executes again: this binary's path (the file there then,
     // after an upgrade the new one) with these arguments.
@@ -447,6 +481,16 @@ async fn run(args: RunArgs, inherited: Result<Option<Inherited>, String>) -> Res
         )
     };
     let persistence = lifecycle::open_persistence(&cfg, inherited_lock)?;
+    if let Some(f) = persistence
+        .as_ref()
+        .and_then(|p| p.state().failed_stop().cloned())
+    {
+        tracing::warn!(
+            "the last stop's dump failed (unix time {}): {}. The LUNs it did not save are NOT READY",
+            f.at_unix,
+            f.reason
+        );
+    }
     notify("STATUS=restoring LUN content");
     let cancelled = Arc::new(AtomicBool::new(false));
     let mut opening = {
@@ -476,7 +520,7 @@ async fn run(args: RunArgs, inherited: Result<Option<Inherited>, String>) -> Res
             );
             return Ok(());
         }
-        Err(StartError::Failed(msg)) => return Err(msg),
+        Err(StartError::Failed(msg)) => return Err(msg.into()),
     };
 
     let mut targets = Vec::new();
@@ -676,7 +720,7 @@ async fn run(args: RunArgs, inherited: Result<Option<Inherited>, String>) -> Res
         }
     };
     if let Some(reply) = restart {
-        return hand_over(
+        hand_over(
             &portal,
             persistence.as_deref(),
             &listener_fds,
@@ -685,7 +729,17 @@ async fn run(args: RunArgs, inherited: Result<Option<Inherited>, String>) -> Res
             &exe,
             &argv,
         )
-        .await;
+        .await?;
+        return Ok(());
+    }
+    if let Some(p) = &persistence {
+        let failed = outcome.as_ref().err().map(|reason| FailedStop {
+            at_unix: ramslog_target::volume::now_unix(),
+            reason: reason.clone(),
+        });
+        if let Err(e) = p.state().record_stop(failed) {
+            tracing::error!("cannot record in the state directory how this stop ended: {e}");
+        }
     }
     let _ = stopped_tx.send(Some(outcome.clone()));
     // Let a waiting `ramslog-target stop` read its answer.
@@ -696,7 +750,9 @@ async fn run(args: RunArgs, inherited: Result<Option<Inherited>, String>) -> Res
             tracing::info!("stopped cleanly");
             Ok(())
         }
-        Err(msg) => Err(format!("stopped, but the content was not saved: {msg}")),
+        Err(msg) => Err(Failure::DumpFailed(format!(
+            "stopped, but the content was not saved: {msg}"
+        ))),
     }
 }
 

@@ -83,6 +83,18 @@ pub struct LunRecord {
 struct StateFile {
     #[serde(default)]
     lun: Vec<LunRecord>,
+    /// The last stop, if its dump failed; gone after a clean stop.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    failed_stop: Option<FailedStop>,
+}
+
+/// A stop whose dump failed: the LUNs it did not save come back NOT READY,
+/// and the next start and `status` say why until a stop succeeds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailedStop {
+    /// Seconds since the epoch.
+    pub at_unix: u64,
+    pub reason: String,
 }
 
 /// What the state directory says about one LUN at start.
@@ -303,6 +315,24 @@ impl StateDir {
         self.change(target, lun, |r| r.clean = Some(generation), None)
     }
 
+    /// The last stop's failure, if its dump failed.
+    pub fn failed_stop(&self) -> Option<&FailedStop> {
+        self.file.failed_stop.as_ref()
+    }
+
+    /// Record how a stop ended: `Some` when its dump failed, `None` once a
+    /// stop succeeded. Written (durably) only when it changes.
+    pub fn record_stop(&mut self, failed: Option<FailedStop>) -> Result<(), StateError> {
+        if self.file.failed_stop == failed {
+            return Ok(());
+        }
+        let mut next = self.file.clone();
+        next.failed_stop = failed;
+        self.save(&next)?;
+        self.file = next;
+        Ok(())
+    }
+
     /// The current generation of a LUN.
     pub fn generation(&self, target: &str, lun: u64) -> Option<u64> {
         self.record(target, lun).map(|r| r.generation)
@@ -422,6 +452,36 @@ mod tests {
             StateDir::open(&dir),
             Err(StateError::Parse { .. })
         ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_failed_stop_is_remembered_until_a_stop_succeeds() {
+        let dir = fresh_dir("failed-stop");
+        let mut s = StateDir::open(&dir).unwrap();
+        let Recall::New(id) = s.recall("iqn.x", 0).unwrap() else {
+            panic!("expected new")
+        };
+        assert_eq!(s.failed_stop(), None);
+        let failed = FailedStop {
+            at_unix: 1_796_000_000,
+            reason: "iqn.x LUN 0: image write: No space left on device".into(),
+        };
+        s.record_stop(Some(failed.clone())).unwrap();
+        drop(s);
+        let mut s = StateDir::open(&dir).unwrap();
+        assert_eq!(s.failed_stop(), Some(&failed));
+        assert_eq!(
+            s.recall("iqn.x", 0).unwrap(),
+            known(&id, 1, false),
+            "the LUNs are untouched"
+        );
+        s.record_stop(None).unwrap();
+        drop(s);
+        let s = StateDir::open(&dir).unwrap();
+        assert_eq!(s.failed_stop(), None);
+        let text = std::fs::read_to_string(dir.join(FILE)).unwrap();
+        assert!(!text.contains("failed_stop"), "{text}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

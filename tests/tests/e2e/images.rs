@@ -143,7 +143,21 @@ fn state_field(dir: &Path, key: &str) -> String {
 /// Start on `dir` (with `extra` arguments), expect NOT READY with `why` in
 /// the status, and nothing of the image in memory after accept-empty.
 async fn refused(dir: &Path, extra: &[&str], why: &str) {
+    let failed_stop =
+        std::fs::read_to_string(dir.join("luns.toml")).is_ok_and(|s| s.contains("failed_stop"));
     let t = TargetProcess::start_with(options(dir, extra));
+    if failed_stop {
+        let st = status_text(dir);
+        assert!(
+            st.contains("last stop: its dump failed at unix time"),
+            "status names the failed stop: {st}"
+        );
+        assert!(
+            t.output().contains("the last stop's dump failed"),
+            "{}",
+            t.output_tail(10)
+        );
+    }
     let s = Session::login(t.addr(), LoginParams::normal(INITIATOR, t.target_name()))
         .await
         .expect("login");
@@ -411,7 +425,11 @@ async fn a_dump_into_a_full_filesystem_fails_cleanly() {
     drop(s);
     let st = t.stop();
     let log = t.output();
-    assert_eq!(st.code(), Some(1), "a failed dump exits non-zero: {log}");
+    assert_eq!(
+        st.code(),
+        Some(74),
+        "a stop whose dump failed exits 74 (EX_IOERR, which the unit keeps from restarting): {log}"
+    );
     assert!(log.contains("not enough space"), "{log}");
     let leftovers: Vec<_> = std::fs::read_dir(&images)
         .expect("list")
@@ -423,6 +441,10 @@ async fn a_dump_into_a_full_filesystem_fails_cleanly() {
         "no partial image stays: {leftovers:?}"
     );
     refused(&dir, &[], "no clean image").await;
+    // The state directory remembered the failed stop; the next start said
+    // so, `status` said so, and the clean stop inside `refused` cleared it.
+    let record = std::fs::read_to_string(dir.join("luns.toml")).expect("state");
+    assert!(!record.contains("failed_stop"), "{record}");
     drop(full);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -462,7 +484,7 @@ async fn a_dump_into_an_unwritable_directory_fails_cleanly() {
         .expect("chmod");
     let st = t.stop();
     let log = t.output();
-    assert_eq!(st.code(), Some(1), "a failed dump exits non-zero: {log}");
+    assert_eq!(st.code(), Some(74), "a failed dump exits 74: {log}");
     assert!(
         log.contains("dump failed") && log.contains("Permission denied"),
         "{log}"
