@@ -13,6 +13,10 @@
 #                          build) logging to LOG, until it logs READY (its listen
 #                          line, e.g. "iSER listening on ADDR"); PID in TARGET_STARTED;
 #                          a daemon that does not get there is stopped
+#   wait_rdma_listener PORT PID [SECONDS]
+#                          until an rdma_cm ID listens on PORT (the kernel's own
+#                          list, `rdma resource show cm_id`); fails when PID exits
+#                          first or after SECONDS (30)
 #   stop_pid PID           kill and reap
 set -euo pipefail
 LAB_LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -38,6 +42,25 @@ wait_for_log() {
   done
   echo "no '$text' in $file after ${secs} s:"
   cat "$file" 2>/dev/null || true
+  return 1
+}
+
+# A fixed sleep before a client connects is a race the lab loses when its two
+# guests share two slow cores: ask the kernel whether the listener is there.
+wait_rdma_listener() {
+  local port=$1 pid=$2 secs=${3:-30} i ids
+  for ((i = 0; i < secs * 5; i++)); do
+    # Not a pipe into grep -q: under pipefail its early exit would fail the check.
+    ids=$(rdma resource show cm_id 2>/dev/null || true)
+    grep -qE "state LISTEN .*:$port( |$)" <<<"$ids" && return 0
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "the server ended before it listened on rdma_cm port $port"
+      return 1
+    fi
+    sleep 0.2
+  done
+  echo "nothing listens on rdma_cm port $port after ${secs} s:"
+  rdma resource show cm_id || true
   return 1
 }
 
