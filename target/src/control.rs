@@ -32,7 +32,8 @@ pub enum Request {
 }
 
 /// `restored_from` of a LUN whose content is the memory a restart kept.
-pub const KEPT_MEMORY: &str = "the memory kept across a restart";
+pub const KEPT_MEMORY: &str =
+    "the memory kept from the previous run (a restart, or a crash under systemd)";
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct LunStatus {

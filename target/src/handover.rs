@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::Config;
 
 use crate::store;
-use crate::volume::kept::{self, Current, KeptError};
+use crate::volume::kept::{self, Current};
 
 /// The variable that names what was handed over.
 pub const ENV_VAR: &str = "RAMSLOG_HANDOVER";
@@ -108,11 +108,16 @@ impl Handed {
 }
 
 /// One LUN's memory as handed over, and what its record says (read before
-/// the record's memfd was closed).
+/// the record's memfd was closed), or why there is no record to go by.
 #[derive(Debug)]
 pub struct KeptVolume {
     pub memory: OwnedFd,
-    pub record: Result<Current, KeptError>,
+    pub record: Result<Current, String>,
+    /// The record's own memfd, which the successor writes on.
+    pub record_memory: Option<OwnedFd>,
+    /// The NAA its name in systemd's fd store gives (`lun-<naa>`), if it
+    /// came from there.
+    pub stored_as: Option<String>,
 }
 
 /// What this process was handed by the program it replaced.
@@ -139,11 +144,16 @@ pub fn inherited() -> Result<Option<Inherited>, String> {
     let mut fds = store::inherited_fds(&handed.descriptors())?.into_iter();
     let mut volumes = Vec::new();
     for _ in &handed.volumes {
-        let (Some(memory), Some(record)) = (fds.next(), fds.next()) else {
+        let (Some(memory), Some(record_fd)) = (fds.next(), fds.next()) else {
             return Err("the handover names fewer descriptors than it holds".into());
         };
-        let record = kept::read_handed(record.as_fd());
-        volumes.push(KeptVolume { memory, record });
+        let record = kept::read_handed(record_fd.as_fd()).map_err(|e| e.to_string());
+        volumes.push(KeptVolume {
+            memory,
+            record,
+            record_memory: Some(record_fd),
+            stored_as: None,
+        });
     }
     let listeners = fds.by_ref().take(handed.listeners.len()).collect();
     let state_lock = fds.next();
@@ -154,6 +164,42 @@ pub fn inherited() -> Result<Option<Inherited>, String> {
         state_lock,
         rdma_descriptors: rdma_descriptors(),
     }))
+}
+
+/// Descriptors systemd passed at start (`LISTEN_FDS`, from 3 on, named by
+/// `LISTEN_FDNAMES`), owned from now on and close-on-exec; the variables
+/// are removed. Call before any other thread runs. Empty when the
+/// variables are absent or name another process (`LISTEN_PID`).
+pub fn listened() -> Result<Vec<(String, OwnedFd)>, String> {
+    let var = |name| std::env::var(name).ok();
+    let (pid, count, names) = (var("LISTEN_PID"), var("LISTEN_FDS"), var("LISTEN_FDNAMES"));
+    for v in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
+        std::env::remove_var(v);
+    }
+    let (Some(pid), Some(count)) = (pid, count) else {
+        return Ok(Vec::new());
+    };
+    if pid.parse::<u32>().ok() != Some(std::process::id()) {
+        return Ok(Vec::new());
+    }
+    let count: RawFd = count
+        .parse()
+        .ok()
+        .filter(|&n| (0..=4096).contains(&n))
+        .ok_or_else(|| format!("LISTEN_FDS={count:?} is not a descriptor count"))?;
+    let names: Vec<String> = match names {
+        Some(n) => n.split(':').map(String::from).collect(),
+        None => vec!["unknown".into(); count as usize],
+    };
+    if names.len() != count as usize {
+        return Err(format!(
+            "LISTEN_FDNAMES names {} descriptors, LISTEN_FDS says {count}",
+            names.len()
+        ));
+    }
+    let raws: Vec<RawFd> = (3..3 + count).collect();
+    let fds = store::inherited_fds(&raws)?;
+    Ok(names.into_iter().zip(fds).collect())
 }
 
 /// Open descriptors of RDMA devices (`/dev/infiniband/...`) in this process.

@@ -5,15 +5,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use std::os::fd::OwnedFd;
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, OwnedFd};
 
 use crate::config::Config;
 use crate::handover::KeptVolume;
+use crate::notify;
 use crate::portal::Portal;
 use crate::private_dir;
 use crate::store::Store;
 use crate::volume::image::{self, ImageError, ImageIdentity};
-use crate::volume::kept::{self, KeptState};
+use crate::volume::kept::{self, KeptState, RecordArea, MEMORY_PREFIX, RECORD_PREFIX};
 use crate::volume::state::{Recall, StateDir};
 use crate::volume::{naa_hex, now_unix, CHUNK_SIZE};
 use crate::volume::{Identity, Persistence, Readiness, Restored, Volume, VolumeConfig, Volumes};
@@ -50,64 +52,167 @@ pub fn open_persistence(
     Ok(Some(Arc::new(Persistence::new(state, image_dir.clone()))))
 }
 
-/// The LUN memory a planned restart handed over, until each configured
-/// LUN has claimed its own.
+/// Where kept LUN memory came from; it decides what proves the memory's
+/// last writer gone.
 #[derive(Debug)]
-pub struct Handover {
-    token: u64,
+enum Source {
+    /// A planned restart of this very process: each record must say it was
+    /// handed over under `token` by this pid before the exec.
+    Restart { token: u64 },
+    /// systemd's fd store, after the daemon ended (a crash, a `systemctl
+    /// restart`): `writer` says whether the last writer is proven gone.
+    Holder { writer: Result<(), String> },
+}
+
+/// The LUN memory a planned restart handed over or systemd's fd store kept,
+/// until each configured LUN has claimed its own.
+#[derive(Debug)]
+pub struct KeptMemory {
+    source: Source,
     volumes: Vec<KeptVolume>,
     /// Why none of it may be served, whatever the records say.
     refused: Option<String>,
 }
 
-impl Handover {
-    pub fn new(token: u64, volumes: Vec<KeptVolume>, rdma_descriptors: Vec<String>) -> Handover {
-        let refused = (!rdma_descriptors.is_empty()).then(|| {
-            format!(
-                "this process holds RDMA device descriptors ({}) that outlived the exec, so the \
-                 old queue pairs may still write",
-                rdma_descriptors.join(", ")
-            )
-        });
-        Handover {
-            token,
+/// Why a LUN's kept memory is not served, and what the LUN does instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Unkept {
+    /// Its image decides, as on a start after a stop (no memory, or memory
+    /// that is not this identity's current content).
+    Image(String),
+    /// NOT READY whatever the image says: the memory may be the only
+    /// current copy, or the state directory is not the one it belongs to.
+    NotReady(String),
+}
+
+impl Unkept {
+    fn reason(&self) -> &str {
+        match self {
+            Unkept::Image(r) | Unkept::NotReady(r) => r,
+        }
+    }
+}
+
+impl KeptMemory {
+    /// What a planned restart handed over.
+    pub fn handed(
+        token: u64,
+        volumes: Vec<KeptVolume>,
+        rdma_descriptors: Vec<String>,
+    ) -> KeptMemory {
+        KeptMemory {
+            source: Source::Restart { token },
             volumes,
-            refused,
+            refused: rdma_refusal(&rdma_descriptors),
         }
     }
 
-    /// The kept memory whose record names `target` LUN `lun`; two that do
-    /// are both refused (never pick one).
+    /// What systemd's fd store passed at start (`LISTEN_FDNAMES`): each
+    /// LUN's memory `lun-<naa>` beside its record `rec-<naa>`, and the
+    /// pidfds of the processes that wrote them (`writer`). `None` when it
+    /// passed nothing.
+    pub fn stored(
+        named: Vec<(String, OwnedFd)>,
+        rdma_descriptors: Vec<String>,
+    ) -> Option<KeptMemory> {
+        if named.is_empty() {
+            return None;
+        }
+        let mut memories: BTreeMap<String, Vec<OwnedFd>> = BTreeMap::new();
+        let mut records: BTreeMap<String, Vec<OwnedFd>> = BTreeMap::new();
+        let mut writers = Vec::new();
+        for (name, fd) in named {
+            if let Some(naa) = name.strip_prefix(MEMORY_PREFIX) {
+                memories.entry(naa.into()).or_default().push(fd);
+            } else if let Some(naa) = name.strip_prefix(RECORD_PREFIX) {
+                records.entry(naa.into()).or_default().push(fd);
+            } else if name == notify::WRITER_NAME {
+                writers.push(fd);
+            } else {
+                tracing::warn!(
+                    "the fd store passed a descriptor named {name:?}, which this daemon never stores: closed"
+                );
+                let _ = notify::remove(&name);
+            }
+        }
+        let mut volumes = Vec::new();
+        for (naa, mut mem) in memories {
+            let mut recs = records.remove(&naa).unwrap_or_default();
+            let record = match (mem.len(), recs.as_slice()) {
+                (1, [one]) => kept::read_handed(one.as_fd()).map_err(|e| e.to_string()),
+                (m, r) => Err(format!(
+                    "the fd store holds {m} memories and {} records under naa.{naa}: never pick one",
+                    r.len()
+                )),
+            };
+            volumes.push(KeptVolume {
+                memory: mem.swap_remove(0),
+                record,
+                record_memory: recs.pop(),
+                stored_as: Some(naa),
+            });
+        }
+        for naa in records.into_keys() {
+            tracing::warn!(
+                "the fd store holds a kept-memory record for naa.{naa} without its memory: removed"
+            );
+            let _ = notify::remove(&format!("{RECORD_PREFIX}{naa}"));
+        }
+        Some(KeptMemory {
+            source: Source::Holder {
+                writer: writers_gone(&writers).and_then(|()| cgroup_alone()),
+            },
+            volumes,
+            refused: rdma_refusal(&rdma_descriptors),
+        })
+    }
+
+    /// The kept memory for `target` LUN `lun`, whose identity the state
+    /// directory says is `naa` (if it knows the LUN): the one whose record
+    /// names the LUN or whose store name is that NAA. Two are both refused
+    /// (never pick one); `None` when there is none.
     fn claim(
         &mut self,
         target: &str,
         lun: u64,
-    ) -> Option<Result<(KeptVolume, kept::KeptRecord), String>> {
-        let names = |k: &KeptVolume| {
+        naa: Option<&str>,
+    ) -> Option<Result<(KeptVolume, kept::KeptRecord), Unkept>> {
+        let mine = |k: &KeptVolume| {
             k.record
                 .as_ref()
                 .is_ok_and(|c| c.record.target == target && c.record.lun == lun)
+                || (naa.is_some() && k.stored_as.as_deref() == naa)
         };
-        let mut mine: Vec<KeptVolume> = Vec::new();
+        let mut claimed: Vec<KeptVolume> = Vec::new();
         let mut i = 0;
         while i < self.volumes.len() {
-            if names(&self.volumes[i]) {
-                mine.push(self.volumes.swap_remove(i));
+            if mine(&self.volumes[i]) {
+                claimed.push(self.volumes.swap_remove(i));
             } else {
                 i += 1;
             }
         }
-        let k = match mine.len() {
+        let k = match claimed.len() {
             0 => return None,
-            1 => mine.pop()?,
-            n => return Some(Err(format!("{n} kept memories name this LUN"))),
+            1 => claimed.pop()?,
+            // NOT READY, and what the store holds stays there: a later
+            // start may find the doubt gone, accept-empty clears it.
+            n => {
+                return Some(Err(Unkept::NotReady(format!(
+                    "{n} kept memories name this LUN: never pick one"
+                ))))
+            }
         };
         if let Some(why) = &self.refused {
-            return Some(Err(why.clone()));
+            return Some(Err(Unkept::NotReady(why.clone())));
         }
         let record = match &k.record {
             Ok(c) => c.record.clone(),
-            Err(e) => return Some(Err(e.to_string())),
+            Err(e) => {
+                return Some(Err(Unkept::NotReady(format!(
+                    "its kept-memory record is unreadable: {e}"
+                ))))
+            }
         };
         Some(Ok((k, record)))
     }
@@ -118,38 +223,175 @@ impl Handover {
             match &k.record {
                 Ok(c) => tracing::warn!(
                     target = %c.record.target, lun = c.record.lun,
-                    "kept memory handed over for a LUN the configuration no longer has: released"
+                    "kept memory for a LUN the configuration no longer has: released"
                 ),
-                Err(e) => tracing::warn!(
-                    "kept memory handed over with an unreadable record ({e}): released"
-                ),
+                Err(e) => tracing::warn!("kept memory with an unusable record ({e}): released"),
             }
+            forget_stored(&k);
         }
     }
 }
 
-/// The volume over memory a planned restart handed over, if every rule
-/// holds: the record says this very handover left it (same token, same
-/// process before the exec, this boot), for this identity and generation
-/// of the state directory, this size and block size, no bump under way.
+/// Drop a kept memory from systemd's fd store (it is closed here when the
+/// caller drops it): refused or unclaimed, it must not come back.
+fn forget_stored(k: &KeptVolume) {
+    if let Some(naa) = &k.stored_as {
+        forget_stored_naa(naa);
+    }
+}
+
+fn forget_stored_naa(naa: &str) {
+    for prefix in [MEMORY_PREFIX, RECORD_PREFIX] {
+        if let Err(e) = notify::remove(&format!("{prefix}{naa}")) {
+            tracing::warn!("cannot remove naa.{naa} from the fd store: {e}");
+        }
+    }
+}
+
+fn rdma_refusal(rdma_descriptors: &[String]) -> Option<String> {
+    (!rdma_descriptors.is_empty()).then(|| {
+        format!(
+            "this process holds RDMA device descriptors ({}) it did not open, so an old \
+             queue pair may still write",
+            rdma_descriptors.join(", ")
+        )
+    })
+}
+
+/// Whether every stored writer pidfd says its process has ended: a pidfd
+/// polls readable once the whole thread group is gone (a leader that
+/// exited while another thread lives is not).
+fn writers_gone(pidfds: &[OwnedFd]) -> Result<(), String> {
+    use rustix::event::{poll, PollFd, PollFlags};
+    for fd in pidfds {
+        let mut fds = [PollFd::new(fd, PollFlags::IN)];
+        let zero = rustix::time::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        let ended = poll(&mut fds, Some(&zero))
+            .map(|n| n > 0 && fds[0].revents().intersects(PollFlags::IN | PollFlags::HUP))
+            .unwrap_or(false);
+        if !ended {
+            let pid = std::fs::read_to_string(format!(
+                "/proc/self/fdinfo/{}",
+                std::os::fd::AsRawFd::as_raw_fd(fd)
+            ))
+            .ok()
+            .and_then(|info| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix("Pid:").map(|p| p.trim().to_string()))
+            })
+            .unwrap_or_else(|| "unknown".into());
+            return Err(format!(
+                "the process that last wrote the LUN memory (pid {pid}) is still running"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Under systemd, whether this process is alone in its unit's cgroup: a
+/// forked child or a straggler of the old daemon there may still write.
+/// Not in a service's cgroup (no systemd), there is nothing to ask.
+fn cgroup_alone() -> Result<(), String> {
+    let Ok(own) = std::fs::read_to_string("/proc/self/cgroup") else {
+        return Ok(());
+    };
+    let Some(path) = own.lines().find_map(|l| l.strip_prefix("0::")) else {
+        return Ok(());
+    };
+    if !path.ends_with(".service") {
+        return Ok(());
+    }
+    let procs = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+        .iter()
+        .find_map(|root| std::fs::read_to_string(format!("{root}{path}/cgroup.procs")).ok())
+        .ok_or_else(|| format!("cannot read the processes of the unit's cgroup {path}"))?;
+    let me = std::process::id().to_string();
+    let others: Vec<&str> = procs
+        .split_whitespace()
+        .filter(|p| *p != me.as_str())
+        .collect();
+    if others.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "the unit's cgroup {path} still holds process(es) {}: one may still write the LUN memory",
+            others.join(", ")
+        ))
+    }
+}
+
+/// The volume over kept memory, if every rule holds: the record binds it
+/// to this memfd, names this state directory's identity and generation
+/// (or a bump of it the state made durable), this size and block size, was
+/// written in this boot, and its writer is proven gone (the source says
+/// how). Otherwise why not, and whether the image may decide instead.
+#[allow(clippy::too_many_arguments)]
 fn adopt_kept(
     p: &Arc<Persistence>,
-    token: u64,
+    source: &Source,
     (k, r): (KeptVolume, kept::KeptRecord),
     target: &str,
     lun: u64,
     size: u64,
     block_size: u32,
-) -> Result<Volume, String> {
-    match &r.state {
-        KeptState::HandedOver {
-            token: t,
-            ready: true,
-        } if *t == token => {}
-        other => {
-            return Err(format!(
+) -> Result<Volume, Unkept> {
+    let image = |why: String| Unkept::Image(why);
+    match (source, &r.state) {
+        (
+            Source::Restart { token },
+            KeptState::HandedOver {
+                token: t,
+                ready: true,
+            },
+        ) if t == token => {}
+        (Source::Restart { .. }, other) => {
+            return Err(image(format!(
                 "its record says {other:?}, not handed over by this restart"
-            ))
+            )))
+        }
+        (Source::Holder { .. }, KeptState::Valid | KeptState::HandedOver { ready: true, .. }) => {}
+        (Source::Holder { .. }, KeptState::Discarded { reason }) => {
+            return Err(Unkept::NotReady(format!(
+                "its memory was discarded: {reason}"
+            )))
+        }
+        (Source::Holder { .. }, other) => {
+            return Err(image(format!(
+                "its record says {other:?}: the memory is not this LUN's content"
+            )))
+        }
+    }
+    if r.boot_id != kept::boot_id() {
+        return Err(image("it was written before this boot".into()));
+    }
+    let me = kept::this_process();
+    match source {
+        Source::Restart { .. } => {
+            if (r.owner.pid, r.owner.start_time) != (me.pid, me.start_time) {
+                return Err(image(format!(
+                    "its writer was process {}, not this one",
+                    r.owner.pid
+                )));
+            }
+        }
+        Source::Holder { writer } => {
+            if let Err(why) = writer {
+                return Err(Unkept::NotReady(why.clone()));
+            }
+            if kept::start_time(r.owner.pid) == Some(r.owner.start_time) {
+                return Err(Unkept::NotReady(format!(
+                    "its writer, process {}, is still running",
+                    r.owner.pid
+                )));
+            }
+            if let Some(cause) = &r.exit_cause {
+                return Err(Unkept::NotReady(format!(
+                    "its writer recorded a fault before it ended ({cause:?}): the memory may be damaged"
+                )));
+            }
         }
     }
     // Only a LUN the state knows: recalling an unknown one would give it a
@@ -167,49 +409,74 @@ fn adopt_kept(
         ..
     }) = recalled
     else {
-        return Err("the state directory does not know this LUN".into());
+        return Err(Unkept::NotReady(
+            "kept memory names this LUN but the state directory does not know it: is it the right state directory?".into(),
+        ));
     };
     if r.naa != naa_hex(&identity.naa) || r.serial != identity.serial {
-        return Err(format!(
+        return Err(image(format!(
             "it holds naa.{}, the state directory names naa.{}",
             r.naa,
             naa_hex(&identity.naa)
-        ));
+        )));
     }
     if (r.lun_bytes, r.block_size) != (size, block_size) {
-        return Err(format!(
+        return Err(image(format!(
             "it holds {} bytes of {}-byte blocks, the configuration {size} of {block_size}",
             r.lun_bytes, r.block_size
-        ));
+        )));
     }
-    if r.generation != generation || r.pending_generation.is_some() {
-        return Err(format!(
+    // The record names a bump before the state makes it durable: a state
+    // at that bump means the bump happened; one behind the record means
+    // the state directory went back in time.
+    let current = match r.pending_generation {
+        None if r.generation == generation => true,
+        Some(next) if next == generation && generation == r.generation + 1 => true,
+        _ if r.generation > generation || r.pending_generation > Some(generation + 1) => {
+            return Err(Unkept::NotReady(format!(
+                "it is generation {} (pending {:?}), ahead of the state directory's {generation}: \
+                 the state directory went back",
+                r.generation, r.pending_generation
+            )))
+        }
+        _ => false,
+    };
+    if !current {
+        return Err(image(format!(
             "it is generation {} (pending {:?}), the state directory's is {generation}",
             r.generation, r.pending_generation
-        ));
+        )));
     }
-    if r.boot_id != kept::boot_id() {
-        return Err("it was written before this boot".into());
-    }
-    let me = kept::this_process();
-    if (r.owner.pid, r.owner.start_time) != (me.pid, me.start_time) {
-        return Err(format!(
-            "its writer was process {}, not this one",
-            r.owner.pid
-        ));
+    let inode = rustix::fs::fstat(&k.memory).map_or(0, |s| s.st_ino);
+    if matches!(source, Source::Holder { .. }) && (r.memfd_inode == 0 || r.memfd_inode != inode) {
+        return Err(Unkept::NotReady(format!(
+            "its record names memfd inode {}, the memory passed is inode {inode}",
+            r.memfd_inode
+        )));
     }
     let chunks = r
         .written
         .chunks(CHUNK_SIZE, size.div_ceil(CHUNK_SIZE))
-        .ok_or("its list of written chunks does not fit this LUN")?;
-    let store = Arc::new(Store::adopt(k.memory, size, r.memfd_bytes).map_err(|e| e.to_string())?);
+        .ok_or_else(|| image("its list of written chunks does not fit this LUN".into()))?;
+    // The record area is written on where the predecessor wrote it: a
+    // holder keeps that one, so a crash from here on finds this process's
+    // records beside the memory.
+    let area = match (k.record_memory, k.record) {
+        (Some(fd), Ok(current)) => RecordArea::adopt(fd, current)
+            .map_err(|e| Unkept::NotReady(format!("its record area: {e}")))?,
+        _ => return Err(Unkept::NotReady("its record area was not passed on".into())),
+    };
+    let store =
+        Store::adopt(k.memory, size, r.memfd_bytes).map_err(|e| Unkept::NotReady(e.to_string()))?;
     if let Err(e) = image::remove_images(&p.image_dir, &identity.naa, Some(generation)) {
         tracing::warn!(target, lun, "cannot tidy the image directory: {e}");
     }
-    let image = p
+    let image_path = p
         .image_dir
         .join(image::image_name(&identity.naa, generation));
-    let volume = Volume::new(
+    // Claimed (the record names this process) before the memory is served
+    // or registered.
+    let volume = Volume::with_record(
         VolumeConfig {
             target: target.into(),
             lun,
@@ -217,13 +484,14 @@ fn adopt_kept(
             identity,
             readiness: Readiness::NeedsAcceptance,
         },
-        store,
+        Arc::new(store),
         Some(p.clone()),
         generation,
+        Some(area),
     );
     volume.set_restored(
         Restored {
-            image,
+            image: image_path,
             kept_memory: true,
             taken_unix: now_unix(),
             generation,
@@ -233,44 +501,62 @@ fn adopt_kept(
     Ok(volume)
 }
 
-/// Build one target's volumes: map and lock the memory (or take the
-/// memory a planned restart handed over), recall each identity and restore
-/// its image where one is trusted.
+/// Build one target's volumes: map and lock the memory (or take the kept
+/// memory a planned restart handed over or systemd's fd store held),
+/// recall each identity and restore its image where one is trusted. Under
+/// a holder, each new LUN memory and its record go into the fd store.
 pub fn open_volumes(
     cfg: &Config,
     persistence: Option<&Arc<Persistence>>,
     cancelled: &AtomicBool,
-    mut handover: Option<Handover>,
+    mut kept: Option<KeptMemory>,
 ) -> Result<Volumes, StartError> {
+    let writers_gone = match &kept {
+        Some(KeptMemory {
+            source: Source::Holder { writer },
+            ..
+        }) => writer.is_ok(),
+        _ => true,
+    };
     let mut volumes = Vec::new();
     for t in &cfg.targets {
         for l in &t.luns {
+            let known_naa = persistence.and_then(|p| {
+                let state = p.state();
+                state.naa(&t.name, l.lun)
+            });
             // Kept memory first: refused, it is freed before new memory is taken.
-            match (
-                persistence,
-                handover
-                    .as_mut()
-                    .and_then(|h| Some((h.token, h.claim(&t.name, l.lun)?))),
-            ) {
-                (Some(p), Some((token, Ok(kept)))) => {
-                    match adopt_kept(p, token, kept, &t.name, l.lun, l.size, l.block_size) {
+            let claimed = kept.as_mut().and_then(|k| {
+                let claim = k.claim(&t.name, l.lun, known_naa.as_deref())?;
+                Some((&k.source, claim))
+            });
+            let unkept = match (persistence, claimed) {
+                (Some(p), Some((source, Ok(claim)))) => {
+                    let stored_as = claim.0.stored_as.clone();
+                    match adopt_kept(p, source, claim, &t.name, l.lun, l.size, l.block_size) {
                         Ok(volume) => {
-                            tracing::info!(target = %t.name, lun = l.lun, generation = volume.generation(), "LUN content kept in memory across the restart (not read from the image)");
+                            tracing::info!(target = %t.name, lun = l.lun, generation = volume.generation(), "LUN content kept in memory (not read from the image)");
                             volumes.push(volume);
                             continue;
                         }
                         Err(why) => {
-                            tracing::warn!(target = %t.name, lun = l.lun, "kept memory not used: {why}; the content comes from the image")
+                            // Not this LUN's content: it must not come back.
+                            if let (Unkept::Image(_), Some(naa)) = (&why, stored_as) {
+                                forget_stored_naa(&naa);
+                            }
+                            Some(why)
                         }
                     }
                 }
-                (_, Some((_, Err(why)))) => {
-                    tracing::warn!(target = %t.name, lun = l.lun, "kept memory not used: {why}; the content comes from the image")
-                }
+                (Some(_), Some((_, Err(why)))) => Some(why),
                 (None, Some(_)) => {
-                    tracing::warn!(target = %t.name, lun = l.lun, "kept memory not used: without a state directory nothing is kept")
+                    tracing::warn!(target = %t.name, lun = l.lun, "kept memory not used: without a state directory nothing is kept");
+                    None
                 }
-                (_, None) => {}
+                (_, None) => None,
+            };
+            if let Some(why) = &unkept {
+                tracing::warn!(target = %t.name, lun = l.lun, "kept memory not used: {}", why.reason());
             }
             let store = Store::named(
                 &format!("ramslog {} LUN {}", t.name, l.lun),
@@ -291,13 +577,48 @@ pub fn open_volumes(
                     },
                     store,
                 ),
-                Some(p) => recall(p, &t.name, l.lun, l.block_size, store, cancelled)?,
+                Some(p) => recall(
+                    p,
+                    &t.name,
+                    l.lun,
+                    l.block_size,
+                    store,
+                    cancelled,
+                    unkept.clone(),
+                )?,
             };
+            // Memory refused for a doubt a later start may not have stays
+            // in the store: this NOT READY volume's does not go beside it.
+            if persistence.is_some() && !matches!(unkept, Some(Unkept::NotReady(_))) {
+                volume.hold_in_fd_store(known_naa.as_deref());
+            }
             volumes.push(volume);
         }
     }
-    if let Some(h) = handover {
-        h.release_rest();
+    if let Some(k) = kept {
+        k.release_rest();
+    }
+    if persistence.is_some() && notify::has_holder() {
+        // Every LUN's memory is claimed by now: this process is its writer.
+        // systemd 254 and later say how many descriptors the store takes
+        // (252 does not): 2 per LUN, the writer's pidfd and a margin.
+        let need = 2 * volumes.len() + 4;
+        if let Some(max) = std::env::var("FDSTORE")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&max| max < need)
+        {
+            tracing::warn!(
+                "the unit's FileDescriptorStoreMax is {max}, below the {need} this configuration needs: \
+                 a crash loses the content of the LUNs whose memory did not fit (raise it in the unit)"
+            );
+        }
+        match notify::store_writer(writers_gone) {
+            Ok(_) => tracing::info!("LUN memory held in systemd's fd store"),
+            Err(e) => tracing::warn!(
+                "cannot confirm the fd store holds the LUN memory ({e}): a crash will lose what no image has"
+            ),
+        }
     }
     Ok(Volumes::new(volumes))
 }
@@ -309,8 +630,8 @@ fn recall(
     block_size: u32,
     store: Arc<Store>,
     cancelled: &AtomicBool,
+    unkept: Option<Unkept>,
 ) -> Result<Volume, StartError> {
-    let recalled = p.state().recall(target, lun).map_err(|e| e.to_string())?;
     let cfg = |identity, readiness| VolumeConfig {
         target: target.into(),
         lun,
@@ -318,6 +639,35 @@ fn recall(
         identity,
         readiness,
     };
+    // Memory that may be the only current copy, or a state directory that
+    // does not match it: NOT READY, and no new identity is recorded.
+    if let Some(Unkept::NotReady(reason)) = &unkept {
+        let identity = {
+            let mut state = p.state();
+            match state
+                .generation(target, lun)
+                .map(|_| state.recall(target, lun))
+            {
+                Some(Ok(Recall::Known { identity, .. })) => identity,
+                _ => Identity::generate(),
+            }
+        };
+        let generation = p.state().generation(target, lun).unwrap_or(0);
+        let volume = Volume::new(
+            cfg(identity, Readiness::NeedsAcceptance),
+            store,
+            Some(p.clone()),
+            generation,
+        );
+        let reason = format!("kept memory not served: {reason}");
+        tracing::warn!(
+            target, lun,
+            "{reason}. It answers NOT READY (manual intervention required) until `ramslog-target accept-empty {target} {lun}`"
+        );
+        volume.set_not_ready(reason);
+        return Ok(volume);
+    }
+    let recalled = p.state().recall(target, lun).map_err(|e| e.to_string())?;
     let (identity, generation, clean) = match recalled {
         Recall::New(id) => {
             tracing::info!(target, lun, naa = %naa_hex(&id.naa), serial = %id.serial, "new LUN identity");
@@ -350,6 +700,10 @@ fn recall(
         .image_dir
         .join(image::image_name(&identity.naa, generation));
     let refuse = |volume: Volume, reason: String| {
+        let reason = match &unkept {
+            Some(Unkept::Image(why)) => format!("{reason}; kept memory not used: {why}"),
+            _ => reason,
+        };
         tracing::warn!(
             target, lun, naa = %naa_hex(&identity.naa), generation,
             "LUN content not restored: {reason}. It answers NOT READY (manual intervention \

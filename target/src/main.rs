@@ -11,7 +11,7 @@ use ramslog_target::config::{
 };
 use ramslog_target::control::{self, Control, Reply, Request, RestartReply};
 use ramslog_target::handover::{self, Inherited};
-use ramslog_target::lifecycle::{self, Handover, StartError};
+use ramslog_target::lifecycle::{self, KeptMemory, StartError};
 use ramslog_target::notify::notify;
 use ramslog_target::portal::{Acl, Portal, TargetDef};
 use ramslog_target::scsi::ScsiTarget;
@@ -167,9 +167,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // Before any other thread runs: it takes the handover's variable out of
     // the environment.
-    let inherited = match cli.cmd {
-        None => handover::inherited(),
-        Some(_) => Ok(None),
+    let (inherited, stored) = match cli.cmd {
+        None => (handover::inherited(), handover::listened()),
+        Some(_) => (Ok(None), Ok(Vec::new())),
     };
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -182,7 +182,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.cmd {
-        None => match rt.block_on(run(cli.run, inherited)) {
+        None => match rt.block_on(run(cli.run, inherited, stored)) {
             Err(Failure::DumpFailed(msg)) => {
                 eprintln!("ramslog-target: {msg}");
                 return ExitCode::from(EXIT_DUMP_FAILED);
@@ -426,7 +426,11 @@ fn print_stdout(text: &str) -> Result<(), String> {
     }
 }
 
-async fn run(args: RunArgs, inherited: Result<Option<Inherited>, String>) -> Result<(), Failure> {
+async fn run(
+    args: RunArgs,
+    inherited: Result<Option<Inherited>, String>,
+    stored: Result<Vec<(String, std::os::fd::OwnedFd)>, String>,
+) -> Result<(), Failure> {
     let cfg = Config::load(&args).map_err(|e| e.to_string())?;
     if args.handover_check {
         let report =
@@ -444,19 +448,35 @@ async fn run(args: RunArgs, inherited: Result<Option<Inherited>, String>) -> Res
         );
         None
     });
-    let (handover, inherited_listeners, inherited_lock) = match inherited {
+    let stored = stored.unwrap_or_else(|e| {
+        tracing::error!("what systemd passed at start is unusable ({e}): no kept memory is used");
+        Vec::new()
+    });
+    let (kept, inherited_listeners, inherited_lock) = match inherited {
         Some(i) => {
             tracing::info!(
                 luns = i.volumes.len(),
                 "started by a restart: taking over the memory handed on"
             );
             (
-                Some(Handover::new(i.token, i.volumes, i.rdma_descriptors)),
+                Some(KeptMemory::handed(i.token, i.volumes, i.rdma_descriptors)),
                 i.listeners,
                 i.state_lock,
             )
         }
-        None => (None, Vec::new(), None),
+        None => {
+            if !stored.is_empty() {
+                tracing::info!(
+                    descriptors = stored.len(),
+                    "systemd's fd store kept LUN memory from the previous run"
+                );
+            }
+            (
+                KeptMemory::stored(stored, handover::rdma_descriptors()),
+                Vec::new(),
+                None,
+            )
+        }
     };
     if cfg.state_dir.is_none() {
         tracing::warn!(
@@ -496,7 +516,7 @@ async fn run(args: RunArgs, inherited: Result<Option<Inherited>, String>) -> Res
     let mut opening = {
         let (cfg, persistence, cancelled) = (cfg.clone(), persistence.clone(), cancelled.clone());
         tokio::task::spawn_blocking(move || {
-            lifecycle::open_volumes(&cfg, persistence.as_ref(), &cancelled, handover)
+            lifecycle::open_volumes(&cfg, persistence.as_ref(), &cancelled, kept)
         })
     };
     let opened = loop {

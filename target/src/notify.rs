@@ -1,32 +1,178 @@
-//! systemd's readiness protocol (sd_notify): with `Type=notify` the unit is
-//! started once every LUN is restored and the portal listens, and `systemctl
-//! status` shows what the daemon is doing. Without `$NOTIFY_SOCKET` (not
-//! under systemd) every call does nothing.
+//! systemd's notification protocol (sd_notify): with `Type=notify` the unit
+//! is started once every LUN is restored and the portal listens, and
+//! `systemctl status` shows what the daemon is doing. Its file-descriptor
+//! store keeps each LUN's memory while the daemon is restarted or after it
+//! crashed: `FDSTORE=1` pushes a descriptor under a name, the next start
+//! finds it in `LISTEN_FDS`/`LISTEN_FDNAMES` (docs/restarts.md). Without
+//! `$NOTIFY_SOCKET` (not under systemd) every call does nothing. A leaf:
+//! it names nothing else of the crate (the volumes use it).
 
+use std::io::IoSlice;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixDatagram;
+use std::time::Duration;
+
+use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+
+/// The name of the descriptor that tells a successor whether the process
+/// that last wrote the LUN memory is gone (a pidfd, pushed with `FDPOLL=0`
+/// so systemd keeps it after that process exits).
+pub const WRITER_NAME: &str = "writer";
+
+/// The longest a barrier waits for systemd to have processed what was sent.
+pub const BARRIER_WAIT: Duration = Duration::from_secs(5);
 
 /// Send one notification, e.g. `READY=1`; failures are logged, never fatal.
 pub fn notify(state: &str) {
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
-        return;
-    };
-    let result = (|| -> std::io::Result<()> {
-        let socket = UnixDatagram::unbound()?;
-        let bytes = path.as_encoded_bytes();
-        match bytes.strip_prefix(b"@") {
-            // An abstract socket: '@' stands for the leading NUL byte.
-            Some(name) => {
-                use std::os::linux::net::SocketAddrExt;
-                let addr = std::os::unix::net::SocketAddr::from_abstract_name(name)?;
-                socket.send_to_addr(state.as_bytes(), &addr)?;
-            }
-            None => {
-                socket.send_to(state.as_bytes(), &path)?;
-            }
-        }
-        Ok(())
-    })();
-    if let Err(e) = result {
+    if let Err(e) = send(state, None) {
         tracing::warn!("cannot notify systemd ({state}): {e}");
+    }
+}
+
+/// Whether a notification socket is there (the daemon runs under systemd or
+/// a supervisor speaking its protocol), so the fd store can hold memory.
+pub fn has_holder() -> bool {
+    std::env::var_os("NOTIFY_SOCKET").is_some()
+}
+
+/// The notification socket, connected; `None` when there is none.
+fn connect() -> std::io::Result<Option<UnixDatagram>> {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return Ok(None);
+    };
+    let socket = UnixDatagram::unbound()?;
+    match path.as_encoded_bytes().strip_prefix(b"@") {
+        // An abstract socket: '@' stands for the leading NUL byte.
+        Some(name) => {
+            use std::os::linux::net::SocketAddrExt;
+            let addr = std::os::unix::net::SocketAddr::from_abstract_name(name)?;
+            socket.connect_addr(&addr)?;
+        }
+        None => socket.connect(&path)?,
+    }
+    Ok(Some(socket))
+}
+
+/// Send `state`, with `fd` attached when given. `Ok(false)` when there is
+/// no notification socket.
+fn send(state: &str, fd: Option<BorrowedFd<'_>>) -> std::io::Result<bool> {
+    let Some(socket) = connect()? else {
+        return Ok(false);
+    };
+    let fds = fd.as_slice();
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(std::io::Error::other("no room for the descriptor"));
+    }
+    let sent = rustix::net::sendmsg(
+        &socket,
+        &[IoSlice::new(state.as_bytes())],
+        &mut control,
+        SendFlags::empty(),
+    )?;
+    if sent != state.len() {
+        return Err(std::io::Error::other("the notification was cut short"));
+    }
+    Ok(true)
+}
+
+/// A name systemd accepts for a stored descriptor: at most 255 characters,
+/// printable, no ':' (it separates the names in `LISTEN_FDNAMES`).
+fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 255 && name.bytes().all(|b| b.is_ascii_graphic() && b != b':')
+}
+
+/// Push `fd` into the fd store under `name`. With `poll` false systemd
+/// keeps it even when it signals an error or hang-up (a pidfd of an exited
+/// process does). `Ok(false)` when there is no holder. Not acknowledged:
+/// follow with [`barrier`].
+pub fn store(name: &str, fd: BorrowedFd<'_>, poll: bool) -> std::io::Result<bool> {
+    if !valid_name(name) {
+        return Err(std::io::Error::other(format!(
+            "{name:?} is not a valid fd store name"
+        )));
+    }
+    let mut state = format!("FDSTORE=1\nFDNAME={name}");
+    if !poll {
+        state += "\nFDPOLL=0";
+    }
+    send(&state, Some(fd))
+}
+
+/// Drop every descriptor stored under `name`.
+pub fn remove(name: &str) -> std::io::Result<bool> {
+    if !valid_name(name) {
+        return Err(std::io::Error::other(format!(
+            "{name:?} is not a valid fd store name"
+        )));
+    }
+    send(&format!("FDSTOREREMOVE=1\nFDNAME={name}"), None)
+}
+
+/// Wait until systemd has processed every notification sent before
+/// (`BARRIER=1`: it closes the pipe's write end it was given), at most
+/// `limit`. `Ok(false)` when there is no holder.
+pub fn barrier(limit: Duration) -> std::io::Result<bool> {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let (read_end, write_end) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    if !send("BARRIER=1", Some(write_end.as_fd()))? {
+        return Ok(false);
+    }
+    drop(write_end);
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("systemd did not confirm the fd store within {limit:?}"),
+            ));
+        }
+        let mut fds = [PollFd::new(&read_end, PollFlags::IN)];
+        let timeout = rustix::time::Timespec::try_from(left).ok();
+        match poll(&mut fds, timeout.as_ref()) {
+            Ok(0) => continue,
+            Ok(_) if fds[0].revents().contains(PollFlags::HUP) => return Ok(true),
+            // Data on the pipe: not the protocol; read it away and go on.
+            Ok(_) => {
+                let mut sink = [0u8; 64];
+                if rustix::io::read(&read_end, &mut sink)? == 0 {
+                    return Ok(true);
+                }
+            }
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Push this process's pidfd as [`WRITER_NAME`] and wait for systemd to
+/// have it. With `replace`, the ones stored before go (only when each was
+/// proven gone: one still running must stay to fail the next start too).
+pub fn store_writer(replace: bool) -> std::io::Result<bool> {
+    if !has_holder() {
+        return Ok(false);
+    }
+    let me = rustix::process::getpid();
+    let pidfd = rustix::process::pidfd_open(me, rustix::process::PidfdFlags::empty())?;
+    if replace {
+        remove(WRITER_NAME)?;
+    }
+    store(WRITER_NAME, pidfd.as_fd(), false)?;
+    barrier(BARRIER_WAIT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_names_systemd_accepts_are_sent() {
+        assert!(valid_name("lun-3a1b2c3d4e5f6071"));
+        assert!(valid_name(WRITER_NAME));
+        for bad in ["", "a:b", "with space", "tab\t", &"x".repeat(256)] {
+            assert!(!valid_name(bad), "{bad:?}");
+        }
     }
 }

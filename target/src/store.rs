@@ -389,6 +389,13 @@ impl Store {
         self.memory.as_fd()
     }
 
+    /// The memfd's inode number: a kept-memory record names it, so a
+    /// successor given the memory and the record apart can tell they belong
+    /// together (0 if it cannot be read, which no memfd has).
+    pub fn inode(&self) -> u64 {
+        rustix::fs::fstat(&self.memory).map_or(0, |s| s.st_ino)
+    }
+
     pub fn page_kind(&self) -> PageKind {
         self.pages
     }

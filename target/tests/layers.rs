@@ -19,7 +19,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 /// Modules that name nothing of the crate: anything may use them.
-const LEAVES: &[&str] = &["clock", "private_dir", "metrics"];
+const LEAVES: &[&str] = &["clock", "private_dir", "metrics", "notify"];
 
 /// The storage layer and what it may name besides itself.
 const STORAGE: &[&str] = &["volume", "store"];

@@ -16,7 +16,7 @@
 //! error, which the caller turns into NOT READY, never a fall-back to the
 //! older slot (an older writer's record) and never a panic.
 
-use std::os::fd::BorrowedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
@@ -34,6 +34,11 @@ pub const SLOT_BYTES: usize = 128 << 10;
 pub const AREA_BYTES: usize = 2 * SLOT_BYTES;
 
 const MAGIC: [u8; 8] = *b"RSLOGKPT";
+
+/// The names in systemd's fd store: a LUN's memory and its record, each
+/// followed by the LUN's NAA in hex.
+pub const MEMORY_PREFIX: &str = "lun-";
+pub const RECORD_PREFIX: &str = "rec-";
 /// magic, sequence, body length, CRC32C.
 const HEADER: usize = 8 + 8 + 4 + 4;
 
@@ -101,6 +106,10 @@ pub struct KeptRecord {
     /// The LUN's size, and its memfd's (rounded up to whole huge pages).
     pub lun_bytes: u64,
     pub memfd_bytes: u64,
+    /// The memfd's inode: binds the record to its memory when the two
+    /// reach a successor apart (systemd's fd store).
+    #[serde(default)]
+    pub memfd_inode: u64,
     pub block_size: u32,
     /// The state directory's generation this content belongs to, and the
     /// next one while a bump is under way.
@@ -271,6 +280,16 @@ impl RecordArea {
         })
     }
 
+    /// The area a predecessor wrote, in its memfd (sealed as [`Store`]
+    /// seals LUN memory), with `current` the record read from it: the next
+    /// record goes to the other slot, under the next sequence number.
+    pub fn adopt(memory: OwnedFd, current: Current) -> Result<RecordArea, StoreError> {
+        Ok(RecordArea {
+            area: Store::adopt(memory, AREA_BYTES as u64, AREA_BYTES as u64)?,
+            current: Mutex::new(Some(current)),
+        })
+    }
+
     /// Make `record` the one in force: written to the other slot, so a
     /// crash half-way leaves the previous one. A record that cannot be
     /// encoded invalidates the area instead (no record in force is NOT
@@ -422,6 +441,7 @@ mod tests {
             lun: 0,
             lun_bytes: 16 << 30,
             memfd_bytes: 16 << 30,
+            memfd_inode: 1042,
             block_size: 512,
             generation: 7,
             pending_generation: None,

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::SystemTime;
 
+use crate::notify;
 use crate::store::Store;
 use kept::{KeptRecord, KeptState, RecordArea, Written};
 use state::StateDir;
@@ -292,13 +293,25 @@ impl Volume {
         persistence: Option<Arc<Persistence>>,
         generation: u64,
     ) -> Volume {
-        let ready = cfg.readiness == Readiness::Ready;
         let record_name = format!("ramslog {} LUN {} record", cfg.target, cfg.lun);
         let record = RecordArea::new(&record_name)
             .inspect_err(|e| {
                 tracing::error!(target = %cfg.target, lun = cfg.lun, "no kept-memory record ({e}): this memory can never be handed on")
             })
             .ok();
+        Volume::with_record(cfg, store, persistence, generation, record)
+    }
+
+    /// A volume over kept memory, writing its records on in the area its
+    /// predecessor wrote (the one a holder such as systemd's fd store has).
+    pub fn with_record(
+        cfg: VolumeConfig,
+        store: Arc<Store>,
+        persistence: Option<Arc<Persistence>>,
+        generation: u64,
+        record: Option<RecordArea>,
+    ) -> Volume {
+        let ready = cfg.readiness == Readiness::Ready;
         let volume = Volume {
             id: VolumeId(0),
             target: cfg.target,
@@ -350,6 +363,7 @@ impl Volume {
             lun: self.lun,
             lun_bytes: self.store.len(),
             memfd_bytes: self.store.mapped_len(),
+            memfd_inode: self.store.inode(),
             block_size: self.block_size,
             generation: m.generation,
             pending_generation: m.pending_generation,
@@ -388,6 +402,43 @@ impl Volume {
         });
         self.write_record_with(&m, written);
         Some((self.store.memory(), area.memory()))
+    }
+
+    /// Put this volume's memory and its record into systemd's fd store
+    /// (when there is one) under its NAA, instead of any held under
+    /// `replacing` or its own NAA before, so that a crash keeps them for
+    /// the next start. Memory that was kept is there already.
+    pub fn hold_in_fd_store(&self, replacing: Option<&str>) {
+        let naa = {
+            let m = self.meta();
+            if !notify::has_holder() || m.restored.as_ref().is_some_and(|r| r.kept_memory) {
+                return;
+            }
+            naa_hex(&m.identity.naa)
+        };
+        let result = (|| -> std::io::Result<()> {
+            for old in replacing.into_iter().chain([naa.as_str()]) {
+                notify::remove(&format!("{}{old}", kept::MEMORY_PREFIX))?;
+                notify::remove(&format!("{}{old}", kept::RECORD_PREFIX))?;
+            }
+            let Some(record) = &self.record else {
+                return Ok(());
+            };
+            notify::store(
+                &format!("{}{naa}", kept::MEMORY_PREFIX),
+                self.store.memory(),
+                true,
+            )?;
+            notify::store(
+                &format!("{}{naa}", kept::RECORD_PREFIX),
+                record.memory(),
+                true,
+            )?;
+            Ok(())
+        })();
+        if let Err(e) = result {
+            tracing::warn!(target = %self.target, lun = self.lun, "cannot put the LUN memory into the fd store ({e}): a crash will lose what no image has");
+        }
     }
 
     /// The kept-memory record in force, read back from its memory.
@@ -733,7 +784,7 @@ impl Volume {
     pub fn accept_empty(&self, new: Identity, announce: impl FnOnce()) -> Result<(), String> {
         let _imaging = self.imaging();
         let (target, lun) = (self.target.as_str(), self.lun);
-        {
+        let old = {
             let mut m = self.meta();
             if self.fenced.load(Ordering::SeqCst) {
                 return Err(
@@ -771,6 +822,18 @@ impl Volume {
             m.restored = None;
             m.not_ready_reason = Some("accept-empty is writing the empty image".into());
             self.write_record(&m);
+            old
+        };
+        // The memory is the new identity's from here on, in the fd store too.
+        if self.persistence.is_some() {
+            self.hold_in_fd_store(Some(&naa_hex(&old.naa)));
+            if let Err(e) = notify::barrier(notify::BARRIER_WAIT) {
+                tracing::warn!(
+                    target,
+                    lun,
+                    "cannot confirm the fd store holds the new identity's memory: {e}"
+                );
+            }
         }
         // Whatever a failed restore left behind goes.
         let _ = self.store.zero(0, self.store.len() as usize);

@@ -334,6 +334,11 @@ impl StateDir {
     }
 
     /// The current generation of a LUN.
+    /// The NAA (16 hex digits) of a LUN the state knows.
+    pub fn naa(&self, target: &str, lun: u64) -> Option<String> {
+        self.record(target, lun).map(|r| r.naa.clone())
+    }
+
     pub fn generation(&self, target: &str, lun: u64) -> Option<u64> {
         self.record(target, lun).map(|r| r.generation)
     }
