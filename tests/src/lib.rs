@@ -6,6 +6,7 @@
 //! `iscsi-test-cu`.
 
 pub mod counting_alloc;
+pub mod fdstore;
 pub mod testcu;
 
 pub use rustix::process::Signal;

@@ -5,6 +5,7 @@ mod generations;
 mod identity;
 mod images;
 mod integrity;
+mod kept;
 mod metrics;
 mod persistence;
 mod restart;

@@ -1,0 +1,177 @@
+//! A supervisor speaking systemd's notification and fd-store protocol, for
+//! tests of what the daemon keeps across a crash: it holds what the daemon
+//! pushes (`FDSTORE=1`, `FDNAME=`), drops what it removes
+//! (`FDSTOREREMOVE=1`), answers barriers (`BARRIER=1`: it closes the pipe
+//! end it was given once everything before is processed) and starts the
+//! next daemon with the held descriptors as systemd does: from 3 on, named
+//! in `LISTEN_FDNAMES`, with `LISTEN_PID` that daemon's pid. A test can
+//! also put in what systemd never would (a second memfd under a name, a
+//! pidfd of a live process), to reproduce the bad orders.
+
+use std::io::IoSliceMut;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+
+use crate::TargetOptions;
+
+/// What the supervisor holds and has been told.
+#[derive(Default)]
+struct Held {
+    stored: Vec<(String, OwnedFd)>,
+    /// Every notification's text, in order (the descriptors left out).
+    messages: Vec<String>,
+}
+
+pub struct FdStoreSupervisor {
+    path: PathBuf,
+    held: Arc<Mutex<Held>>,
+}
+
+impl FdStoreSupervisor {
+    /// Listen on a notification socket in `dir` (created).
+    pub fn new(dir: &Path) -> FdStoreSupervisor {
+        std::fs::create_dir_all(dir).expect("mkdir");
+        let path = dir.join("notify.sock");
+        let _ = std::fs::remove_file(&path);
+        let socket = UnixDatagram::bind(&path).expect("bind the notification socket");
+        let held = Arc::new(Mutex::new(Held::default()));
+        let h = held.clone();
+        std::thread::spawn(move || serve(socket, h));
+        FdStoreSupervisor { path, held }
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The names held now, in the order they would be passed.
+    pub fn names(&self) -> Vec<String> {
+        self.held().stored.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// Every notification received so far.
+    pub fn messages(&self) -> Vec<String> {
+        self.held().messages.clone()
+    }
+
+    /// Wait until a descriptor named `name` is held.
+    pub fn wait_for(&self, name: &str, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if self.names().iter().any(|n| n == name) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
+    /// A copy of the first descriptor held under `name`.
+    pub fn get(&self, name: &str) -> Option<OwnedFd> {
+        let held = self.held();
+        let (_, fd) = held.stored.iter().find(|(n, _)| n == name)?;
+        fd.try_clone().ok()
+    }
+
+    /// Hold `fd` under `name` beside what is there (what systemd does with a
+    /// second push under one name).
+    pub fn put(&self, name: &str, fd: BorrowedFd<'_>) {
+        let copy = fd.try_clone_to_owned().expect("dup");
+        self.held().stored.push((name.into(), copy));
+    }
+
+    /// Drop everything held under `name`.
+    pub fn remove(&self, name: &str) {
+        self.held().stored.retain(|(n, _)| n != name);
+    }
+
+    /// Drop everything (a `systemctl stop` then `start` on systemd 252).
+    pub fn clear(&self) {
+        self.held().stored.clear();
+    }
+
+    /// `base` started under this supervisor, with what it holds passed in.
+    /// Keep the returned descriptors until the daemon has started (they are
+    /// the copies the daemon inherits).
+    pub fn launch(&self, base: TargetOptions) -> (TargetOptions, Vec<OwnedFd>) {
+        let held = self.held();
+        // Copies above the numbers they get in the daemon, inheritable.
+        let copies: Vec<OwnedFd> = held
+            .stored
+            .iter()
+            .map(|(_, fd)| rustix::io::fcntl_dupfd_cloexec(fd, 100).expect("dup"))
+            .collect();
+        for c in &copies {
+            rustix::io::fcntl_setfd(c, rustix::io::FdFlags::empty()).expect("inheritable");
+        }
+        let mut script = String::new();
+        for (i, c) in copies.iter().enumerate() {
+            script += &format!("exec {}<&{}; ", 3 + i, c.as_raw_fd());
+        }
+        for c in &copies {
+            script += &format!("exec {}<&-; ", c.as_raw_fd());
+        }
+        let names: Vec<&str> = held.stored.iter().map(|(n, _)| n.as_str()).collect();
+        if !copies.is_empty() {
+            script += &format!(
+                "export LISTEN_PID=$$ LISTEN_FDS={} LISTEN_FDNAMES={}; ",
+                copies.len(),
+                names.join(":")
+            );
+        }
+        script += "exec \"$@\"";
+        let mut options = base;
+        options
+            .env
+            .push(("NOTIFY_SOCKET".into(), self.path.display().to_string()));
+        options.wrapper = vec!["bash".into(), "-c".into(), script, "fdstore".into()];
+        (options, copies)
+    }
+}
+
+/// Receive notifications until the socket fails (the test ended).
+fn serve(socket: UnixDatagram, held: Arc<Mutex<Held>>) {
+    let mut buf = vec![0u8; 4096];
+    loop {
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(16))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let Ok(msg) = rustix::net::recvmsg(
+            socket.as_fd(),
+            &mut iov,
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        ) else {
+            return;
+        };
+        let mut fds: Vec<OwnedFd> = Vec::new();
+        for m in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(r) = m {
+                fds.extend(r);
+            }
+        }
+        let text = String::from_utf8_lossy(&buf[..msg.bytes]).into_owned();
+        let mut held = held.lock().unwrap_or_else(|p| p.into_inner());
+        held.messages.push(text.clone());
+        let field = |key: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+                .map(String::from)
+        };
+        let name = field("FDNAME").unwrap_or_else(|| "stored".into());
+        if field("FDSTORE").as_deref() == Some("1") {
+            held.stored
+                .extend(fds.into_iter().map(|fd| (name.clone(), fd)));
+        } else if field("FDSTOREREMOVE").as_deref() == Some("1") {
+            held.stored.retain(|(n, _)| *n != name);
+        }
+        // A barrier's pipe end (and anything else not stored) is closed
+        // here, after everything sent before it was processed.
+    }
+}

@@ -1,0 +1,271 @@
+//! Kept memory across a crash: under a holder (systemd's fd store, here a
+//! supervisor speaking its protocol) each LUN's memory and its record
+//! outlive the daemon. The next start serves them when every rule holds,
+//! and answers NOT READY naming the rule when one does not, keeping the
+//! memory for a later start that finds the doubt gone.
+
+use std::collections::HashMap;
+use std::os::fd::AsFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ramslog_common::scsi_wire::{sense_key, status};
+use ramslog_tests::fdstore::FdStoreSupervisor;
+use ramslog_tests::TargetProcess;
+
+use super::restart::{assert_present, restart, write_until_cut};
+use super::*;
+
+/// The daemon under `sup`, on `port` (or a free one), with what `sup` holds.
+fn start(sup: &FdStoreSupervisor, state: &Path, port: Option<u16>) -> TargetProcess {
+    let (options, _inherited) = sup.launch(persistent(state, port, &[]));
+    TargetProcess::start_with(options)
+}
+
+/// The NAA the store holds the LUN's memory under.
+fn stored_naa(sup: &FdStoreSupervisor) -> String {
+    assert!(
+        sup.wait_for("writer", Duration::from_secs(10)),
+        "no writer pidfd stored: {:?}",
+        sup.names()
+    );
+    let names = sup.names();
+    let naa = names
+        .iter()
+        .find_map(|n| n.strip_prefix("lun-"))
+        .unwrap_or_else(|| panic!("no LUN memory stored: {names:?}"))
+        .to_string();
+    assert!(names.contains(&format!("rec-{naa}")), "{names:?}");
+    naa
+}
+
+/// READY (TEST UNIT READY good once the unit attentions are read) or NOT
+/// READY 04h/03h.
+async fn is_ready(t: &TargetProcess) -> bool {
+    let s = open(t, INITIATOR).await;
+    let r = s.test_unit_ready(0).await.expect("TUR");
+    if r.is_good() {
+        return true;
+    }
+    assert_eq!(
+        (r.status, sense(&r)),
+        (status::CHECK_CONDITION, (sense_key::NOT_READY, 0x04, 0x03)),
+        "neither READY nor NOT READY"
+    );
+    false
+}
+
+/// Three kill -9s under 32 writers, each followed by a start that takes the
+/// memory from the store (never the image): the same identity, every
+/// acknowledged write present. Then SIGTERM with the store kept (what
+/// `systemctl restart` does): the memory is used, the restore skipped.
+/// Then a stop and a start with the store dropped: the image has it all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_under_a_holder_keeps_every_acknowledged_write() {
+    const CRASHES: u64 = 3;
+    let dir = scratch_dir("kept", "crash");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let state = dir.join("state");
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    let naa = stored_naa(&sup);
+    let mut expected = HashMap::new();
+    let mut id = None;
+    for round in 0..CRASHES {
+        let s = Arc::new(open(&t, INITIATOR).await);
+        let vpd = s.inquiry(0, true, 0x83, 255).await.expect("VPD 83h");
+        assert_eq!(
+            id.get_or_insert(vpd.clone()),
+            &vpd,
+            "identity, round {round}"
+        );
+        assert_present(&s, &expected, &format!("after crash {round}")).await;
+        let progress = Arc::new(AtomicUsize::new(0));
+        let writers = tokio::spawn(write_until_cut(s.clone(), round, progress.clone()));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while progress.load(Ordering::Relaxed) < 300 {
+            assert!(Instant::now() < deadline, "the writers are stuck");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        t.kill();
+        let acked = writers.await.expect("writers");
+        assert!(!acked.is_empty(), "round {round} wrote nothing");
+        expected.extend(acked);
+        t = start(&sup, &state, Some(port));
+        let log = t.output();
+        assert!(
+            log.contains("LUN content kept in memory") && !log.contains("restoring LUN content"),
+            "crash {round}: {}",
+            t.output_tail(30)
+        );
+        assert!(is_ready(&t).await, "crash {round}: {}", status_text(&state));
+        // Held once, under the same NAA, by the new writer.
+        let names = sup.names();
+        assert_eq!(
+            names.iter().filter(|n| **n == format!("lun-{naa}")).count(),
+            1,
+            "{names:?}"
+        );
+    }
+    let s = open(&t, INITIATOR).await;
+    assert_present(&s, &expected, "after the last crash").await;
+    drop(s);
+
+    // A planned restart writes its records where the store holds them: a
+    // crash after it keeps the memory too.
+    let out = restart(&state).unwrap_or_else(|e| panic!("{e}\n{}", t.output_tail(30)));
+    assert!(out.contains("1 kept in memory"), "{out}");
+    {
+        let s = open(&t, INITIATOR).await;
+        let data = random_bytes(4096);
+        s.write(0, 16, &data, false)
+            .await
+            .expect("WRITE after the restart");
+        expected.insert(2, data);
+    }
+    t.kill();
+    t = start(&sup, &state, Some(port));
+    assert!(
+        t.output().contains("LUN content kept in memory"),
+        "a crash after a restart: {}",
+        t.output_tail(30)
+    );
+    let s = open(&t, INITIATOR).await;
+    assert_present(&s, &expected, "after a restart and a crash").await;
+    drop(s);
+
+    // SIGTERM dumps; the store keeps the memory, which the next start uses.
+    assert!(t.stop().success(), "{}", t.output_tail(20));
+    let t2 = start(&sup, &state, Some(port));
+    let log = t2.output();
+    assert!(
+        log.contains("LUN content kept in memory") && !log.contains("restoring LUN content"),
+        "{}",
+        t2.output_tail(30)
+    );
+    let s = open(&t2, INITIATOR).await;
+    assert_present(&s, &expected, "after a stop with the store kept").await;
+    drop(s);
+    let mut t2 = t2;
+    assert!(t2.stop().success(), "{}", t2.output_tail(20));
+
+    // A stop and a start (systemd 252 drops the store): the image path.
+    sup.clear();
+    let t3 = start(&sup, &state, Some(port));
+    assert!(
+        t3.output().contains("restoring LUN content"),
+        "{}",
+        t3.output_tail(30)
+    );
+    let s = open(&t3, INITIATOR).await;
+    assert_present(&s, &expected, "after a stop and a start").await;
+    eprintln!(
+        "{} blocks written under {CRASHES} crashes, all present",
+        expected.len()
+    );
+    drop(s);
+    drop(t3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The orders systemd or an admin can produce that must not serve the kept
+/// memory: a writer still alive, a second memory under the LUN's name, a
+/// memory that is not the recorded one, a torn record. Each start is NOT
+/// READY naming the rule and keeps the memory in the store; put right, the
+/// next start is READY with the content. With the store dropped, a crash
+/// is NOT READY as without a holder (never an older image).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_orders_in_the_store_are_not_ready_until_put_right() {
+    let dir = scratch_dir("kept", "orders");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let state = dir.join("state");
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    let naa = stored_naa(&sup);
+    let data = random_bytes(4096);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 800, &data, false).await.expect("WRITE");
+    }
+    t.kill();
+    let (memory, record) = (format!("lun-{naa}"), format!("rec-{naa}"));
+    let real_memory = sup.get(&memory).expect("memory");
+    let real_record = sup.get(&record).expect("record");
+
+    // Start under the store as it is now: NOT READY naming `why`, or READY
+    // with the content.
+    let check = |expect_ready: bool, why: &'static str| {
+        let (sup, state) = (&sup, &state);
+        let data = data.clone();
+        async move {
+            let mut t = start(sup, state, Some(port));
+            let ready = is_ready(&t).await;
+            let st = status_text(state);
+            assert_eq!(ready, expect_ready, "{why}: {st}\n{}", t.output_tail(20));
+            if ready {
+                let s = open(&t, INITIATOR).await;
+                assert_eq!(s.read(0, 800, 8, 512).await.expect("READ"), data, "{why}");
+            } else {
+                assert!(st.contains(why), "status must say {why:?}: {st}");
+            }
+            t.kill();
+        }
+    };
+
+    // A writer still alive (a forked holder, a straggler).
+    let mut straggler = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .expect("sleep");
+    let pid = rustix::process::Pid::from_raw(straggler.id() as i32).expect("pid");
+    let pidfd =
+        rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).expect("pidfd_open");
+    sup.put("writer", pidfd.as_fd());
+    check(false, "is still running").await;
+    check(false, "is still running").await;
+    straggler.kill().expect("kill the straggler");
+    straggler.wait().expect("reap");
+    check(true, "the writer is gone").await;
+
+    // A second memory under the LUN's name.
+    let other = rustix::fs::memfd_create("ramslog intruder", rustix::fs::MemfdFlags::CLOEXEC)
+        .expect("memfd");
+    rustix::fs::ftruncate(&other, 256 << 20).expect("size");
+    sup.put(&memory, other.as_fd());
+    check(false, "never pick one").await;
+    sup.remove(&memory);
+    sup.put(&memory, real_memory.as_fd());
+    check(true, "one memory again").await;
+
+    // Not the memory the record names (an unsealed one of the same size).
+    sup.remove(&memory);
+    sup.put(&memory, other.as_fd());
+    check(false, "memfd inode").await;
+    sup.remove(&memory);
+    sup.put(&memory, real_memory.as_fd());
+    check(true, "the recorded memory again").await;
+
+    // A torn record: both slots unreadable.
+    let torn =
+        rustix::fs::memfd_create("ramslog torn", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd");
+    let mut bytes = vec![0u8; 256 << 10];
+    rustix::io::pread(&real_record, &mut bytes, 0).expect("read the record");
+    for slot in [0usize, 128 << 10] {
+        bytes[slot + 30] ^= 0xff;
+    }
+    rustix::io::write(&torn, &bytes).expect("write the torn record");
+    sup.remove(&record);
+    sup.put(&record, torn.as_fd());
+    check(false, "unreadable").await;
+    sup.remove(&record);
+    sup.put(&record, real_record.as_fd());
+    check(true, "the record put back").await;
+
+    // The store dropped: a crash is what it is without a holder.
+    drop((real_memory, real_record));
+    sup.clear();
+    check(false, "no clean image").await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
