@@ -468,8 +468,16 @@ fn adopt_kept(
     };
     let store =
         Store::adopt(k.memory, size, r.memfd_bytes).map_err(|e| Unkept::NotReady(e.to_string()))?;
-    if let Err(e) = image::remove_images(&p.image_dir, &identity.naa, Some(generation)) {
-        tracing::warn!(target, lun, "cannot tidy the image directory: {e}");
+    // Older images are never loaded again (their generation is past);
+    // removing them can wait, the take-over cannot (a 4 GiB image takes
+    // seconds to unlink).
+    {
+        let (dir, naa, target) = (p.image_dir.clone(), identity.naa, target.to_string());
+        std::thread::spawn(move || {
+            if let Err(e) = image::remove_older_images(&dir, &naa, generation) {
+                tracing::warn!(target, lun, "cannot tidy the image directory: {e}");
+            }
+        });
     }
     let image_path = p
         .image_dir
@@ -777,10 +785,26 @@ fn recall(
     }
 }
 
+/// How a planned restart waits for connections before the exec: their
+/// commands get no status after the fence, so this only bounds how long the
+/// RDMA queue pairs take to go (the exec closes any left, before the new
+/// program runs).
+pub const RESTART_DRAIN: Duration = Duration::from_millis(100);
+
+/// Why the daemon fences its volumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// A stop: every changed volume is dumped.
+    Stop,
+    /// A planned restart; `dump` unless the fd store holds the memory.
+    Restart { dump: bool },
+}
+
 /// Shut down: refuse new connections, end every connection, fence every
-/// volume, wait (bounded) for connections to go, then dump what changed.
-/// Returns a summary, or the failures.
-pub fn shutdown(portal: &Portal) -> Result<String, String> {
+/// volume, wait (bounded) for connections to go, then dump what changed
+/// (a restart whose memory the fd store holds skips the dump). Returns a
+/// summary, or the failures.
+pub fn shutdown(portal: &Portal, ending: Ending) -> Result<String, String> {
     let told = portal.gate.close();
     portal.terminate_all();
     let volumes: Vec<&Arc<Volume>> = portal
@@ -796,10 +820,22 @@ pub fn shutdown(portal: &Portal) -> Result<String, String> {
         "shutting down: logins refused, connections closing, volumes fenced"
     );
     let started = Instant::now();
-    while portal.gate.counts_now().total > 0 && started.elapsed() < CONNECTION_DRAIN {
-        std::thread::sleep(Duration::from_millis(10));
+    let drain = match ending {
+        Ending::Stop | Ending::Restart { dump: true } => CONNECTION_DRAIN,
+        Ending::Restart { dump: false } => RESTART_DRAIN,
+    };
+    while portal.gate.counts_now().total > 0 && started.elapsed() < drain {
+        std::thread::sleep(Duration::from_millis(1));
     }
     let left = portal.gate.counts_now().total;
+    if ending == (Ending::Restart { dump: false }) {
+        tracing::info!(
+            left,
+            drained_ms = started.elapsed().as_millis() as u64,
+            "restart: no dump, systemd's fd store holds the LUN memory"
+        );
+        return Ok(format!("{} LUNs fenced, not dumped", volumes.len()));
+    }
     if left > 0 {
         tracing::warn!(left, "connections still open after {CONNECTION_DRAIN:?}; dumping anyway (nothing is acknowledged after the fence) and verifying each image, since data may still be arriving");
     }

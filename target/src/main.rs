@@ -11,8 +11,8 @@ use ramslog_target::config::{
 };
 use ramslog_target::control::{self, Control, Reply, Request, RestartReply};
 use ramslog_target::handover::{self, Inherited};
-use ramslog_target::lifecycle::{self, KeptMemory, StartError};
-use ramslog_target::notify::notify;
+use ramslog_target::lifecycle::{self, Ending, KeptMemory, StartError};
+use ramslog_target::notify::{self, notify};
 use ramslog_target::portal::{Acl, Portal, TargetDef};
 use ramslog_target::scsi::ScsiTarget;
 use ramslog_target::tcp;
@@ -694,10 +694,29 @@ async fn run(
         }
         break None;
     };
-    notify(if restart.is_some() {
-        "STATUS=restarting: fencing, dumping and handing over LUN memory"
-    } else {
-        "STOPPING=1\nSTATUS=fencing and dumping LUN content"
+    // A restart skips the dump when systemd's fd store holds every LUN's
+    // memory and record and the writer's pidfd: a failure before the new
+    // program has taken over then leaves the memory there for the next
+    // start. Otherwise the image is made current first.
+    let ending = match &restart {
+        None => Ending::Stop,
+        Some(_) => {
+            let need = 2 * portal.volumes.len() + 1;
+            match notify::store_holds(need) {
+                Ok(()) => Ending::Restart { dump: false },
+                Err(why) => {
+                    tracing::info!("restart: dumping first ({why})");
+                    Ending::Restart { dump: true }
+                }
+            }
+        }
+    };
+    notify(match ending {
+        Ending::Restart { dump: false } => "STATUS=restarting: fencing and handing over LUN memory",
+        Ending::Restart { dump: true } => {
+            "STATUS=restarting: fencing, dumping and handing over LUN memory"
+        }
+        Ending::Stop => "STOPPING=1\nSTATUS=fencing and dumping LUN content",
     });
     // Close the listening sockets before anything else, so a host's reconnect
     // during the dump is refused by the kernel (a failure initiators retry)
@@ -720,7 +739,8 @@ async fn run(
     }
     let outcome = {
         let portal = portal.clone();
-        let mut shutdown = tokio::task::spawn_blocking(move || lifecycle::shutdown(&portal));
+        let mut shutdown =
+            tokio::task::spawn_blocking(move || lifecycle::shutdown(&portal, ending));
         // While the dump moves bytes, keep systemd's stop timeout at least
         // STOP_EXTENSION away, so a LUN larger than TimeoutStopSec planned
         // for is not killed mid-dump; a dump that stalls gets no more time.
@@ -744,7 +764,7 @@ async fn run(
             &portal,
             persistence.as_deref(),
             &listener_fds,
-            outcome,
+            (ending, outcome),
             reply,
             &exe,
             &argv,
@@ -785,14 +805,14 @@ async fn hand_over(
     portal: &Portal,
     persistence: Option<&ramslog_target::volume::Persistence>,
     listener_fds: &[std::os::fd::OwnedFd],
-    dumped: Result<String, String>,
+    (ending, dumped): (Ending, Result<String, String>),
     reply: RestartReply,
     exe: &Path,
     argv: &[std::ffi::OsString],
 ) -> Result<(), String> {
     use std::os::fd::AsFd;
     match &dumped {
-        Ok(msg) => tracing::info!("restart: dumped first ({msg})"),
+        Ok(msg) => tracing::info!("restart: {msg}"),
         // The memory still holds the content: handing it over keeps it,
         // exiting now would lose it.
         Err(msg) => tracing::error!(
@@ -831,8 +851,13 @@ async fn hand_over(
         .await;
     let err = handover::exec(exe, argv, &handed);
     Err(format!(
-        "restart: cannot execute {}: {err}; exiting (the next start takes each LUN from its image{})",
+        "restart: cannot execute {}: {err}; exiting ({})",
         exe.display(),
-        if dumped.is_ok() { "" } else { ", and the dump had failed" }
+        match (ending, dumped.is_ok()) {
+            (Ending::Restart { dump: false }, _) =>
+                "systemd's fd store keeps the LUN memory for the next start",
+            (_, true) => "the next start takes each LUN from its image",
+            (_, false) => "the next start takes each LUN from its image, and the dump had failed",
+        }
     ))
 }

@@ -163,6 +163,58 @@ pub fn store_writer(replace: bool) -> std::io::Result<bool> {
     barrier(BARRIER_WAIT)
 }
 
+/// Whether the fd store holds at least `need` descriptors of this
+/// service, so that a restart may skip the dump (a failure during the
+/// handover leaves the memory there for the next start). systemd is asked
+/// for the count (`systemctl show -P NFileDescriptorStore UNIT`, the unit
+/// found from this process's cgroup); where that cannot be asked, systemd
+/// 254 and later (and the tests' supervisor) give the store's size in
+/// `$FDSTORE`. `Err` says why it is not known to hold them.
+pub fn store_holds(need: usize) -> Result<(), String> {
+    if !has_holder() {
+        return Err("no systemd notification socket".into());
+    }
+    if let Some(unit) = own_unit() {
+        let out = std::process::Command::new("systemctl")
+            .args(["show", "-P", "NFileDescriptorStore", &unit])
+            .stdin(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .output();
+        if let Some(out) = out.ok().filter(|o| o.status.success()) {
+            let held: usize = String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .parse()
+                .map_err(|_| format!("systemctl show {unit} gave no descriptor count"))?;
+            return if held >= need {
+                Ok(())
+            } else {
+                Err(format!(
+                    "systemd holds {held} descriptors of {unit}, not the {need} the LUNs need \
+                     (is FileDescriptorStoreMax= set in the unit?)"
+                ))
+            };
+        }
+    }
+    match std::env::var("FDSTORE")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        Some(max) if max >= need => Ok(()),
+        Some(max) => Err(format!(
+            "the fd store takes {max} descriptors, the LUNs need {need}"
+        )),
+        None => Err("cannot tell whether the fd store holds the LUN memory".into()),
+    }
+}
+
+/// The systemd unit this process runs in (`NAME.service`), from its cgroup.
+pub fn own_unit() -> Option<String> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let unit = path.rsplit('/').next()?;
+    unit.ends_with(".service").then(|| unit.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,10 @@
 # DIR (default /var/tmp/ramslog-restart-bench) holds the state and images;
 # SIZE (default 4G) is the LUN, filled completely over iSCSI/TCP (lun-fill).
 # HUGEPAGES=off|require (default off; require reserves the 2 MiB pages it
-# needs for the run and gives them back). Each round: `restart --wait`
+# needs for the run and gives them back). HOLDER=on runs the daemon under
+# fd-holder (what systemd's fd store does for the shipped unit): a restart
+# then skips the dump; each stop and start gets a fresh holder, as systemd 252
+# empties the store at a stop. Each round: `restart --wait`
 # (dump, exec, take the memory over), then SIGTERM and a start (dump, restore),
 # each timed from the fence to the new program listening, split from the
 # daemon's log (check: the binary on disk tried; fence and drain; dump; exec:
@@ -20,17 +23,21 @@ SIZE=${2:-4G}
 PORT=${PORT:-3302}
 HUGEPAGES=${HUGEPAGES:-off}
 ROUNDS=${ROUNDS:-3}
+HOLDER=${HOLDER:-off}
 IQN=iqn.2026-11.org.ramslog:restart-bench
 
 cargo build -j2 --release -q -p ramslog-target -p ramslog-tests
 BIN=build/release/ramslog-target
 FILL=build/release/lun-fill
+HOLDER_BIN=build/release/fd-holder
 rm -rf "$DIR"; mkdir -p "$DIR"
 LOG="$DIR/target.log"
 pid=
 huge_before=$(cat /proc/sys/vm/nr_hugepages)
+hpid=
 cleanup() {
   [[ -n $pid ]] && kill -9 "$pid" 2>/dev/null
+  [[ -n $hpid ]] && kill -9 "$hpid" 2>/dev/null
   echo "$huge_before" >/proc/sys/vm/nr_hugepages 2>/dev/null || true
 }
 trap cleanup EXIT
@@ -40,7 +47,16 @@ if [[ $HUGEPAGES == require ]]; then
 fi
 
 start() {
-  "$BIN" --size "$SIZE" --listen "127.0.0.1:$PORT" --target-name "$IQN" \
+  local env=()
+  if [[ $HOLDER == on ]]; then
+    [[ -n $hpid ]] && { kill "$hpid"; wait "$hpid" 2>/dev/null || true; }
+    rm -rf "$DIR/holder"
+    "$HOLDER_BIN" "$DIR/holder" >"$DIR/holder.path" &
+    hpid=$!
+    for _ in $(seq 1 100); do [[ -s $DIR/holder.path ]] && break; sleep 0.05; done
+    env=(env "NOTIFY_SOCKET=$(cat "$DIR/holder.path")" FDSTORE=512)
+  fi
+  "${env[@]}" "$BIN" --size "$SIZE" --listen "127.0.0.1:$PORT" --target-name "$IQN" \
     --state-dir "$DIR/state" --image-dir "$DIR/images" --hugepages "$HUGEPAGES" >>"$LOG" 2>&1 &
   pid=$!
 }
@@ -81,9 +97,9 @@ done
 kill -TERM "$pid"; wait "$pid"; pid=
 
 mkdir -p build/bench
-python3 - "$SIZE" "$HUGEPAGES" "${results[@]}" <<'PY' | tee build/bench/restart.json
+python3 - "$SIZE" "$HUGEPAGES" "$HOLDER" "${results[@]}" <<'PY' | tee build/bench/restart.json
 import base64, datetime, json, re, statistics, sys
-size, huge, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+size, huge, holder, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 def at(line):
     m = re.match(r"(\S+Z)", line)
     return datetime.datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp() if m else None
@@ -98,11 +114,11 @@ for i in range(0, len(args), 3):
     kind, text, wall = args[i], base64.b64decode(args[i + 1]).decode(), float(args[i + 2])
     lines = text.splitlines()
     fence = first(lines, "shutting down")
-    dumped = first(lines, r"dumped to|nothing written since", fence)
+    dumped = first(lines, r"dumped to|nothing written since|restart: no dump", fence)
     if kind == "restart":
         asked = first(lines, "restart requested")
         new = first(lines, "started by a restart", dumped)
-        ready = first(lines, "kept in memory across the restart", new)
+        ready = first(lines, "LUN content kept in memory", new)
         listen = first(lines, "listening on", ready)
         split = {"dump_s": dumped - fence, "exec_s": new - dumped, "take_over_s": ready - new,
                  "listen_s": listen - ready}
@@ -117,6 +133,6 @@ med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in roun
 med["ratio_restart_vs_stop_start"] = (med["restart"]["fence_to_listening_s"]
                                       / med["stop-start"]["fence_to_listening_s"])
 r3 = lambda d: {k: (round(v, 3) if isinstance(v, float) else r3(v)) for k, v in d.items()}
-print(json.dumps({"size": size, "hugepages": huge, "median": r3(med),
+print(json.dumps({"size": size, "hugepages": huge, "holder": holder, "median": r3(med),
                   "rounds": {k: [r3(x) for x in v] for k, v in rounds.items()}}, indent=1))
 PY

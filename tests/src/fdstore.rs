@@ -50,6 +50,11 @@ impl FdStoreSupervisor {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The notification socket's path (what `$NOTIFY_SOCKET` names).
+    pub fn socket_path(&self) -> &Path {
+        &self.path
+    }
+
     /// The names held now, in the order they would be passed.
     pub fn names(&self) -> Vec<String> {
         self.held().stored.iter().map(|(n, _)| n.clone()).collect()
@@ -130,6 +135,8 @@ impl FdStoreSupervisor {
         options
             .env
             .push(("NOTIFY_SOCKET".into(), self.path.display().to_string()));
+        // The store's size, as systemd 254 and later pass it.
+        options.env.push(("FDSTORE".into(), "512".into()));
         options.wrapper = vec!["bash".into(), "-c".into(), script, "fdstore".into()];
         (options, copies)
     }

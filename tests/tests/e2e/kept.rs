@@ -113,10 +113,18 @@ async fn a_crash_under_a_holder_keeps_every_acknowledged_write() {
     assert_present(&s, &expected, "after the last crash").await;
     drop(s);
 
-    // A planned restart writes its records where the store holds them: a
-    // crash after it keeps the memory too.
+    // A planned restart under the store skips the dump, and writes its
+    // records where the store holds them: a crash after it keeps the
+    // memory too.
     let out = restart(&state).unwrap_or_else(|e| panic!("{e}\n{}", t.output_tail(30)));
     assert!(out.contains("1 kept in memory"), "{out}");
+    assert!(
+        t.output()
+            .contains("restart: no dump, systemd's fd store holds the LUN memory")
+            && !t.output().contains("dumped to"),
+        "{}",
+        t.output_tail(30)
+    );
     {
         let s = open(&t, INITIATOR).await;
         let data = random_bytes(4096);
@@ -267,5 +275,80 @@ async fn bad_orders_in_the_store_are_not_ready_until_put_right() {
     drop((real_memory, real_record));
     sup.clear();
     check(false, "no clean image").await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A restart under the store does not dump; if the new program dies before
+/// it takes over (a broken upgrade that passed the check), the memory is in
+/// the store, marked handed over, and the next start serves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_program_that_dies_after_the_handover_loses_nothing() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch_dir("kept", "dies");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let state = dir.join("state");
+    std::fs::create_dir_all(dir.join("bin")).expect("mkdir");
+    let bin = dir.join("bin/ramslog-target");
+    std::fs::copy(ramslog_tests::target_binary(), &bin).expect("copy the binary");
+    let (options, _inherited) = sup.launch(ramslog_tests::TargetOptions {
+        binary: Some(bin.clone()),
+        ..persistent(&state, None, &[])
+    });
+    let mut t = TargetProcess::start_with(options);
+    let port = t.port();
+    stored_naa(&sup);
+    let data = random_bytes(4096);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 800, &data, false).await.expect("WRITE");
+    }
+    // The upgrade: passes the check, dies when it runs for real.
+    let new = bin.with_extension("new");
+    std::fs::write(
+        &new,
+        format!(
+            "#!/bin/bash\nfor a in \"$@\"; do [ \"$a\" = --handover-check ] && exec {} \"$@\"; done\necho 'new program: cannot start' >&2\nexit 70\n",
+            ramslog_tests::target_binary().display()
+        ),
+    )
+    .expect("write");
+    std::fs::set_permissions(&new, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::rename(&new, &bin).expect("rename over the binary");
+    let logged = t.output().len();
+    let out = cli(&["restart"], &state);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let exit = loop {
+        if let Some(st) = t.try_exit_status() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the broken new program did not end"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(exit.code(), Some(70), "{}", t.output_tail(20));
+    assert!(
+        !t.output()[logged..].contains("dumped to"),
+        "{}",
+        t.output_tail(20)
+    );
+    // systemd starts the unit again (Restart=on-failure): the real binary.
+    let t = start(&sup, &state, Some(port));
+    assert!(
+        t.output().contains("LUN content kept in memory"),
+        "{}",
+        t.output_tail(30)
+    );
+    assert!(is_ready(&t).await, "{}", status_text(&state));
+    let s = open(&t, INITIATOR).await;
+    assert_eq!(s.read(0, 800, 8, 512).await.expect("READ"), data);
+    drop(s);
+    drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -104,6 +104,39 @@ pub fn remove_images(dir: &Path, naa: &[u8; 8], keep: Option<u64>) -> std::io::R
     Ok(())
 }
 
+/// Remove this identity's images (and temporary files) of generations
+/// below `below`, leaving every later one: safe beside a dump of a later
+/// generation, so it can run in the background (a 4 GiB image takes
+/// seconds to unlink, which a restart's take-over must not wait for).
+pub fn remove_older_images(dir: &Path, naa: &[u8; 8], below: u64) -> std::io::Result<()> {
+    let prefix = format!("{}-g", naa_hex(naa));
+    let mut removed = false;
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let name = e.file_name();
+        let Some(generation) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|n| {
+                n.strip_suffix(".img")
+                    .or_else(|| n.strip_suffix(".img.tmp"))
+            })
+            .and_then(|g| g.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        if generation < below {
+            tracing::info!(file = %e.path().display(), "removing a stale image");
+            std::fs::remove_file(e.path())?;
+            removed = true;
+        }
+    }
+    if removed {
+        File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
 /// A 4 KiB-aligned buffer (O_DIRECT needs aligned memory), safely: an
 /// over-allocated vector and the aligned window inside it.
 struct Aligned {
@@ -253,3 +286,40 @@ mod restore;
 
 pub use dump::*;
 pub use restore::*;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only this identity's older generations go: the current one, a later
+    /// one (a dump under way beside the tidy) and other identities stay.
+    #[test]
+    fn older_images_go_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("ramslog-older-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let (mine, other) = ([1u8; 8], [2u8; 8]);
+        let names = [
+            image_name(&mine, 3),
+            tmp_name(&mine, 4),
+            image_name(&mine, 5),
+            image_name(&mine, 6),
+            tmp_name(&mine, 6),
+            image_name(&other, 1),
+            format!("{}-gX.img", naa_hex(&mine)),
+        ];
+        for n in &names {
+            std::fs::write(dir.join(n), b"x").expect("write");
+        }
+        remove_older_images(&dir, &mine, 5).expect("tidy");
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .expect("list")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        let mut want = names[2..].to_vec();
+        want.sort();
+        assert_eq!(left, want);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
