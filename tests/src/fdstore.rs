@@ -105,41 +105,60 @@ impl FdStoreSupervisor {
     /// Keep the returned descriptors until the daemon has started (they are
     /// the copies the daemon inherits).
     pub fn launch(&self, base: TargetOptions) -> (TargetOptions, Vec<OwnedFd>) {
+        let start = self.start();
+        let mut options = base;
+        options.env.extend(start.env);
+        options.wrapper = start.wrapper;
+        (options, start.inherited)
+    }
+
+    /// How to start a program under this supervisor as systemd would,
+    /// passing what it holds now.
+    pub fn start(&self) -> Start {
         let held = self.held();
         // Copies above the numbers they get in the daemon, inheritable.
-        let copies: Vec<OwnedFd> = held
+        let inherited: Vec<OwnedFd> = held
             .stored
             .iter()
             .map(|(_, fd)| rustix::io::fcntl_dupfd_cloexec(fd, 100).expect("dup"))
             .collect();
-        for c in &copies {
+        for c in &inherited {
             rustix::io::fcntl_setfd(c, rustix::io::FdFlags::empty()).expect("inheritable");
         }
         let mut script = String::new();
-        for (i, c) in copies.iter().enumerate() {
+        for (i, c) in inherited.iter().enumerate() {
             script += &format!("exec {}<&{}; ", 3 + i, c.as_raw_fd());
         }
-        for c in &copies {
+        for c in &inherited {
             script += &format!("exec {}<&-; ", c.as_raw_fd());
         }
         let names: Vec<&str> = held.stored.iter().map(|(n, _)| n.as_str()).collect();
-        if !copies.is_empty() {
+        if !inherited.is_empty() {
             script += &format!(
                 "export LISTEN_PID=$$ LISTEN_FDS={} LISTEN_FDNAMES={}; ",
-                copies.len(),
+                inherited.len(),
                 names.join(":")
             );
         }
         script += "exec \"$@\"";
-        let mut options = base;
-        options
-            .env
-            .push(("NOTIFY_SOCKET".into(), self.path.display().to_string()));
-        // The store's size, as systemd 254 and later pass it.
-        options.env.push(("FDSTORE".into(), "512".into()));
-        options.wrapper = vec!["bash".into(), "-c".into(), script, "fdstore".into()];
-        (options, copies)
+        Start {
+            wrapper: vec!["bash".into(), "-c".into(), script, "fdstore".into()],
+            env: vec![
+                ("NOTIFY_SOCKET".into(), self.path.display().to_string()),
+                // The store's size, as systemd 254 and later pass it.
+                ("FDSTORE".into(), "512".into()),
+            ],
+            inherited,
+        }
     }
+}
+
+/// A start under the supervisor: run `wrapper` followed by the program and
+/// its arguments, with `env`; drop `inherited` once it has started.
+pub struct Start {
+    pub wrapper: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub inherited: Vec<OwnedFd>,
 }
 
 /// Receive notifications until the socket fails (the test ended).

@@ -48,6 +48,15 @@
 #      request (ZFS_DEFAULT_STALL=1: about 2.5 min more, not run in CI);
 #      sync writes never fail, half B FAULTED, zpool clear brings it back;
 #      files verified after export / import.
+#   l. box B run as the shipped unit runs it (fd-holder standing in for
+#      systemd's fd store and Restart=, as systemd is not PID 1 here), ten
+#      `ramslog-target restart`s during 60 s of sync writes: half B never
+#      leaves ONLINE, no error, every restart keeps the memory (no dump);
+#      the longest sync write is reported.
+#   m. host frozen, an O_SYNC write only the log holds, box B killed
+#      (kill -9): started again, it serves its kept memory READY; box A
+#      loses its content; `zpool import` without -m replays the write from
+#      B alone.
 # Every step asserts states and data; speed is reported, never asserted,
 # except step j's stall, which is held to the bounds the session's timeouts set.
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -72,6 +81,8 @@ MODS=${RAMSLOG_ZFS_MODULES:-}
 # rebuild on the host cannot replace while the guest runs it.
 TARGET_BIN=${TARGET_BIN:-$(pick_bin ramslog-target)} || { echo "build ramslog-target first (cargo build --release)"; exit 1; }
 BIN=$TARGET_BIN
+HOLDER_BIN=$(pick_bin fd-holder) || { echo "build fd-holder first (cargo build -p ramslog-tests --bin fd-holder)"; exit 1; }
+declare -A HOLDER_PID=()
 POOL=tank
 DS=$POOL/sync
 # The guide's names (docs/zfs-runbook.md), so that its commands run as written.
@@ -107,25 +118,60 @@ guide() { # BLOCK
 # and its own address"). The lab changes only what one guest holding both
 # boxes needs: 256 MiB instead of 16 GiB, a state directory per box, and no
 # busy polling (the boxes share the guest's CPUs with the host side).
-start_box() {
-  local name=$1 addr=$2 iqn=$3 log rc=0 cmd i
-  local -a args
+# box_args NAME ADDR IQN: BOX_ARGS, the arguments of the guide's box command
+# with the lab's changes.
+box_args() {
+  local name=$1 addr=$2 iqn=$3 cmd i
   cmd=$(guide box) || fail "the guide has no box command"
   [ "$name" = a ] || cmd=$(sed -e 's/slog-a/slog-b/g' -e "s/$RXE_ADDR_A/$addr/g" <<<"$cmd")
   [[ " $cmd " == *" --listen $addr:3260 "* && " $cmd " == *" --target-name $iqn "* ]] ||
     fail "the guide's box command no longer gives box $name $iqn on $addr:3260: $cmd"
-  read -r -a args <<<"$cmd"
-  [ "${args[0]}" = ramslog-target ] || fail "the guide's box command does not start ramslog-target: $cmd"
-  args=("${args[@]:1}")
-  for i in "${!args[@]}"; do [ "${args[i]}" != --size ] || args[i + 1]=256M; done
+  read -r -a BOX_ARGS <<<"$cmd"
+  [ "${BOX_ARGS[0]}" = ramslog-target ] || fail "the guide's box command does not start ramslog-target: $cmd"
+  BOX_ARGS=("${BOX_ARGS[@]:1}")
+  for i in "${!BOX_ARGS[@]}"; do [ "${BOX_ARGS[i]}" != --size ] || BOX_ARGS[i + 1]=256M; done
+  BOX_ARGS+=(--state-dir "/tmp/ramslog-$name" --iser-spin 0)
+}
+start_box() {
+  local name=$1 addr=$2 iqn=$3 log rc=0
+  box_args "$@"
   log=$RESULTS/ramslog-$name-$(date +%s%N).log
   BOX_LOG[$name]=$log
-  echo "# ramslog-target ${args[*]} --state-dir /tmp/ramslog-$name --iser-spin 0"
-  target_start "$log" "iSER listening on $addr:3260" "${args[@]}" \
-    --state-dir "/tmp/ramslog-$name" --iser-spin 0 || rc=$?
+  echo "# ramslog-target ${BOX_ARGS[*]}"
+  target_start "$log" "iSER listening on $addr:3260" "${BOX_ARGS[@]}" || rc=$?
   TARGET_PID[$name]=$TARGET_STARTED
   [ "$rc" = 0 ] || fail "ramslog-target $name did not start"
   echo "box $name: ramslog-target pid ${TARGET_PID[$name]} on $addr:3260 ($log)"
+}
+# start_held_box NAME ADDR IQN: the same box run as the shipped systemd unit
+# runs it, where systemd is not PID 1: fd-holder keeps what the daemon puts in
+# the fd store and starts it again 100 ms after a crash, passing that in.
+start_held_box() {
+  local name=$1 addr=$2 iqn=$3 log
+  box_args "$@"
+  log=$RESULTS/ramslog-$name-held-$(date +%s%N).log
+  BOX_LOG[$name]=$log
+  rm -rf "/tmp/holder-$name"
+  echo "# fd-holder /tmp/holder-$name -- ramslog-target ${BOX_ARGS[*]}"
+  "$HOLDER_BIN" "/tmp/holder-$name" -- "$BIN" "${BOX_ARGS[@]}" >"$log" 2>&1 &
+  HOLDER_PID[$name]=$!
+  wait_for_log "$log" "iSER listening on $addr:3260" "${HOLDER_PID[$name]}" 60 ||
+    fail "ramslog-target $name did not start under fd-holder"
+  TARGET_PID[$name]=$(cat "/tmp/holder-$name/pid")
+  echo "box $name: ramslog-target pid ${TARGET_PID[$name]} under fd-holder ${HOLDER_PID[$name]}"
+}
+# The held box's daemon after its Nth start (its log says so N times).
+held_box_started() { # NAME ADDR N
+  local i
+  for i in $(seq 1 300); do
+    (($(grep -c "iSER listening on $2:3260" "${BOX_LOG[$1]}") >= $3)) && {
+      TARGET_PID[$1]=$(cat "/tmp/holder-$1/pid")
+      return 0
+    }
+    sleep 0.2
+  done
+  tail -20 "${BOX_LOG[$1]}"
+  fail "box $1 did not start again under fd-holder"
 }
 # The clean stop systemd (or a UPS-driven shutdown) does: SIGTERM, the dump,
 # exit 0.
@@ -272,6 +318,7 @@ cleanup() {
   set +e
   zpool export "$POOL" 2>/dev/null
   local n
+  for n in "${!HOLDER_PID[@]}"; do stop_pid "${HOLDER_PID[$n]}"; done
   for n in "${!TARGET_PID[@]}"; do stop_pid "${TARGET_PID[$n]}"; done
   iscsid_stop
   [ -n "${UDEVD_PID:-}" ] && stop_pid "$UDEVD_PID"
@@ -757,6 +804,57 @@ reimport
 verify_files before-i
 verify_files committed-g
 cat "$RESULTS/step-j.txt"
+
+step "l. box B under a holder (as under the shipped unit): ten planned restarts during 60 s of sync writes"
+stop_box b
+start_held_box b "$RXE_ADDR_B" "$IQN_B"
+wait_reconnect b
+wait_vdev_state "$LOG_B" ONLINE 60
+zfs_fio zfs-restarts 60 >/tmp/fio-restarts.txt 2>&1 &
+fio_pid=$!
+sleep 5
+for i in $(seq 1 10); do
+  "$BIN" restart --wait --state-dir /tmp/ramslog-b || { kill "$fio_pid"; fail "restart $i of box B failed"; }
+  sleep 3
+done
+wait "$fio_pid" || { cat /tmp/fio-restarts.txt; fail "sync writes returned an error during box B's restarts"; }
+zpool status -P "$POOL" | tee "$RESULTS/status-l.txt"
+[ "$(vdev_state "$LOG_B")" = ONLINE ] || fail "log half B left ONLINE during its restarts: $(vdev_state "$LOG_B")"
+[ "$(vdev_errors "$LOG_B")" = "0 0 0" ] || fail "log half B has errors after its restarts: $(vdev_errors "$LOG_B")"
+(($(grep -c "LUN content kept in memory" "${BOX_LOG[b]}") >= 10)) || fail "box B did not keep its memory across every restart"
+grep -c "restart: no dump" "${BOX_LOG[b]}" | sed 's/^/restarts without a dump: /'
+python3 - "$RESULTS/zfs-restarts.json" <<'PY' | tee "$RESULTS/step-l.txt"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("ten restarts of box B during sync writes: %d sync writes, none failed; longest (the stall) %.2f s, p99 %.1f ms"
+      % (r["ios"], r["max_us"] / 1e6, r.get("p99_us", 0) / 1e3))
+PY
+
+step "m. box B killed (kill -9) with the host frozen: B back READY from kept memory, A taken away, the log replayed from B alone"
+write_files before-m 4
+x zpool sync "$POOL"
+crash_host_and_write_log_only log-only-m
+starts=$(grep -c "iSER listening on $RXE_ADDR_B:3260" "${BOX_LOG[b]}")
+kill -9 "${TARGET_PID[b]}"
+echo "box B: SIGKILLed (pid ${TARGET_PID[b]}); fd-holder starts it again"
+held_box_started b "$RXE_ADDR_B" $((starts + 1))
+grep "LUN content kept in memory" "${BOX_LOG[b]}" | tail -1 | sed 's/^.*INFO [a-z_:]*: //'
+box_status b | grep -qE "  ready$" || { box_status b; fail "box B is not READY from its kept memory"; }
+wait_reconnect b
+kill_box a
+start_box a "$RXE_ADDR_A" "$IQN_A"
+box_status a | grep "NOT READY" || fail "box A is not NOT READY after losing its content"
+wait_reconnect a
+x timeout 300 zpool export "$POOL"
+x zpool import "$POOL" || fail "the pool did not import from box B's kept memory alone"
+date >>"/$DS/after-m" # sync writes make ZFS find the failed half
+wait_vdev_state "$LOG_A" "$FAILED_STATES" 120 "/$DS/writer-m"
+[ "$(vdev_state "$LOG_B")" = ONLINE ] || fail "log half B is $(vdev_state "$LOG_B")"
+cmp /tmp/log-only-m "/$DS/log-only-m" || fail "log-only-m did not come back from box B's kept memory"
+echo "log-only-m: replayed from box B's memory kept across its kill -9, byte for byte"
+verify_files before-m
+verify_files committed-g
+replace_failed_half a "$IQN_A" "$LOG_A"
 
 x zpool destroy "$POOL"
 echo "ZFS SCENARIO PASSED"
