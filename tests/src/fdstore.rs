@@ -26,6 +26,9 @@ struct Held {
     stored: Vec<(String, OwnedFd)>,
     /// Every notification's text, in order (the descriptors left out).
     messages: Vec<String>,
+    /// Hold barriers unanswered (the daemon waits in its barrier).
+    hold_barriers: bool,
+    held_barriers: Vec<OwnedFd>,
 }
 
 pub struct FdStoreSupervisor {
@@ -94,6 +97,22 @@ impl FdStoreSupervisor {
     /// Drop everything held under `name`.
     pub fn remove(&self, name: &str) {
         self.held().stored.retain(|(n, _)| n != name);
+    }
+
+    /// Leave barriers unanswered from now on (the daemon then waits in its
+    /// barrier, up to its bound: a point in its start-up to stop it at), or
+    /// answer them again, the held ones at once.
+    pub fn hold_barriers(&self, hold: bool) {
+        let mut held = self.held();
+        held.hold_barriers = hold;
+        if !hold {
+            held.held_barriers.clear();
+        }
+    }
+
+    /// How many barriers are held unanswered now.
+    pub fn barriers_held(&self) -> usize {
+        self.held().held_barriers.len()
     }
 
     /// Drop everything (a `systemctl stop` then `start` on systemd 252).
@@ -196,6 +215,8 @@ fn serve(socket: UnixDatagram, held: Arc<Mutex<Held>>) {
                 .extend(fds.into_iter().map(|fd| (name.clone(), fd)));
         } else if field("FDSTOREREMOVE").as_deref() == Some("1") {
             held.stored.retain(|(n, _)| *n != name);
+        } else if field("BARRIER").as_deref() == Some("1") && held.hold_barriers {
+            held.held_barriers.extend(fds);
         }
         // A barrier's pipe end (and anything else not stored) is closed
         // here, after everything sent before it was processed.

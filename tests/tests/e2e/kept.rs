@@ -352,3 +352,72 @@ async fn a_new_program_that_dies_after_the_handover_loses_nothing() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A stop during start-up, after the kept memory was taken (the only copy:
+/// a kill -9 left no clean image): the daemon finishes the start-up's
+/// checks, dumps that memory and exits 0, so a start without the store
+/// (systemd 252 empties it at a stop) is READY with the content. The
+/// supervisor holds the start-up's fd-store barrier unanswered: the
+/// daemon waits there, past the take-over, when the SIGTERM comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "a stop during start-up lost the kept memory")]
+async fn a_stop_during_start_up_dumps_the_kept_memory() {
+    let dir = scratch_dir("kept", "stop-in-start");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let state = dir.join("state");
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    stored_naa(&sup);
+    let data = random_bytes(4096);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 800, &data, false).await.expect("WRITE");
+    }
+    t.kill();
+    sup.hold_barriers(true);
+    let (options, _inherited) = sup.launch(persistent(&state, Some(port), &[]));
+    let mut t = TargetProcess::spawn_with(options);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sup.barriers_held() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "no barrier: {}",
+            t.output_tail(20)
+        );
+        assert!(t.is_running(), "{}", t.output_tail(20));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        t.output().contains("LUN content kept in memory") && !t.output().contains("listening on"),
+        "the daemon waits in start-up, the memory taken: {}",
+        t.output_tail(20)
+    );
+    ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::TERM);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let exit = loop {
+        if let Some(st) = t.try_exit_status() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no exit after SIGTERM in start-up"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    sup.hold_barriers(false);
+    assert!(exit.success(), "{exit:?}: {}", t.output_tail(20));
+    // systemctl stop, then start: the store is empty.
+    sup.clear();
+    let t = start(&sup, &state, Some(port));
+    assert!(
+        is_ready(&t).await,
+        "a stop during start-up lost the kept memory: {}\n{}",
+        status_text(&state),
+        t.output_tail(20)
+    );
+    let s = open(&t, INITIATOR).await;
+    assert_eq!(s.read(0, 800, 8, 512).await.expect("READ"), data);
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
