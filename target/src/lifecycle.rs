@@ -24,20 +24,6 @@ use crate::volume::{Identity, Persistence, Readiness, Restored, Volume, VolumeCo
 /// (the volumes are fenced either way: nothing more is acknowledged).
 pub const CONNECTION_DRAIN: Duration = Duration::from_secs(10);
 
-/// Why start-up stopped.
-#[derive(Debug)]
-pub enum StartError {
-    /// A stop was asked for during the restore: exit, the images are intact.
-    Cancelled,
-    Failed(String),
-}
-
-impl From<String> for StartError {
-    fn from(s: String) -> Self {
-        StartError::Failed(s)
-    }
-}
-
 /// Open the state directory (locked for the daemon's lifetime, through
 /// `inherited_lock` after a planned restart) and the image directory.
 pub fn open_persistence(
@@ -518,7 +504,7 @@ pub fn open_volumes(
     persistence: Option<&Arc<Persistence>>,
     cancelled: &AtomicBool,
     mut kept: Option<KeptMemory>,
-) -> Result<Volumes, StartError> {
+) -> Result<Volumes, String> {
     let writers_gone = match &kept {
         Some(KeptMemory {
             source: Source::Holder { writer },
@@ -597,7 +583,10 @@ pub fn open_volumes(
             };
             // Memory refused for a doubt a later start may not have stays
             // in the store: this NOT READY volume's does not go beside it.
-            if persistence.is_some() && !matches!(unkept, Some(Unkept::NotReady(_))) {
+            if persistence.is_some()
+                && !matches!(unkept, Some(Unkept::NotReady(_)))
+                && !cancelled.load(Ordering::Acquire)
+            {
                 volume.hold_in_fd_store(known_naa.as_deref());
             }
             volumes.push(volume);
@@ -639,7 +628,7 @@ fn recall(
     store: Arc<Store>,
     cancelled: &AtomicBool,
     unkept: Option<Unkept>,
-) -> Result<Volume, StartError> {
+) -> Result<Volume, String> {
     let cfg = |identity, readiness| VolumeConfig {
         target: target.into(),
         lun,
@@ -777,7 +766,15 @@ fn recall(
             );
             Ok(volume)
         }
-        Err(ImageError::Cancelled) => Err(StartError::Cancelled),
+        // A stop came during the restore: the image stays the valid copy,
+        // and a NOT READY volume is never dumped over it.
+        Err(ImageError::Cancelled) => {
+            let reason =
+                "a stop came during its restore; its image stays the valid copy".to_string();
+            tracing::info!(target, lun, "{reason}");
+            volume.set_not_ready(reason);
+            Ok(volume)
+        }
         Err(e) => Ok(refuse(
             volume,
             format!("image {} refused: {e}", path.display()),
@@ -839,10 +836,29 @@ pub fn shutdown(portal: &Portal, ending: Ending) -> Result<String, String> {
     if left > 0 {
         tracing::warn!(left, "connections still open after {CONNECTION_DRAIN:?}; dumping anyway (nothing is acknowledged after the fence) and verifying each image, since data may still be arriving");
     }
+    dump_each(volumes, left > 0)
+}
+
+/// A stop during start-up, once the start-up is through: every volume
+/// fenced (none served yet) and dumped where it must be (memory taken over
+/// from a previous run may be the only copy; a LUN whose restore the stop
+/// cut short is NOT READY, its image untouched).
+pub fn stop_in_start_up(volumes: &Volumes) -> Result<String, String> {
+    for v in volumes.iter() {
+        v.fence();
+    }
+    dump_each(volumes.iter(), false)
+}
+
+/// Dump each fenced volume; a summary, or the failures.
+fn dump_each<'a>(
+    volumes: impl IntoIterator<Item = &'a Arc<Volume>>,
+    verify: bool,
+) -> Result<String, String> {
     let mut done = Vec::new();
     let mut failed = Vec::new();
     for v in volumes {
-        match v.dump(left > 0) {
+        match v.dump(verify) {
             Ok(msg) => done.push(msg),
             Err(msg) => {
                 tracing::error!(target = %v.target(), lun = v.lun(), "{msg}");

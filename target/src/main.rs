@@ -11,7 +11,7 @@ use ramslog_target::config::{
 };
 use ramslog_target::control::{self, Control, Reply, Request, RestartReply};
 use ramslog_target::handover::{self, Inherited};
-use ramslog_target::lifecycle::{self, Ending, KeptMemory, StartError};
+use ramslog_target::lifecycle::{self, Ending, KeptMemory};
 use ramslog_target::notify::{self, notify};
 use ramslog_target::portal::{Acl, Portal, TargetDef};
 use ramslog_target::scsi::ScsiTarget;
@@ -519,29 +519,43 @@ async fn run(
             lifecycle::open_volumes(&cfg, persistence.as_ref(), &cancelled, kept)
         })
     };
-    let opened = loop {
+    let stop_signal = loop {
         break tokio::select! {
-            r = &mut opening => r.map_err(|e| format!("start-up failed: {e}"))?,
-            _ = term.recv() => Err(StartError::Cancelled),
-            _ = interrupt.recv() => Err(StartError::Cancelled),
+            r = &mut opening => Ok(r),
+            _ = term.recv() => Err("SIGTERM"),
+            _ = interrupt.recv() => Err("SIGINT"),
             _ = hangup.recv() => {
                 hangup_ignored();
                 continue;
             }
         };
     };
-    let volumes = match opened {
-        Ok(v) => v,
-        Err(StartError::Cancelled) => {
+    let opened = match stop_signal {
+        Ok(opened) => opened,
+        // A stop during start-up: restores under way stop (their images stay
+        // the valid copies), the rest of the start-up is finished, and what
+        // must be saved is dumped: memory taken over from a previous run may
+        // be the only copy of its LUN.
+        Err(signal) => {
             cancelled.store(true, Ordering::Release);
-            let _ = opening.await;
-            tracing::info!(
-                "stopped during start-up: exiting without a dump; the images on disk stay valid"
-            );
-            return Ok(());
+            tracing::info!("{signal} during start-up: finishing it, then stopping");
+            let volumes = opening
+                .await
+                .map_err(|e| format!("start-up failed: {e}"))??;
+            let outcome = lifecycle::stop_in_start_up(&volumes);
+            record_stop(persistence.as_deref(), &outcome);
+            return match outcome {
+                Ok(summary) => {
+                    tracing::info!("stopped during start-up: {summary}");
+                    Ok(())
+                }
+                Err(msg) => Err(Failure::DumpFailed(format!(
+                    "stopped during start-up, but the content was not saved: {msg}"
+                ))),
+            };
         }
-        Err(StartError::Failed(msg)) => return Err(msg.into()),
     };
+    let volumes = opened.map_err(|e| format!("start-up failed: {e}"))??;
 
     let mut targets = Vec::new();
     for warning in cfg.warnings() {
@@ -772,15 +786,7 @@ async fn run(
         .await?;
         return Ok(());
     }
-    if let Some(p) = &persistence {
-        let failed = outcome.as_ref().err().map(|reason| FailedStop {
-            at_unix: ramslog_target::volume::now_unix(),
-            reason: reason.clone(),
-        });
-        if let Err(e) = p.state().record_stop(failed) {
-            tracing::error!("cannot record in the state directory how this stop ended: {e}");
-        }
-    }
+    record_stop(persistence.as_deref(), &outcome);
     let _ = stopped_tx.send(Some(outcome.clone()));
     // Let a waiting `ramslog-target stop` read its answer.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
@@ -793,6 +799,23 @@ async fn run(
         Err(msg) => Err(Failure::DumpFailed(format!(
             "stopped, but the content was not saved: {msg}"
         ))),
+    }
+}
+
+/// Record in the state directory how a stop ended: a failed dump is shown
+/// by `status` and the next start until a stop succeeds.
+fn record_stop(
+    persistence: Option<&ramslog_target::volume::Persistence>,
+    outcome: &Result<String, String>,
+) {
+    if let Some(p) = persistence {
+        let failed = outcome.as_ref().err().map(|reason| FailedStop {
+            at_unix: ramslog_target::volume::now_unix(),
+            reason: reason.clone(),
+        });
+        if let Err(e) = p.state().record_stop(failed) {
+            tracing::error!("cannot record in the state directory how this stop ended: {e}");
+        }
     }
 }
 
