@@ -802,7 +802,9 @@ pub enum Ending {
 /// (a restart whose memory the fd store holds skips the dump). Returns a
 /// summary, or the failures.
 pub fn shutdown(portal: &Portal, ending: Ending) -> Result<String, String> {
-    let told = portal.gate.close();
+    // Only a restart without a dump is quick enough to ask hosts back
+    // sooner than their DefaultTime2Wait.
+    let told = portal.gate.close(ending == Ending::Restart { dump: false });
     portal.terminate_all();
     let volumes: Vec<&Arc<Volume>> = portal
         .targets

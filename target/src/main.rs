@@ -452,6 +452,7 @@ async fn run(
         tracing::error!("what systemd passed at start is unusable ({e}): no kept memory is used");
         Vec::new()
     });
+    let restarted = inherited.is_some();
     let (kept, inherited_listeners, inherited_lock) = match inherited {
         Some(i) => {
             tracing::info!(
@@ -511,6 +512,15 @@ async fn run(
             f.reason
         );
     }
+    // A restarted program listens for iSER at once, before it takes over
+    // the memory: hosts told to come back a second after the old program
+    // dropped them (rdma::driver) then wait in the queue instead of being
+    // refused (TCP's listening sockets were handed on, queue included).
+    let iser_listening = if cfg.iser && restarted {
+        ramslog_target::rdma::Listening::on(&cfg.listen)
+    } else {
+        None
+    };
     notify("STATUS=restoring LUN content");
     let cancelled = Arc::new(AtomicBool::new(false));
     let mut opening = {
@@ -661,13 +671,14 @@ async fn run(
         tcp_listeners.push(tokio::spawn(tcp::serve(listener, portal.clone())));
     }
     if cfg.iser {
-        ramslog_target::rdma::start(
-            portal.clone(),
-            &cfg.listen,
-            ramslog_target::rdma::IserOptions {
-                spin: cfg.iser_spin,
-            },
-        );
+        let opts = ramslog_target::rdma::IserOptions {
+            spin: cfg.iser_spin,
+        };
+        match iser_listening {
+            Some(listening) => listening.serve(portal.clone(), opts),
+            None if restarted => {} // no RDMA device: logged at start-up
+            None => ramslog_target::rdma::start(portal.clone(), &cfg.listen, opts),
+        }
     }
 
     notify("READY=1\nSTATUS=serving");

@@ -110,6 +110,9 @@ async fn run_connection(
     );
     let mut rx = RxBuffer::new();
     let mut out = Output::default();
+    // Set once a restart's notice is queued: from then on the connection
+    // ends when its output is written, not at the termination.
+    let mut noticed = false;
     let result = loop {
         if out.is_empty() {
             out.fill(&mut conn);
@@ -146,11 +149,21 @@ async fn run_connection(
                     }
                     conn.handle(now, Input::Timeout);
                 }
-                _ = control.terminated() => break Ok(()),
+                _ = control.terminated(), if !noticed => {
+                    if !restart_notice(&mut conn, &control, &mut noticed) {
+                        break Ok(());
+                    }
+                }
             }
             continue;
         }
-        if out.closing || control.is_terminated() {
+        if out.closing {
+            break Ok(());
+        }
+        if control.is_terminated() && !noticed {
+            if restart_notice(&mut conn, &control, &mut noticed) {
+                continue;
+            }
             break Ok(());
         }
         let deadline = conn.poll_timeout();
@@ -172,11 +185,36 @@ async fn run_connection(
                 Err(e) => break Err(e),
             },
             _ = sleep_until(deadline) => conn.handle(Instant::now(), Input::Timeout),
-            _ = control.terminated() => break Ok(()),
+            _ = control.terminated(), if !noticed => {
+                if !restart_notice(&mut conn, &control, &mut noticed) {
+                    break Ok(());
+                }
+            }
         }
     };
     conn.handle(Instant::now(), Input::Closed);
     result
+}
+
+/// How long a host waits after a planned restart dropped its connection
+/// before it logs in again: at once, since the listening socket passes to
+/// the new program and the kernel queues the login meanwhile.
+const RESTART_TIME2WAIT: u16 = 0;
+
+/// A terminated connection: when a planned restart ends it, queue the
+/// notice and the close (true: write them out first); otherwise end now.
+fn restart_notice(conn: &mut Connection, control: &SessionControl, noticed: &mut bool) -> bool {
+    if !control.take_restart_notice() {
+        return false;
+    }
+    *noticed = true;
+    conn.handle(
+        Instant::now(),
+        Input::Restarting {
+            time2wait: RESTART_TIME2WAIT,
+        },
+    );
+    true
 }
 
 async fn sleep_until(deadline: Option<Instant>) {

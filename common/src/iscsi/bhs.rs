@@ -350,6 +350,12 @@ impl Bhs {
     pub fn async_event(&self) -> (u8, u8) {
         (self.0[36], self.0[37])
     }
+    /// Asynchronous Message: Parameter1, Parameter2 and Parameter3
+    /// (offsets 38, 40, 42); for AsyncEvent 2 and 3, Parameter2 is
+    /// Time2Wait and Parameter3 Time2Retain, in seconds.
+    pub fn async_parameters(&self) -> (u16, u16, u16) {
+        (self.u16_at(38), self.u16_at(40), self.u16_at(42))
+    }
 
     // Login: ISID (6 bytes at offset 8).
     pub fn isid(&self) -> [u8; 6] {

@@ -4,7 +4,7 @@
 //! no event, so only this poll finds it), and sleep on the completion
 //! channel, together with an rdma_cm channel when the loop watches one.
 
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::time::Duration;
 
 use super::cm::EventChannel;
@@ -64,6 +64,8 @@ pub struct Woken {
     pub stray: bool,
     /// The rdma_cm channel has events to read.
     pub cm: bool,
+    /// The wake descriptor given to [`sleep_or_wake`] is readable.
+    pub wake: bool,
 }
 
 impl Woken {
@@ -73,7 +75,7 @@ impl Woken {
 
     /// Nothing at all woke the sleep.
     pub fn timed_out(&self) -> bool {
-        self.fired == 0 && !self.stray && !self.cm
+        self.fired == 0 && !self.stray && !self.cm && !self.wake
     }
 }
 
@@ -88,13 +90,30 @@ pub fn sleep(
     cm: Option<&EventChannel>,
     timeout: Option<Duration>,
 ) -> Result<Woken> {
-    let fds: [RawFd; 2] = [comp.fd(), cm.map_or(-1, |c| c.fd())];
-    let mut ready = [false; 2];
+    sleep_or_wake(comp, armed, cm, None, timeout)
+}
+
+/// [`sleep`], also woken when `wake` (an eventfd another thread writes to)
+/// is readable; reading it is the caller's.
+pub fn sleep_or_wake(
+    comp: &CompletionChannel,
+    armed: &[&CompletionQueue],
+    cm: Option<&EventChannel>,
+    wake: Option<BorrowedFd<'_>>,
+    timeout: Option<Duration>,
+) -> Result<Woken> {
+    let fds: [RawFd; 3] = [
+        comp.fd(),
+        cm.map_or(-1, |c| c.fd()),
+        wake.map_or(-1, |w| w.as_raw_fd()),
+    ];
+    let mut ready = [false; 3];
     wait_readable(&fds, timeout, &mut ready)?;
     let mut woken = Woken {
         fired: 0,
         stray: false,
         cm: ready[1],
+        wake: ready[2],
     };
     if ready[0] {
         for _ in 0..armed.len().max(1) {

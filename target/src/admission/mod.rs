@@ -21,6 +21,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -39,6 +40,9 @@ pub use staging::StagingBudget;
 /// destroyed, so no byte of that connection can land in LUN memory any more.
 pub struct SessionControl {
     terminated: AtomicBool,
+    /// The termination is a planned restart's: the driver tells the
+    /// initiator when to reconnect before it closes (taken once).
+    restart_notice: AtomicBool,
     released: AtomicBool,
     /// The permit watching it (0: none, e.g. an engine without a transport).
     permit: AtomicU64,
@@ -47,6 +51,9 @@ pub struct SessionControl {
     /// Nothing moves bytes for it (tests, benchmarks): it is released as
     /// soon as it is terminated.
     transportless: bool,
+    /// An eventfd written at termination, for a driver that sleeps in
+    /// poll(2) (iSER) rather than on `wake`.
+    wake_fd: Option<OwnedFd>,
 }
 
 impl SessionControl {
@@ -60,9 +67,40 @@ impl SessionControl {
         Arc::new(SessionControl::with_transport(false))
     }
 
+    /// The control of a connection whose driver sleeps in poll(2): its
+    /// termination also makes [`Self::wake_fd`] readable, so the driver
+    /// acts on it at once (a planned restart waits for it only briefly).
+    /// Without an eventfd it still ends, at its next wake-up.
+    pub fn with_wake_fd() -> Arc<SessionControl> {
+        let mut control = SessionControl::with_transport(true);
+        control.wake_fd = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        )
+        .map_err(|e| tracing::warn!("no eventfd to wake the connection's driver: {e}"))
+        .ok();
+        Arc::new(control)
+    }
+
+    /// What the driver sleeps on besides its queues: readable once
+    /// terminated.
+    pub fn wake_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.wake_fd.as_ref().map(AsFd::as_fd)
+    }
+
+    /// Read the wake-up (the driver saw it), so the next sleep sleeps.
+    pub fn take_wake(&self) {
+        if let Some(fd) = &self.wake_fd {
+            let mut count = [0u8; 8];
+            let _ = rustix::io::read(fd, &mut count);
+        }
+    }
+
     fn with_transport(transport: bool) -> SessionControl {
         SessionControl {
+            wake_fd: None,
             terminated: AtomicBool::new(false),
+            restart_notice: AtomicBool::new(false),
             released: AtomicBool::new(false),
             permit: AtomicU64::new(0),
             wake: Notify::new(),
@@ -77,6 +115,22 @@ impl SessionControl {
             self.release();
         }
         self.wake.notify_one();
+        if let Some(fd) = &self.wake_fd {
+            let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+        }
+    }
+
+    /// Ask the connection to end for a planned restart: it first tells
+    /// the initiator when the new program takes its login.
+    pub fn terminate_for_restart(&self) {
+        self.restart_notice.store(true, Ordering::Release);
+        self.terminate();
+    }
+
+    /// For the driver: whether to tell the initiator of a restart before
+    /// closing; true once.
+    pub fn take_restart_notice(&self) -> bool {
+        self.restart_notice.swap(false, Ordering::AcqRel)
     }
 
     pub fn is_terminated(&self) -> bool {
@@ -742,8 +796,9 @@ impl ConnectionGate {
     }
 
     /// Shutdown: admit nothing more and end every connection, logged in or
-    /// not. Returns how many were told to end.
-    pub fn close(&self) -> usize {
+    /// not (for a planned restart, after telling each initiator when to
+    /// come back). Returns how many were told to end.
+    pub fn close(&self, restart: bool) -> usize {
         let controls: Vec<_> = {
             let mut st = self.state();
             st.closed = true;
@@ -754,7 +809,11 @@ impl ConnectionGate {
         };
         self.slots_freed.notify_all();
         for control in &controls {
-            control.terminate();
+            if restart {
+                control.terminate_for_restart();
+            } else {
+                control.terminate();
+            }
         }
         controls.len()
     }

@@ -228,7 +228,7 @@ fn an_evicted_connection_cannot_log_in_and_a_dropped_permit_releases() {
 fn a_closed_gate_admits_nothing_and_ends_everyone() {
     let gate = Arc::new(ConnectionGate::new(limits()));
     let (_p, c) = connect(&gate, "192.0.2.1", Link::Tcp);
-    assert_eq!(gate.close(), 1);
+    assert_eq!(gate.close(false), 1);
     assert!(c.is_terminated());
     assert_eq!(
         gate.admit(ip("192.0.2.2"), Door::iscsi(Link::Tcp)).err(),

@@ -189,6 +189,10 @@ pub enum Input<'a> {
     /// or posted at `at_raw` (`metrics::clock().raw()`, read fresh: the
     /// `now` beside it may be a round old): its command's service time.
     Served { served: Served, at_raw: u64 },
+    /// The daemon is about to be replaced by a new program (a planned
+    /// restart): tell the initiator of a normal session when to come back
+    /// (an Async Message, AsyncEvent 3, `time2wait` seconds), then close.
+    Restarting { time2wait: u16 },
     /// The transport is gone (the peer closed, an error, termination):
     /// release the session. The driver sends it once, last; more are
     /// harmless.

@@ -90,6 +90,13 @@ impl TimerTable {
     }
 }
 
+/// Time2Retain of a restart's notice. At ErrorRecoveryLevel 0 nothing is
+/// retained, but the illumos initiator takes Parameter3 as how long it
+/// keeps trying to log in (every 5 s) before it falls back to polling once
+/// a minute: 180 s is its own default window, so the notice never shortens
+/// it. open-iscsi ignores Parameter3.
+const RESTART_RECONNECT_WINDOW: u16 = 180;
+
 /// How often a reinstating login looks whether the old connections are gone.
 const REINSTATEMENT_RECHECK: Duration = Duration::from_millis(5);
 /// How long a reinstating login waits for them before it is refused with
@@ -230,8 +237,26 @@ impl Connection {
             Input::RdmaReadDone { tag, data } => self.rdma_read_done(now, tag, data),
             Input::Timeout => self.timeout(now),
             Input::Served { served, at_raw } => self.served(served, at_raw),
+            Input::Restarting { time2wait } => self.restarting(time2wait),
             Input::Closed => self.shutdown(),
         }
+    }
+
+    /// A planned restart: a normal session's initiator learns that every
+    /// connection is about to drop and when the new program will take its
+    /// login. Without it open-iscsi waits the negotiated DefaultTime2Wait
+    /// (2 s) before reconnecting. Nothing is answered after this.
+    fn restarting(&mut self, time2wait: u16) {
+        if let Phase::FullFeature(s) = &mut self.phase {
+            if s.kind() == SessionKind::Normal {
+                let mut out = Out {
+                    q: &mut self.actions,
+                    statsn: &mut self.statsn,
+                };
+                s.announce_drop(&mut out, time2wait, RESTART_RECONNECT_WINDOW);
+            }
+        }
+        self.fail_close();
     }
 
     fn rdma_read_done(&mut self, now: Instant, tag: u32, data: &[u8]) {

@@ -69,6 +69,13 @@ pub(super) struct Driver<'a> {
     pub(super) transfers: Option<Arc<Transfers>>,
 }
 
+/// How long a host waits after a planned restart dropped its connection
+/// before it connects again: one second, since the rdma_cm listener cannot
+/// pass to the new program (it listens again early in its start-up, before
+/// taking over the memory) and open-iscsi waits 3 s more after a refused
+/// connect.
+const RESTART_TIME2WAIT: u16 = 1;
+
 impl Driver<'_> {
     /// RDMA READs into LUN memory still posted: once the queue pair is
     /// destroyed they can no longer land, and their count is lowered.
@@ -88,6 +95,7 @@ impl Driver<'_> {
         // The timers here are whole seconds: the coarse clock serves them
         // without a system call per round.
         let clock = CoarseClock::new();
+        let mut noticed = false;
         loop {
             let now = clock.now();
             // While output is blocked no receive is consumed: the peer's
@@ -125,8 +133,23 @@ impl Driver<'_> {
                     return Ok(());
                 }
             }
-            if self.peer_gone || control.is_terminated() {
+            if self.peer_gone {
                 return Ok(());
+            }
+            if control.is_terminated() && !noticed {
+                // A planned restart's notice goes out (and is sent, within
+                // the close grace) before the connection ends.
+                if self.closing.is_some() || !control.take_restart_notice() {
+                    return Ok(());
+                }
+                noticed = true;
+                self.conn.handle(
+                    now,
+                    Input::Restarting {
+                        time2wait: RESTART_TIME2WAIT,
+                    },
+                );
+                continue;
             }
             if spin.poll_again(n) {
                 continue;
@@ -155,9 +178,13 @@ impl Driver<'_> {
                 .map(|t| t.saturating_duration_since(now))
                 .unwrap_or(MAX_SLEEP)
                 .min(MAX_SLEEP);
-            let woken = wait::sleep(comp, armed, Some(events), Some(timeout))?;
+            let woken =
+                wait::sleep_or_wake(comp, armed, Some(events), control.wake_fd(), Some(timeout))?;
             if woken.cm {
                 self.cm_events(events);
+            }
+            if woken.wake {
+                control.take_wake();
             }
             spin.reset();
         }

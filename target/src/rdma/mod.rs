@@ -113,52 +113,80 @@ pub struct IserOptions {
 /// RDMA in the kernel or without a device this logs once and returns: the
 /// target keeps serving iSCSI/TCP.
 pub fn start(portal: Arc<Portal>, listen: &[SocketAddr], opts: IserOptions) {
-    match verbs::device_count() {
-        Ok(0) => {
-            tracing::info!("iSER: no RDMA device; serving iSCSI/TCP only");
-            return;
-        }
-        Err(e) if e.is_no_rdma() => {
-            tracing::info!("iSER: this kernel has no RDMA support ({e}); serving iSCSI/TCP only");
-            return;
-        }
-        Err(e) => {
-            tracing::warn!("iSER disabled: {e}; serving iSCSI/TCP only");
-            return;
-        }
-        Ok(_) => {}
+    if let Some(listening) = Listening::on(listen) {
+        listening.serve(portal, opts);
     }
-    let channel = match EventChannel::new().and_then(|c| c.set_nonblocking(true).map(|()| c)) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!("iSER disabled: {e}; serving iSCSI/TCP only");
-            return;
-        }
-    };
-    let mut listeners = Vec::new();
-    for addr in listen {
-        match listen_on(&channel, *addr) {
-            Ok(id) => {
-                tracing::info!("iSER listening on {addr}");
-                listeners.push(Listener {
-                    addr: *addr,
-                    id: Some(id),
-                    gone_since: None,
-                });
+}
+
+/// The iSER listeners, bound and listening, their connection requests not
+/// yet taken. A restarted program listens before it takes over the memory:
+/// a host that reconnects meanwhile waits in the queue (the kernel answers
+/// its request with "message received, reply later") instead of being
+/// refused and retrying seconds later.
+pub struct Listening {
+    channel: EventChannel,
+    listeners: Vec<Listener>,
+}
+
+impl Listening {
+    /// Listen on every address of `listen` that has an RDMA device; `None`
+    /// (logged) when there is none.
+    pub fn on(listen: &[SocketAddr]) -> Option<Listening> {
+        match verbs::device_count() {
+            Ok(0) => {
+                tracing::info!("iSER: no RDMA device; serving iSCSI/TCP only");
+                return None;
             }
-            Err(e) => tracing::warn!(
-                "iSER: not listening on {addr}: {e} (no RDMA device has this address; iSCSI/TCP still serves it)"
-            ),
+            Err(e) if e.is_no_rdma() => {
+                tracing::info!(
+                    "iSER: this kernel has no RDMA support ({e}); serving iSCSI/TCP only"
+                );
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!("iSER disabled: {e}; serving iSCSI/TCP only");
+                return None;
+            }
+            Ok(_) => {}
         }
+        let channel = match EventChannel::new().and_then(|c| c.set_nonblocking(true).map(|()| c)) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("iSER disabled: {e}; serving iSCSI/TCP only");
+                return None;
+            }
+        };
+        let mut listeners = Vec::new();
+        for addr in listen {
+            match listen_on(&channel, *addr) {
+                Ok(id) => {
+                    tracing::info!("iSER listening on {addr}");
+                    listeners.push(Listener {
+                        addr: *addr,
+                        id: Some(id),
+                        gone_since: None,
+                    });
+                }
+                Err(e) => tracing::warn!(
+                    "iSER: not listening on {addr}: {e} (no RDMA device has this address; iSCSI/TCP still serves it)"
+                ),
+            }
+        }
+        if listeners.is_empty() {
+            return None;
+        }
+        Some(Listening { channel, listeners })
     }
-    if listeners.is_empty() {
-        return;
-    }
-    let spawned = std::thread::Builder::new()
-        .name("iser-cm".into())
-        .spawn(move || listen_loop(channel, listeners, portal, opts));
-    if let Err(e) = spawned {
-        tracing::warn!("iSER disabled: cannot start its thread: {e}");
+
+    /// Take the connection requests (those queued first) and serve them.
+    pub fn serve(self, portal: Arc<Portal>, opts: IserOptions) {
+        let Listening { channel, listeners } = self;
+        let spawned = std::thread::Builder::new()
+            .name("iser-cm".into())
+            .spawn(move || listen_loop(channel, listeners, portal, opts));
+        if let Err(e) = spawned {
+            tracing::warn!("iSER disabled: cannot start its thread: {e}");
+        }
     }
 }
 
@@ -506,7 +534,7 @@ fn run_connection(
         read_credits = credits,
         "iSER connection accepted"
     );
-    let control = SessionControl::new();
+    let control = SessionControl::with_wake_fd();
     permit.watch(control.clone());
     let output_stall_timeout = portal.limits.output_stall_timeout;
     let conn = Connection::iser(

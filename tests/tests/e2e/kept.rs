@@ -420,3 +420,78 @@ async fn a_stop_during_start_up_dumps_the_kept_memory() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A restart without a dump tells each logged-in host, before its
+/// connection drops, to log in again at once (an Async Message, AsyncEvent
+/// 3, Time2Wait 0): the listening socket passes to the new program, so the
+/// login waits in its queue. Without it open-iscsi waits DefaultTime2Wait
+/// (2 s) first. A discovery session is only closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_without_a_dump_asks_hosts_back_at_once() {
+    use ramslog_common::iscsi::Opcode;
+    use ramslog_initiator::Connection;
+    let dir = scratch_dir("kept", "notice");
+    let state = dir.join("state");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let t = start(&sup, &state, None);
+    stored_naa(&sup);
+    let mut normal = Connection::connect(t.addr()).await.expect("connect");
+    normal
+        .login(&LoginParams::normal(INITIATOR, t.target_name()))
+        .await
+        .expect("login");
+    let mut discovery = Connection::connect(t.addr()).await.expect("connect");
+    discovery
+        .login(&LoginParams::discovery(INITIATOR))
+        .await
+        .expect("discovery login");
+    let expected_statsn = normal.exp_statsn();
+    let restarted = {
+        let state = state.clone();
+        tokio::task::spawn_blocking(move || restart(&state))
+    };
+    let notice = normal
+        .recv_pdu_timeout(Duration::from_secs(20))
+        .await
+        .expect("the notice, not an error")
+        .expect("a PDU before the connection drops");
+    assert_eq!(notice.bhs.opcode(), Some(Opcode::AsyncMessage));
+    assert_eq!(notice.bhs.async_event(), (3, 0), "dropping all connections");
+    let (_, time2wait, time2retain) = notice.bhs.async_parameters();
+    assert_eq!(time2wait, 0, "log in again at once");
+    assert_eq!(
+        time2retain, 180,
+        "the window the illumos initiator keeps trying in"
+    );
+    assert_eq!(
+        notice.bhs.statsn(),
+        expected_statsn,
+        "the notice takes the next StatSN"
+    );
+    for (what, c) in [
+        ("the notice", &mut normal),
+        ("a discovery session", &mut discovery),
+    ] {
+        match c.recv_pdu_timeout(Duration::from_secs(20)).await {
+            Err(_) => {}
+            Ok(None) => panic!("after {what} the connection stayed open"),
+            Ok(Some(p)) => panic!("after {what} came {:?}, not the close", p.bhs.opcode()),
+        }
+    }
+    let out = restarted
+        .await
+        .expect("restart")
+        .unwrap_or_else(|e| panic!("{e}\n{}", t.output_tail(30)));
+    assert!(out.contains("1 kept in memory"), "{out}");
+    assert!(
+        t.output().contains("restart: no dump"),
+        "{}",
+        t.output_tail(30)
+    );
+    // The host's immediate reconnect is served by the new program.
+    let s = open(&t, INITIATOR).await;
+    s.test_unit_ready(0).await.expect("TUR");
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -208,6 +208,20 @@ impl Bhs {
         b
     }
 
+    /// An Asynchronous Message (RFC 7143 11.9) with AsyncEvent 3: the
+    /// target will drop every connection of the session; the initiator may
+    /// reconnect after `time2wait` seconds (Parameter2) and its tasks are
+    /// kept for `time2retain` (Parameter3).
+    #[inline]
+    pub fn async_dropping_all_connections(time2wait: u16, time2retain: u16) -> Bhs {
+        let mut b = Bhs::new(Opcode::AsyncMessage);
+        b.set_final(true).set_itt(RESERVED_TAG);
+        b.0[36] = 3;
+        b.set_u16_at(40, time2wait);
+        b.set_u16_at(42, time2retain);
+        b
+    }
+
     /// A NOP-In (RFC 7143 11.19): an answer to a NOP-Out (its ITT, TTT
     /// reserved) or a ping of the target's own (ITT reserved, a fresh TTT).
     #[inline]
