@@ -10,7 +10,10 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
 use crate::admission::FrontEnd;
+use crate::lifecycle::UnclaimedKept;
 use crate::metrics::{LimitHit, LoginRefusal, LunIo, ProcessMemory};
 use crate::portal::Portal;
 use crate::volume::state::FailedStop;
@@ -29,6 +32,10 @@ pub enum Request {
     /// Hand the LUN memory over to the binary on disk, executed in this
     /// process; the reply comes when the handover starts (or was refused).
     Restart,
+    /// Release kept memory no configured LUN claims from systemd's fd store.
+    DiscardKept {
+        naa: String,
+    },
 }
 
 /// `restored_from` of a LUN whose content is the memory a restart kept.
@@ -107,6 +114,10 @@ pub struct Status {
     /// The last stop, if its dump failed (until a stop succeeds).
     #[serde(default)]
     pub failed_stop: Option<FailedStop>,
+    /// Kept memory no configured LUN claims, held in systemd's fd store
+    /// until `discard-kept` (or a start that configures its LUN again).
+    #[serde(default)]
+    pub unclaimed_kept: Vec<UnclaimedKept>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -122,6 +133,8 @@ pub enum Reply {
     Stopped(String),
     /// The handover to the new program began.
     Restarting(String),
+    /// Unclaimed kept memory was released.
+    Discarded(String),
     Error(String),
 }
 
@@ -135,6 +148,13 @@ pub struct Control {
     /// Asks the daemon for a planned restart; it answers on the sender it
     /// is given when the handover starts, or why it refused.
     pub restart: tokio::sync::mpsc::Sender<RestartReply>,
+    /// Kept memory no configured LUN claimed at start.
+    pub unclaimed: Arc<Mutex<Vec<UnclaimedKept>>>,
+}
+
+/// The unclaimed kept memory, even after a panic elsewhere held the lock.
+pub fn lock(unclaimed: &Mutex<Vec<UnclaimedKept>>) -> MutexGuard<'_, Vec<UnclaimedKept>> {
+    unclaimed.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// One restart request, as the daemon sees it.
@@ -162,6 +182,7 @@ impl Control {
             Request::AcceptEmpty { target, lun } => self.accept_empty(&target, lun),
             Request::Stop => Reply::Error("stop is answered when the dump is done".into()),
             Request::Restart => Reply::Error("restart is answered when the handover starts".into()),
+            Request::DiscardKept { naa } => self.discard_kept(&naa),
         }
     }
 
@@ -279,6 +300,28 @@ impl Control {
                 .iter()
                 .find_map(|v| v.persistence())
                 .and_then(|p| p.state().failed_stop().cloned()),
+            unclaimed_kept: lock(&self.unclaimed).clone(),
+        }
+    }
+
+    fn discard_kept(&self, naa: &str) -> Reply {
+        let wanted = naa.trim_start_matches("naa.").to_ascii_lowercase();
+        let configured = self.portal.targets.iter().find_map(|t| {
+            t.scsi.luns().find_map(|lu| {
+                (naa_hex(&lu.volume().status().identity.naa) == wanted)
+                    .then(|| (t.name.clone(), lu.lun()))
+            })
+        });
+        if let Some((target, lun)) = configured {
+            return Reply::Error(format!(
+                "naa.{wanted} is {target} LUN {lun}: its memory is that LUN's content, not \
+                 unclaimed. A LUN whose content is not wanted is started afresh with \
+                 `ramslog-target accept-empty {target} {lun}` once it is NOT READY"
+            ));
+        }
+        match crate::lifecycle::discard_unclaimed(&mut lock(&self.unclaimed), &wanted) {
+            Ok(msg) => Reply::Discarded(msg),
+            Err(e) => Reply::Error(e),
         }
     }
 

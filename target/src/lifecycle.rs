@@ -203,29 +203,90 @@ impl KeptMemory {
         Some(Ok((k, record)))
     }
 
-    /// Release what no configured LUN claimed, saying so.
-    pub fn release_rest(self) {
+    /// What no configured LUN claimed. Memory systemd's fd store holds
+    /// stays there, listed: it may be the only copy of a LUN the
+    /// configuration lost by mistake, so only `discard-kept` (or a
+    /// configuration that names its LUN again, at the next start) ends it.
+    /// Memory a restart handed over without a store behind it has no such
+    /// keeper and is released (the handover check refuses a configuration
+    /// that drops a served LUN, so this is memory of no LUN).
+    pub fn unclaimed(self) -> Vec<UnclaimedKept> {
+        let mut kept = Vec::new();
         for k in self.volumes {
-            match &k.record {
-                Ok(c) => tracing::warn!(
-                    target = %c.record.target, lun = c.record.lun,
-                    "kept memory for a LUN the configuration no longer has: released"
-                ),
-                Err(e) => tracing::warn!("kept memory with an unusable record ({e}): released"),
+            let what = match &k.record {
+                Ok(c) => {
+                    let r = &c.record;
+                    format!(
+                        "target {} LUN {}, {} bytes, generation {}, {:?}",
+                        r.target, r.lun, r.lun_bytes, r.generation, r.state
+                    )
+                }
+                Err(e) => format!("its record is unusable: {e}"),
+            };
+            match &k.stored_as {
+                Some(naa) => {
+                    tracing::warn!(
+                        "kept memory naa.{naa} ({what}) is claimed by no configured LUN: left in \
+                         systemd's fd store, not served. Configure its LUN again, or release it \
+                         with `ramslog-target discard-kept {naa}`"
+                    );
+                    kept.push(UnclaimedKept {
+                        naa: naa.clone(),
+                        what,
+                    });
+                }
+                None => tracing::warn!("kept memory of no configured LUN ({what}): released"),
             }
-            forget_stored(&k);
         }
+        kept
     }
 }
 
-/// Drop a kept memory from systemd's fd store (it is closed here when the
-/// caller drops it): refused or unclaimed, it must not come back.
-fn forget_stored(k: &KeptVolume) {
-    if let Some(naa) = &k.stored_as {
-        forget_stored_naa(naa);
-    }
+/// Kept memory no configured LUN claims, left in systemd's fd store (see
+/// [`KeptMemory::unclaimed`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct UnclaimedKept {
+    /// The NAA it is stored under (`lun-<naa>`, `rec-<naa>`).
+    pub naa: String,
+    /// What its record says it is, or why it cannot be read.
+    pub what: String,
 }
 
+/// `discard-kept`: drop an unclaimed kept memory from systemd's fd store,
+/// freeing its RAM. Only what `unclaimed` lists may go: the memory of a
+/// configured LUN is that LUN's content (accept-empty is its way out).
+pub fn discard_unclaimed(unclaimed: &mut Vec<UnclaimedKept>, naa: &str) -> Result<String, String> {
+    let naa = naa.trim_start_matches("naa.").to_ascii_lowercase();
+    let Some(i) = unclaimed.iter().position(|u| u.naa == naa) else {
+        return Err(if unclaimed.is_empty() {
+            format!(
+                "no unclaimed kept memory naa.{naa}: this daemon holds none (`status` lists them)"
+            )
+        } else {
+            format!(
+                "no unclaimed kept memory naa.{naa}; `status` lists them: {}",
+                unclaimed
+                    .iter()
+                    .map(|u| format!("naa.{}", u.naa))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        });
+    };
+    for prefix in [MEMORY_PREFIX, RECORD_PREFIX] {
+        notify::remove(&format!("{prefix}{naa}"))
+            .map_err(|e| format!("cannot remove naa.{naa} from systemd's fd store: {e}"))?;
+    }
+    let gone = unclaimed.remove(i);
+    tracing::warn!("kept memory naa.{naa} ({}) discarded on request", gone.what);
+    Ok(format!(
+        "kept memory naa.{naa} ({}) released from systemd's fd store",
+        gone.what
+    ))
+}
+
+/// Drop a kept memory from systemd's fd store: refused, it must not come
+/// back.
 fn forget_stored_naa(naa: &str) {
     for prefix in [MEMORY_PREFIX, RECORD_PREFIX] {
         if let Err(e) = notify::remove(&format!("{prefix}{naa}")) {
@@ -504,7 +565,7 @@ pub fn open_volumes(
     persistence: Option<&Arc<Persistence>>,
     cancelled: &AtomicBool,
     mut kept: Option<KeptMemory>,
-) -> Result<Volumes, String> {
+) -> Result<Opened, String> {
     let writers_gone = match &kept {
         Some(KeptMemory {
             source: Source::Holder { writer },
@@ -592,9 +653,7 @@ pub fn open_volumes(
             volumes.push(volume);
         }
     }
-    if let Some(k) = kept {
-        k.release_rest();
-    }
+    let unclaimed = kept.map(KeptMemory::unclaimed).unwrap_or_default();
     if persistence.is_some() && notify::has_holder() {
         // Every LUN's memory is claimed by now: this process is its writer.
         // systemd 254 and later say how many descriptors the store takes
@@ -617,7 +676,17 @@ pub fn open_volumes(
             ),
         }
     }
-    Ok(Volumes::new(volumes))
+    Ok(Opened {
+        volumes: Volumes::new(volumes),
+        unclaimed,
+    })
+}
+
+/// What a start opened: the configured LUNs' volumes, and the kept memory
+/// none of them claimed.
+pub struct Opened {
+    pub volumes: Volumes,
+    pub unclaimed: Vec<UnclaimedKept>,
 }
 
 fn recall(

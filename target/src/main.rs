@@ -92,6 +92,14 @@ enum Cmd {
     /// Write the man page and shell completions into DIR (for packaging).
     #[command(hide = true)]
     GenerateDocs { dir: PathBuf },
+    /// Release kept memory that no configured LUN claims (`status` lists
+    /// it) from systemd's fd store, freeing its RAM. Its content is gone.
+    DiscardKept {
+        /// The NAA `status` shows (with or without `naa.`).
+        naa: String,
+        #[command(flatten)]
+        socket: SocketArgs,
+    },
     /// Accept a LUN whose content was lost as an empty device: new identity, ready.
     AcceptEmpty {
         /// Target IQN.
@@ -200,6 +208,7 @@ fn main() -> ExitCode {
             lun,
             socket,
         }) => rt.block_on(accept_empty(target, lun, socket)),
+        Some(Cmd::DiscardKept { naa, socket }) => rt.block_on(discard_kept(naa, socket)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -264,6 +273,12 @@ async fn status(s: SocketArgs, json: bool) -> Result<(), String> {
                         out += &format!("    errors: {} {} × {}\n", e.status, e.sense_key, e.count);
                     }
                 }
+            }
+            for u in &st.unclaimed_kept {
+                out += &format!(
+                    "kept memory naa.{} claimed by no configured LUN ({}): held in systemd's fd store, not served; configure its LUN again or run discard-kept {}\n",
+                    u.naa, u.what, u.naa
+                );
             }
             let p = &st.portal;
             out += &format!(
@@ -413,6 +428,14 @@ async fn accept_empty(target: String, lun: u64, s: SocketArgs) -> Result<(), Str
     }
 }
 
+async fn discard_kept(naa: String, s: SocketArgs) -> Result<(), String> {
+    match control::request(&s.path()?, &Request::DiscardKept { naa }).await? {
+        Reply::Discarded(msg) => print_stdout(&format!("{msg}\n")),
+        Reply::Error(e) => Err(e),
+        other => Err(format!("unexpected reply: {other:?}")),
+    }
+}
+
 /// Subcommand output goes to scripts (`status | grep -q ready`): a reader
 /// that stops early is not an error, and nothing may panic on it.
 fn print_stdout(text: &str) -> Result<(), String> {
@@ -549,10 +572,10 @@ async fn run(
         Err(signal) => {
             cancelled.store(true, Ordering::Release);
             tracing::info!("{signal} during start-up: finishing it, then stopping");
-            let volumes = opening
+            let opened = opening
                 .await
                 .map_err(|e| format!("start-up failed: {e}"))??;
-            let outcome = lifecycle::stop_in_start_up(&volumes);
+            let outcome = lifecycle::stop_in_start_up(&opened.volumes);
             record_stop(persistence.as_deref(), &outcome);
             return match outcome {
                 Ok(summary) => {
@@ -565,7 +588,9 @@ async fn run(
             };
         }
     };
-    let volumes = opened.map_err(|e| format!("start-up failed: {e}"))??;
+    let lifecycle::Opened { volumes, unclaimed } =
+        opened.map_err(|e| format!("start-up failed: {e}"))??;
+    let unclaimed = Arc::new(std::sync::Mutex::new(unclaimed));
 
     let mut targets = Vec::new();
     for warning in cfg.warnings() {
@@ -613,6 +638,7 @@ async fn run(
             stop: stop.clone(),
             stopped: stopped_rx,
             restart: restart_tx,
+            unclaimed: unclaimed.clone(),
         });
         let path = &cfg.control_socket;
         control::serve(path.clone(), control)
@@ -694,8 +720,17 @@ async fn run(
             _ = stop.notified() => tracing::info!("stop requested on the control socket"),
             Some(reply) = restart_rx.recv() => {
                 // Checked while still serving: a refusal changes nothing.
+                let unclaimed_now = control::lock(&unclaimed).iter().map(|u| format!("naa.{}", u.naa)).collect::<Vec<_>>();
                 let checked = if persistence.is_none() {
                     Err("an --ephemeral target keeps nothing across a restart: stop and start it".into())
+                } else if !unclaimed_now.is_empty() {
+                    // The new program could not list it: it would sit in
+                    // the store out of sight until the next start.
+                    Err(format!(
+                        "kept memory no configured LUN claims is held ({}): configure its LUN again \
+                         (then stop and start), or release it with `ramslog-target discard-kept NAA`",
+                        unclaimed_now.join(", ")
+                    ))
                 } else {
                     let (exe, argv, running) = (exe.clone(), argv.clone(), running.clone());
                     tokio::task::spawn_blocking(move || {

@@ -80,6 +80,19 @@ impl FdStoreSupervisor {
         false
     }
 
+    /// Wait until nothing is held under `name` (a removal is a datagram
+    /// this supervisor reads in its own time).
+    pub fn wait_gone(&self, name: &str, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if !self.names().iter().any(|n| n == name) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
     /// A copy of the first descriptor held under `name`.
     pub fn get(&self, name: &str) -> Option<OwnedFd> {
         let held = self.held();

@@ -495,3 +495,100 @@ async fn a_restart_without_a_dump_asks_hosts_back_at_once() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A start whose configuration no longer names a LUN whose memory the
+/// store kept (here: the target renamed by mistake) serves nothing of it
+/// and releases nothing: the memory stays in the store, `status` lists it,
+/// a restart is refused while it is held (the new program could not list
+/// it), `discard-kept` refuses a configured LUN's NAA and an unknown one,
+/// and releases it. Put back, the configuration would have found it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_memory_no_lun_claims_waits_for_discard_kept() {
+    let dir = scratch_dir("kept", "unclaimed");
+    let state = dir.join("state");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    let naa = stored_naa(&sup);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 64, &random_bytes(4096), false)
+            .await
+            .expect("WRITE");
+    }
+    t.kill();
+    let renamed = "iqn.2026-11.org.ramslog:e2e-renamed";
+    let (options, _inherited) = sup.launch(ramslog_tests::TargetOptions {
+        target_name: renamed.into(),
+        ..persistent(&state, Some(port), &[])
+    });
+    let mut t = TargetProcess::start_with(options);
+    assert!(
+        t.output()
+            .contains(&format!("kept memory naa.{naa} (target ")),
+        "{}",
+        t.output_tail(30)
+    );
+    let st = status_text(&state);
+    assert!(
+        st.contains(&format!(
+            "kept memory naa.{naa} claimed by no configured LUN"
+        )) && st.contains("discard-kept"),
+        "{st}"
+    );
+    assert!(
+        sup.names().contains(&format!("lun-{naa}")),
+        "left in the store: {:?}",
+        sup.names()
+    );
+    let refused = restart(&state).expect_err("a restart while unclaimed memory is held");
+    assert!(refused.contains(&format!("naa.{naa}")), "{refused}");
+    assert!(t.is_running());
+
+    let configured = status_text(&state)
+        .lines()
+        .find_map(|l| {
+            l.split("naa.")
+                .nth(1)
+                .map(|r| r.split_whitespace().next().unwrap_or("").to_string())
+        })
+        .filter(|n| *n != naa)
+        .expect("the renamed target's own LUN");
+    let out = cli(&["discard-kept", &configured], &state);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("accept-empty"),
+        "a configured LUN's NAA: {err}"
+    );
+    let out = cli(&["discard-kept", "naa.6001405000000000"], &state);
+    assert!(
+        !out.status.success()
+            && String::from_utf8_lossy(&out.stderr).contains(&format!("naa.{naa}")),
+        "an unknown NAA is refused, naming the unclaimed ones: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let out = cli(&["discard-kept", &format!("naa.{naa}")], &state);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("released"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    for name in [format!("lun-{naa}"), format!("rec-{naa}")] {
+        assert!(
+            sup.wait_gone(&name, Duration::from_secs(5)),
+            "{name} still held: {:?}",
+            sup.names()
+        );
+    }
+    assert!(!status_text(&state).contains("claimed by no configured LUN"));
+    let again = cli(&["discard-kept", &naa], &state);
+    assert!(!again.status.success(), "discarded once only");
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
