@@ -296,6 +296,21 @@ remove_log() { # PATH-OF-ONE-HALF
   fail "the log mirror with $1 was not removed"
 }
 
+# Add a log mirror of two whole disks. zpool labels each disk and waits for
+# udev to make the partition's node; with both lab guests on two emulated
+# cores udev can take longer than zpool waits ("one or more devices is
+# currently unavailable": a CI run saw it once at step a4). Settle first;
+# after such a failure settle again and add once more (-f: the half-written
+# label is this lab's own).
+add_log_mirror() { # DISK-A DISK-B
+  timeout 60 udevadm settle
+  x zpool add "$POOL" log mirror "$1" "$2" && return 0
+  echo "zpool add failed: waiting for udev, then once more"
+  timeout 60 udevadm settle
+  sleep 2
+  x zpool add -f "$POOL" log mirror "$1" "$2"
+}
+
 # Sync writes with the lab's job, on a file of the sync=always dataset.
 zfs_fio() { # NAME SECONDS
   FIO_SYNC_FLAGS="--fsync=1 --size=128M" fio_sync_qd1 "$1" "/$DS/fio.dat" "$2" "$RESULTS"
@@ -412,7 +427,7 @@ LIO_LOG_B=$(by_path "$RXE_ADDR_B:3261" "$LIO_B")
 for round in $(seq 1 "$ROUNDS"); do
   step "a3. round $round/$ROUNDS: sync writes, LIO mirrored log (${SECS} s)"
   remove_log "$LOG_A"
-  x zpool add "$POOL" log mirror "$LIO_LOG_A" "$LIO_LOG_B"
+  add_log_mirror "$LIO_LOG_A" "$LIO_LOG_B"
   zfs_fio "zfs-lio-log-$round" "$SECS"
   if [ "$round" = "$ROUNDS" ]; then
     step "contrast: LIO's half B recreated empty under the same serial while sync writes run"
@@ -436,7 +451,7 @@ for round in $(seq 1 "$ROUNDS"); do
   remove_log "$LIO_LOG_A"
 
   step "a4. round $round/$ROUNDS: the ramslog mirrored log again (${SECS} s), zpool iostat -v sampled"
-  x zpool add "$POOL" log mirror "$LOG_A" "$LOG_B"
+  add_log_mirror "$LOG_A" "$LOG_B"
   writes_a=$(disk_writes "$LOG_A")
   writes_b=$(disk_writes "$LOG_B")
   zpool iostat -v "$POOL" 5 $((SECS / 5 + 1)) >"$RESULTS/iostat-ramslog-log.txt" 2>&1 &
@@ -529,7 +544,7 @@ new_log() {
     for i in $(seq 1 10); do blockdev --rereadpt "$(readlink -f "$d")" 2>/dev/null && break; sleep 1; done
   done
   timeout 60 udevadm settle
-  x zpool add "$POOL" log mirror "$LOG_A" "$LOG_B"
+  add_log_mirror "$LOG_A" "$LOG_B"
   x zpool clear "$POOL"
   echo "--- zpool status, step e (new log) ---"
   zpool status -P "$POOL" | tee "$RESULTS/status-e-new-log.txt"
