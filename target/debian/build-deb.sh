@@ -37,6 +37,7 @@ install -D -m 755 target/host/ramslog-log-sessions "$stage/usr/share/ramslog/hos
 install -D -m 644 target/host/ramslog-zpool-import.service "$stage/usr/share/ramslog/host/ramslog-zpool-import.service"
 install -D -m 644 target/prometheus/ramslog-alerts.yml "$stage/usr/share/ramslog/prometheus/ramslog-alerts.yml"
 install -D -m 644 target/prometheus/ramslog-alerts.test.yml "$stage/usr/share/ramslog/prometheus/ramslog-alerts.test.yml"
+install -D -m 644 "$here/needrestart.conf" "$stage/etc/needrestart/conf.d/ramslog.conf"
 install -D -m 644 "$here/sysctl-hugepages.conf" "$doc/examples/60-ramslog-hugepages.conf"
 install -D -m 644 "$here/copyright" "$doc/copyright"
 for f in README.md docs/*.md; do
@@ -58,7 +59,7 @@ install -D -m 644 "$gen/_ramslog-target" "$stage/usr/share/zsh/vendor-completion
 install -D -m 644 "$gen/ramslog-target.fish" "$stage/usr/share/fish/vendor_completions.d/ramslog-target.fish"
 
 install -m 755 "$here/postinst" "$here/postrm" "$stage/DEBIAN/"
-echo /etc/ramslog/ramslog.toml >"$stage/DEBIAN/conffiles"
+printf '%s\n' /etc/ramslog/ramslog.toml /etc/needrestart/conf.d/ramslog.conf >"$stage/DEBIAN/conffiles"
 printf 'Source: ramslog\n\nPackage: ramslog\nArchitecture: any\n' >"$tree/debian/control"
 depends=$(cd "$tree" && dpkg-shlibdeps -O -e debian/ramslog/usr/bin/ramslog-target -e debian/ramslog/usr/bin/rdma-bench |
   sed -n 's/^shlibs:Depends=//p')

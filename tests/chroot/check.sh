@@ -207,9 +207,11 @@ state=$(chroot "$ROOT" systemctl is-enabled ramslog-target.service 2>&1 || true)
 chroot "$ROOT" ramslog-target check-config /etc/ramslog/ramslog.toml || die "the packaged config does not check"
 [ "$(stat -c %a "$ROOT/var/lib/ramslog")" = 700 ] || die "/var/lib/ramslog is not mode 0700"
 for f in /usr/share/man/man8/ramslog-target.8.gz /usr/share/bash-completion/completions/ramslog-target \
-  /usr/bin/rdma-bench /usr/share/ramslog/host/ramslog-log-sessions; do
+  /usr/bin/rdma-bench /usr/share/ramslog/host/ramslog-log-sessions /etc/needrestart/conf.d/ramslog.conf; do
   [ -e "$ROOT$f" ] || die "the package has no $f"
 done
+# needrestart evaluates its conf.d files as Perl: the exclusion must parse.
+chroot "$ROOT" perl -c /etc/needrestart/conf.d/ramslog.conf || die "the needrestart exclusion does not parse"
 chroot "$ROOT" dpkg -s ramslog | grep -E '^(Version|Depends):'
 echo "$(basename "$deb"): installed, service disabled and not started, lintian without errors"
 say "passed: quick start ${quick}s, total $(($(date +%s) - start))s (logs in $WORK)"
