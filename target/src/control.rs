@@ -67,6 +67,28 @@ pub struct LunStatus {
     /// Commands, bytes, service times and errors since the daemon started.
     #[serde(default)]
     pub io: LunIo,
+    /// Where the content comes from at the next start, by how this run ends.
+    #[serde(default)]
+    pub next_start: String,
+}
+
+/// [`LunStatus::next_start`] for a LUN that is `ready` (or not), in a
+/// daemon with or without a state directory and an fd store holding its
+/// memory.
+pub fn next_start(persistent: bool, ready: bool, store_holds_memory: bool) -> &'static str {
+    match (persistent, ready, store_holds_memory) {
+        (false, _, _) => "empty (--ephemeral keeps no content)",
+        (true, false, _) => {
+            "as now, unless it finds the doubt above gone; accept-empty makes it an empty LUN"
+        }
+        (true, true, true) => {
+            "this memory after a restart or a crash (systemd's fd store holds it), the image after a stop"
+        }
+        (true, true, false) => {
+            "this memory after a restart (handed over in the process), the image after a stop; \
+             a crash loses the content (no fd store holds the memory)"
+        }
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -118,6 +140,9 @@ pub struct Status {
     /// until `discard-kept` (or a start that configures its LUN again).
     #[serde(default)]
     pub unclaimed_kept: Vec<UnclaimedKept>,
+    /// Where a crash or a restart leaves the LUN memory.
+    #[serde(default)]
+    pub kept_memory: String,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -250,6 +275,12 @@ impl Control {
                             restored_taken_unix: st.restored.map(|r| r.taken_unix),
                             written_bytes: st.written_bytes,
                             io: lu.metrics().totals().report(),
+                            next_start: next_start(
+                                v.persistence().is_some(),
+                                st.readiness == Readiness::Ready,
+                                crate::notify::has_holder(),
+                            )
+                            .into(),
                         }
                     })
                     .collect(),
@@ -301,6 +332,7 @@ impl Control {
                 .find_map(|v| v.persistence())
                 .and_then(|p| p.state().failed_stop().cloned()),
             unclaimed_kept: lock(&self.unclaimed).clone(),
+            kept_memory: crate::notify::kept_memory_mode().into(),
         }
     }
 

@@ -230,6 +230,9 @@ async fn status(s: SocketArgs, json: bool) -> Result<(), String> {
                 "state directory: {}\n",
                 st.state_dir.as_deref().unwrap_or("(none: --ephemeral)")
             );
+            if st.state_dir.is_some() && !st.kept_memory.is_empty() {
+                out += &format!("kept memory: {}\n", st.kept_memory);
+            }
             if let Some(f) = &st.failed_stop {
                 out += &format!(
                     "last stop: its dump failed at unix time {}: {} (the LUNs it did not save are NOT READY)\n",
@@ -257,6 +260,9 @@ async fn status(s: SocketArgs, json: bool) -> Result<(), String> {
                     );
                     if let (Some(from), Some(taken)) = (&l.restored_from, l.restored_taken_unix) {
                         out += &format!("    restored from {from} (taken at unix time {taken})\n");
+                    }
+                    if !l.next_start.is_empty() {
+                        out += &format!("    next start: {}\n", l.next_start);
                     }
                     for k in l.io.kinds.iter().filter(|k| k.commands > 0) {
                         let at_most = |v: Option<f64>| v.map_or("-".into(), |v| format!("≤{v} µs"));
@@ -436,6 +442,29 @@ async fn discard_kept(naa: String, s: SocketArgs) -> Result<(), String> {
     }
 }
 
+/// `--kept-memory=off`: what systemd's fd store kept from an earlier run
+/// goes (the LUNs come from their images, or are NOT READY where no image
+/// is current), so that no RAM stays held for memory never used.
+fn release_stored(
+    stored: Vec<(String, std::os::fd::OwnedFd)>,
+) -> Vec<(String, std::os::fd::OwnedFd)> {
+    if stored.is_empty() {
+        return stored;
+    }
+    let names: std::collections::BTreeSet<&str> = stored.iter().map(|(n, _)| n.as_str()).collect();
+    for name in &names {
+        if let Err(e) = notify::remove(name) {
+            tracing::warn!("cannot remove {name} from systemd's fd store: {e}");
+        }
+    }
+    tracing::warn!(
+        descriptors = stored.len(),
+        "--kept-memory=off: released the LUN memory systemd's fd store kept from the previous run; \
+         each LUN comes from its image, or is NOT READY where no image is current"
+    );
+    Vec::new()
+}
+
 /// Subcommand output goes to scripts (`status | grep -q ready`): a reader
 /// that stops early is not an error, and nothing may panic on it.
 fn print_stdout(text: &str) -> Result<(), String> {
@@ -475,6 +504,12 @@ async fn run(
         tracing::error!("what systemd passed at start is unusable ({e}): no kept memory is used");
         Vec::new()
     });
+    let stored = if cfg.kept_memory {
+        stored
+    } else {
+        notify::turn_kept_memory_off();
+        release_stored(stored)
+    };
     let restarted = inherited.is_some();
     let (kept, inherited_listeners, inherited_lock) = match inherited {
         Some(i) => {

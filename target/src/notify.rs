@@ -10,6 +10,7 @@
 use std::io::IoSlice;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixDatagram;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
@@ -29,10 +30,30 @@ pub fn notify(state: &str) {
     }
 }
 
-/// Whether a notification socket is there (the daemon runs under systemd or
-/// a supervisor speaking its protocol), so the fd store can hold memory.
+/// Whether the fd store may hold LUN memory: a notification socket is
+/// there (the daemon runs under systemd or a supervisor speaking its
+/// protocol) and the admin did not turn kept memory off.
 pub fn has_holder() -> bool {
-    std::env::var_os("NOTIFY_SOCKET").is_some()
+    KEPT_MEMORY.load(Ordering::Relaxed) && std::env::var_os("NOTIFY_SOCKET").is_some()
+}
+
+/// `--kept-memory=off`, set once at start: nothing is pushed into the fd
+/// store from then on, and a restart dumps first.
+pub fn turn_kept_memory_off() {
+    KEPT_MEMORY.store(false, Ordering::Relaxed);
+}
+
+static KEPT_MEMORY: AtomicBool = AtomicBool::new(true);
+
+/// Where a crash leaves the LUN memory, for `status`.
+pub fn kept_memory_mode() -> &'static str {
+    if !KEPT_MEMORY.load(Ordering::Relaxed) {
+        "off (--kept-memory=off): a crash loses what no image has; a restart dumps first"
+    } else if has_holder() {
+        "held in systemd's fd store: a crash or a restart keeps it"
+    } else {
+        "no fd store (not run by systemd): a crash loses what no image has; a restart dumps first"
+    }
 }
 
 /// The notification socket, connected; `None` when there is none.
@@ -171,6 +192,9 @@ pub fn store_writer(replace: bool) -> std::io::Result<bool> {
 /// 254 and later (and the tests' supervisor) give the store's size in
 /// `$FDSTORE`. `Err` says why it is not known to hold them.
 pub fn store_holds(need: usize) -> Result<(), String> {
+    if !KEPT_MEMORY.load(Ordering::Relaxed) {
+        return Err("--kept-memory=off".into());
+    }
     if !has_holder() {
         return Err("no systemd notification socket".into());
     }

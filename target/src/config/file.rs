@@ -49,6 +49,7 @@ pub(super) struct FileConfig {
     pub staging_budget: Option<Spanned<String>>,
     pub iser: Option<bool>,
     pub iser_spin: Option<u32>,
+    pub kept_memory: Option<bool>,
     pub discovery_chap: Option<Spanned<FileChap>>,
     pub metrics: Option<Spanned<String>>,
     pub metrics_allow: Option<Spanned<Vec<String>>>,

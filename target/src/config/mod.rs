@@ -223,6 +223,12 @@ pub struct RunArgs {
     /// shared CPUs, where spinning starves the peer).
     #[arg(long, value_name = "POLLS")]
     pub iser_spin: Option<u32>,
+    /// Keep each LUN's memory in systemd's fd store, so that a crash or a
+    /// restart under systemd keeps the content (on, the default). Off: a
+    /// crash loses what no image has, a restart dumps first, and memory the
+    /// store kept from an earlier run is released at start.
+    #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
+    pub kept_memory: Option<bool>,
     /// Serve Prometheus metrics over HTTP at /metrics. A bare port binds
     /// 127.0.0.1; give an address to expose them beyond this host.
     #[arg(long, value_name = "[ADDR:]PORT", value_parser = parse_metrics_addr)]
@@ -231,6 +237,15 @@ pub struct RunArgs {
     /// `2001:db8::/64` or one address); repeatable. Others are closed at once.
     #[arg(long, value_name = "NETWORK", value_parser = parse_metrics_network)]
     pub metrics_allow: Vec<ipnet::IpNet>,
+}
+
+/// `on` or `off`.
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{s:?}: use on or off")),
+    }
 }
 
 /// `--metrics-allow`: a network or one address.
@@ -284,6 +299,8 @@ pub struct Config {
     /// Serve iSER on the portal addresses that belong to an RDMA device.
     pub iser: bool,
     pub iser_spin: u32,
+    /// Hold LUN memory in systemd's fd store (`--kept-memory`).
+    pub kept_memory: bool,
     /// Where the Prometheus endpoint listens; off when `None`.
     pub metrics: Option<SocketAddr>,
     /// The networks the endpoint answers; every source when empty.
@@ -550,6 +567,7 @@ impl Config {
         }
 
         let iser = !args.no_iser && file.iser.unwrap_or(true);
+        let kept_memory = args.kept_memory.or(file.kept_memory).unwrap_or(true);
         let iser_spin = args
             .iser_spin
             .or(file.iser_spin)
@@ -662,6 +680,7 @@ impl Config {
             targets,
             iser,
             iser_spin,
+            kept_memory,
             metrics,
             metrics_allow,
         };

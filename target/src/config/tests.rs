@@ -262,3 +262,46 @@ fn the_rdma_caps_answer_to_their_iser_names_too() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn kept_memory_is_on_unless_the_flag_or_the_file_turns_it_off() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+    let dir = scratch("kept-memory");
+    let file = dir.join("kept.toml");
+    let load = |flags: &[&str], text: Option<&str>| {
+        let mut run = <Cli as clap::Parser>::try_parse_from(
+            ["ramslog-target", "--size", "16M", "--ephemeral"]
+                .into_iter()
+                .chain(flags.iter().copied()),
+        )
+        .map_err(|e| e.to_string())?
+        .run;
+        if let Some(text) = text {
+            std::fs::write(&file, text).unwrap();
+            run.config = Some(file.clone());
+        }
+        Config::load(&run)
+            .map(|c| c.kept_memory)
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(load(&[], None), Ok(true));
+    assert_eq!(load(&["--kept-memory", "off"], None), Ok(false));
+    assert_eq!(load(&["--kept-memory", "on"], None), Ok(true));
+    assert_eq!(load(&[], Some("kept_memory = false\n")), Ok(false));
+    assert_eq!(
+        load(&["--kept-memory", "on"], Some("kept_memory = false\n")),
+        Ok(true),
+        "the flag wins"
+    );
+    let bad = load(&["--kept-memory", "no"], None).unwrap_err();
+    assert!(bad.contains("use on or off"), "{bad}");
+    let bad = load(&[], Some("kept_memory = \"off\"\n")).unwrap_err();
+    assert!(
+        bad.contains("kept.toml:1:") && bad.contains("expected a boolean"),
+        "{bad}"
+    );
+}

@@ -537,6 +537,11 @@ async fn kept_memory_no_lun_claims_waits_for_discard_kept() {
         "{st}"
     );
     assert!(
+        st.contains("kept memory: held in systemd's fd store")
+            && st.contains("next start: this memory after a restart or a crash"),
+        "{st}"
+    );
+    assert!(
         sup.names().contains(&format!("lun-{naa}")),
         "left in the store: {:?}",
         sup.names()
@@ -589,6 +594,76 @@ async fn kept_memory_no_lun_claims_waits_for_discard_kept() {
     assert!(!status_text(&state).contains("claimed by no configured LUN"));
     let again = cli(&["discard-kept", &naa], &state);
     assert!(!again.status.success(), "discarded once only");
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--kept-memory off`: memory the store kept from a run with it on is
+/// released at start (the LUN then comes from its image: NOT READY here,
+/// since a kill -9 left none current), nothing is pushed into the store,
+/// `status` says so, and a restart dumps first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_memory_off_keeps_nothing_and_releases_what_was_kept() {
+    let dir = scratch_dir("kept", "off");
+    let state = dir.join("state");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    let naa = stored_naa(&sup);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 64, &random_bytes(4096), false)
+            .await
+            .expect("WRITE");
+    }
+    t.kill();
+    let (options, _inherited) =
+        sup.launch(persistent(&state, Some(port), &["--kept-memory", "off"]));
+    let t = TargetProcess::start_with(options);
+    for name in [format!("lun-{naa}"), format!("rec-{naa}"), "writer".into()] {
+        assert!(
+            sup.wait_gone(&name, Duration::from_secs(5)),
+            "{name} still held: {:?}",
+            sup.names()
+        );
+    }
+    assert!(
+        t.output().contains("--kept-memory=off: released"),
+        "{}",
+        t.output_tail(30)
+    );
+    assert!(!is_ready(&t).await, "a kill -9 left no current image");
+    assert!(
+        status_text(&state).contains("kept memory: off"),
+        "{}",
+        status_text(&state)
+    );
+    let out = cli(&["accept-empty", t.target_name(), "0"], &state);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let st = status_text(&state);
+    assert!(
+        st.contains("next start: this memory after a restart (handed over in the process), the image after a stop; a crash loses the content"),
+        "{st}"
+    );
+    let out = restart(&state).unwrap_or_else(|e| panic!("{e}\n{}", t.output_tail(30)));
+    assert!(out.contains("1 of 1 LUNs ready"), "{out}");
+    assert!(
+        t.output()
+            .contains("restart: dumping first (--kept-memory=off)"),
+        "{}",
+        t.output_tail(30)
+    );
+    assert!(
+        !sup.names()
+            .iter()
+            .any(|n| n.starts_with("lun-") || n == "writer"),
+        "nothing pushed with kept memory off: {:?}",
+        sup.names()
+    );
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
