@@ -667,3 +667,74 @@ async fn kept_memory_off_keeps_nothing_and_releases_what_was_kept() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// After a crash, a start whose configuration changed the LUN's size or
+/// block size answers NOT READY and leaves the kept memory in the store
+/// (it is this identity's content, in a shape the configuration no longer
+/// has); the configuration put back, the next start serves it, READY with
+/// every acknowledged write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "the configuration put back: not READY")]
+async fn a_changed_lun_shape_is_not_ready_and_reverted_serves_the_kept_memory() {
+    let dir = scratch_dir("kept", "shape");
+    let state = dir.join("state");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    let naa = stored_naa(&sup);
+    let data = random_bytes(4096);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 4096, &data, false).await.expect("WRITE");
+    }
+    t.kill();
+    for (what, changed) in [
+        (
+            "a size of 128M",
+            ramslog_tests::TargetOptions {
+                size: "128M".into(),
+                ..persistent(&state, Some(port), &[])
+            },
+        ),
+        (
+            "4096-byte blocks",
+            persistent(&state, Some(port), &["--block-size", "4096"]),
+        ),
+    ] {
+        let (options, _inherited) = sup.launch(changed);
+        let mut t = TargetProcess::start_with(options);
+        assert!(
+            !is_ready(&t).await,
+            "{what}: served memory of another shape\n{}",
+            t.output_tail(20)
+        );
+        assert!(
+            t.output().contains("kept memory not used"),
+            "{what}: {}",
+            t.output_tail(20)
+        );
+        let stopped = t.stop();
+        assert!(
+            stopped.success(),
+            "{what}: {stopped:?}\n{}",
+            t.output_tail(20)
+        );
+        assert!(
+            sup.names().contains(&format!("lun-{naa}")),
+            "{what}: the memory left the store: {:?}",
+            sup.names()
+        );
+    }
+    let t = start(&sup, &state, Some(port));
+    assert!(
+        is_ready(&t).await,
+        "the configuration put back: not READY\n{}",
+        t.output_tail(20)
+    );
+    let s = open(&t, INITIATOR).await;
+    let got = s.read(0, 4096, 8, 512).await.expect("READ");
+    assert!(got == data, "the acknowledged write after the revert");
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
