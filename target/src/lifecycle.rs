@@ -468,8 +468,11 @@ fn adopt_kept(
         )));
     }
     if (r.lun_bytes, r.block_size) != (size, block_size) {
-        return Err(image(format!(
-            "it holds {} bytes of {}-byte blocks, the configuration {size} of {block_size}",
+        // This identity's content, in a shape the configuration no longer
+        // gives: kept in the store for the configuration put back.
+        return Err(Unkept::NotReady(format!(
+            "its kept memory holds {} bytes of {}-byte blocks, the configuration says {size} of \
+             {block_size}: put the configuration back (the memory is kept) or run accept-empty",
             r.lun_bytes, r.block_size
         )));
     }
