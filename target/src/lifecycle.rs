@@ -434,11 +434,6 @@ fn adopt_kept(
                     r.owner.pid
                 )));
             }
-            if let Some(cause) = &r.exit_cause {
-                return Err(Unkept::NotReady(format!(
-                    "its writer recorded a fault before it ended ({cause:?}): the memory may be damaged"
-                )));
-            }
         }
     }
     // Only a LUN the state knows: recalling an unknown one would give it a
@@ -453,7 +448,7 @@ fn adopt_kept(
     let Some(Recall::Known {
         identity,
         generation,
-        ..
+        clean,
     }) = recalled
     else {
         return Err(Unkept::NotReady(
@@ -496,6 +491,22 @@ fn adopt_kept(
             "it is generation {} (pending {:?}), the state directory's is {generation}",
             r.generation, r.pending_generation
         )));
+    }
+    // A writer that died of a fault may have written anywhere: its memory
+    // is not served. An image of this very generation (a stop dumped it
+    // before a later crash) holds what the memory held when the living
+    // process vouched for it; without one the LUN is NOT READY and the
+    // memory stays in the store.
+    if let Some(cause) = k.record.as_ref().ok().and_then(|c| c.fault) {
+        let why = format!("its writer died of {cause}: the memory may hold bytes nobody wrote");
+        return Err(if clean {
+            image(why)
+        } else {
+            Unkept::NotReady(format!(
+                "{why}, and no image holds generation {generation} (accept-empty, then replace this \
+                 log half in ZFS)"
+            ))
+        });
     }
     let inode = rustix::fs::fstat(&k.memory).map_or(0, |s| s.st_ino);
     if matches!(source, Source::Holder { .. }) && (r.memfd_inode == 0 || r.memfd_inode != inode) {

@@ -176,7 +176,10 @@ fn main() -> ExitCode {
     // Before any other thread runs: it takes the handover's variable out of
     // the environment.
     let (inherited, stored) = match cli.cmd {
-        None => (handover::inherited(), handover::listened()),
+        None => {
+            mark_kept_memory_on_faults();
+            (handover::inherited(), handover::listened())
+        }
         Some(_) => (Ok(None), Ok(Vec::new())),
     };
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -216,6 +219,25 @@ fn main() -> ExitCode {
             eprintln!("ramslog-target: {msg}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// A panic anywhere, or a fault signal, marks every kept-memory record
+/// before the process goes on (a panic in a connection's task ends only
+/// that connection) or dies: a successor after a crash then does not serve
+/// memory its writer may have damaged. A planned restart clears the mark:
+/// the living process vouches for the memory it hands on.
+fn mark_kept_memory_on_faults() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        ramslog_target::store::mark_faults(ramslog_target::store::PANIC_CAUSE);
+        report(info);
+    }));
+    if let Err(e) = ramslog_target::store::install_fault_handlers() {
+        tracing::warn!(
+            "cannot install the fault-signal handlers ({e}): a crash by SIGSEGV, SIGBUS or \
+             SIGILL is judged as a kill -9"
+        );
     }
 }
 

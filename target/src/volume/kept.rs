@@ -15,6 +15,11 @@
 //! format it does not know, a body that does not parse), the answer is an
 //! error, which the caller turns into NOT READY, never a fall-back to the
 //! older slot (an older writer's record) and never a panic.
+//!
+//! The last [`FAULT_BYTES`] of slot 0 are no record's: they hold the fault
+//! mark, which a panic or a fault signal of the writer sets as it dies
+//! ([`crate::store::install_fault_handlers`]). It sits outside the
+//! checksummed slots because a signal handler can only store two words.
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Mutex, OnceLock};
@@ -41,6 +46,11 @@ pub const MEMORY_PREFIX: &str = "lun-";
 pub const RECORD_PREFIX: &str = "rec-";
 /// magic, sequence, body length, CRC32C.
 const HEADER: usize = 8 + 8 + 4 + 4;
+
+/// The fault mark: [`crate::store::FAULT_MARK`] and the cause, at the end
+/// of slot 0 (no record reaches it).
+pub const FAULT_BYTES: usize = 16;
+pub const FAULT_AT: usize = SLOT_BYTES - FAULT_BYTES;
 
 /// What the memory holds, as far as its last writer knew.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -71,14 +81,54 @@ pub struct Owner {
     pub incarnation: u64,
 }
 
-/// Why the owner ended, when it could say so before it died.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+/// The fault the writer marked before it died: after it, the memory may
+/// hold bytes nobody wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExitCause {
-    /// A Rust panic (the panic hook recorded it).
-    Panic { message: String },
+    /// A Rust panic (the panic hook marked it; the log has its message).
+    Panic,
     /// A fault signal (SIGSEGV, SIGBUS, SIGILL) caught by the handler.
-    Signal { signal: i32 },
+    Signal(i32),
+    /// A mark whose cause word is not one this binary writes.
+    Unknown(u64),
+}
+
+impl std::fmt::Display for ExitCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExitCause::Panic => f.write_str("a panic (its message is in the log before the crash)"),
+            ExitCause::Signal(s) => {
+                let name = match *s {
+                    libc::SIGSEGV => "SIGSEGV",
+                    libc::SIGBUS => "SIGBUS",
+                    libc::SIGILL => "SIGILL",
+                    _ => "a fault signal",
+                };
+                write!(f, "{name} (signal {s})")
+            }
+            ExitCause::Unknown(c) => write!(f, "a fault of unknown cause {c:#x}"),
+        }
+    }
+}
+
+impl ExitCause {
+    /// The fault mark in the 16 bytes at [`FAULT_AT`], if one is set.
+    fn of_mark(mark: &[u8]) -> Option<ExitCause> {
+        let word = |at: usize| {
+            mark.get(at..at + 8)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_ne_bytes)
+        };
+        if word(0)? != crate::store::FAULT_MARK {
+            return None;
+        }
+        let cause = word(8)?;
+        Some(match cause {
+            crate::store::PANIC_CAUSE => ExitCause::Panic,
+            s if s > 0 && s < 65 => ExitCause::Signal(s as i32),
+            other => ExitCause::Unknown(other),
+        })
+    }
 }
 
 /// Which parts of the LUN were ever written (what a dump must save).
@@ -119,7 +169,6 @@ pub struct KeptRecord {
     /// /proc/sys/kernel/random/boot_id of the boot that filled the memory.
     pub boot_id: String,
     pub owner: Owner,
-    pub exit_cause: Option<ExitCause>,
     pub written: Written,
 }
 
@@ -160,7 +209,7 @@ pub enum KeptError {
     UnknownFormat { format: u64, sequence: u64 },
     #[error("the kept-memory record (sequence {sequence}) does not parse: {reason}")]
     Unparsable { sequence: u64, reason: String },
-    #[error("the kept-memory record takes {0} bytes, more than a slot's {SLOT_BYTES}")]
+    #[error("the kept-memory record takes {0} bytes, more than a slot's {FAULT_AT}")]
     TooLarge(usize),
 }
 
@@ -170,6 +219,8 @@ pub struct Current {
     pub record: KeptRecord,
     pub sequence: u64,
     pub slot: usize,
+    /// The fault the writer marked as it died, if it did.
+    pub fault: Option<ExitCause>,
 }
 
 /// Where the next write goes: the slot not holding `current`, with the
@@ -188,7 +239,7 @@ pub fn encode_slot(record: &KeptRecord, sequence: u64) -> Result<Vec<u8>, KeptEr
         sequence,
         reason: e.to_string(),
     })?;
-    if HEADER + body.len() > SLOT_BYTES {
+    if HEADER + body.len() > FAULT_AT {
         return Err(KeptError::TooLarge(HEADER + body.len()));
     }
     let mut out = Vec::with_capacity(HEADER + body.len());
@@ -216,7 +267,7 @@ fn slot_body(slot: &[u8]) -> Result<(u64, &[u8]), SlotFault> {
     let (sequence, len, crc) = (u64_at(8), u32_at(16), u32_at(20));
     let end = HEADER
         .checked_add(len as usize)
-        .filter(|&end| end <= slot.len())
+        .filter(|&end| end <= FAULT_AT.min(slot.len()))
         .ok_or(SlotFault::BadLength(len))?;
     let body = &slot[HEADER..end];
     if crc32c::crc32c_append(crc32c::crc32c(&slot[..20]), body) != crc {
@@ -259,6 +310,7 @@ pub fn read_area(area: &[u8]) -> Result<Current, KeptError> {
         record,
         sequence,
         slot,
+        fault: ExitCause::of_mark(&area[FAULT_AT..FAULT_AT + FAULT_BYTES]),
     })
 }
 
@@ -274,8 +326,10 @@ pub struct RecordArea {
 impl RecordArea {
     /// An empty area: no record in force until the first write.
     pub fn new(name: &str) -> Result<RecordArea, StoreError> {
+        let area = Store::named(name, AREA_BYTES as u64, HugePages::Off)?;
+        area.mark_faults_at(FAULT_AT as u64)?;
         Ok(RecordArea {
-            area: Store::named(name, AREA_BYTES as u64, HugePages::Off)?,
+            area,
             current: Mutex::new(None),
         })
     }
@@ -284,10 +338,18 @@ impl RecordArea {
     /// seals LUN memory), with `current` the record read from it: the next
     /// record goes to the other slot, under the next sequence number.
     pub fn adopt(memory: OwnedFd, current: Current) -> Result<RecordArea, StoreError> {
+        let area = Store::adopt(memory, AREA_BYTES as u64, AREA_BYTES as u64)?;
+        area.mark_faults_at(FAULT_AT as u64)?;
         Ok(RecordArea {
-            area: Store::adopt(memory, AREA_BYTES as u64, AREA_BYTES as u64)?,
+            area,
             current: Mutex::new(Some(current)),
         })
+    }
+
+    /// Clear the fault mark: this living process vouches for the memory
+    /// (it hands it over), whatever panic it survived before.
+    pub fn clear_fault_mark(&self) {
+        self.area.clear_fault_mark();
     }
 
     /// Make `record` the one in force: written to the other slot, so a
@@ -308,6 +370,7 @@ impl RecordArea {
                     record: record.clone(),
                     sequence,
                     slot,
+                    fault: None,
                 });
                 Ok(())
             }
@@ -452,7 +515,6 @@ mod tests {
                 start_time: 123_456,
                 incarnation: 0x5eed,
             },
-            exit_cause: None,
             written: Written::Chunks {
                 chunk_bytes: 1 << 20,
                 bitmap: "ff01".into(),
@@ -572,6 +634,42 @@ mod tests {
             read_area(&area[1..]),
             Err(KeptError::AreaSize(AREA_BYTES - 1))
         );
+    }
+
+    /// The fault mark lies outside both records: a writer's panic or fault
+    /// signal sets it without touching them, and every record write leaves
+    /// it as it is.
+    #[test]
+    fn the_fault_mark_is_read_beside_the_record_in_force() {
+        let mut area = vec![0u8; AREA_BYTES];
+        write(&mut area, &record(KeptState::Valid));
+        let mark = |area: &mut [u8], cause: u64| {
+            area[FAULT_AT + 8..FAULT_AT + 16].copy_from_slice(&cause.to_ne_bytes());
+            area[FAULT_AT..FAULT_AT + 8].copy_from_slice(&crate::store::FAULT_MARK.to_ne_bytes());
+        };
+        assert_eq!(read_area(&area).unwrap().fault, None);
+        for (cause, seen) in [
+            (libc::SIGBUS as u64, ExitCause::Signal(libc::SIGBUS)),
+            (crate::store::PANIC_CAUSE, ExitCause::Panic),
+            (0, ExitCause::Unknown(0)),
+        ] {
+            let mut area = area.clone();
+            mark(&mut area, cause);
+            let current = write(&mut area, &record(KeptState::Restoring));
+            assert_eq!(current.fault, Some(seen));
+            let current = write(&mut area, &record(KeptState::Valid));
+            assert_eq!((current.slot, current.fault), (0, Some(seen)));
+        }
+        assert!(ExitCause::Signal(libc::SIGSEGV)
+            .to_string()
+            .contains("SIGSEGV"));
+        // The largest record that fits stops short of the mark.
+        let mut big = record(KeptState::Valid);
+        let room = FAULT_AT - HEADER - serde_json::to_vec(&big).unwrap().len();
+        big.serial.push_str(&"x".repeat(room));
+        assert_eq!(encode_slot(&big, 1).unwrap().len(), FAULT_AT);
+        big.serial.push('x');
+        assert!(matches!(encode_slot(&big, 1), Err(KeptError::TooLarge(_))));
     }
 
     #[test]

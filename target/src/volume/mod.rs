@@ -370,7 +370,6 @@ impl Volume {
             state: m.kept.clone(),
             boot_id: kept::boot_id().into(),
             owner: kept::this_process(),
-            exit_cause: None,
             written,
         };
         if let Err(e) = area.write(&record) {
@@ -401,6 +400,9 @@ impl Volume {
             self.written.is_marked(c)
         });
         self.write_record_with(&m, written);
+        // This living process hands the memory on: whatever panic it
+        // survived before, it vouches for the content, as a dump would.
+        area.clear_fault_mark();
         Some((self.store.memory(), area.memory()))
     }
 

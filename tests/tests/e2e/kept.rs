@@ -737,3 +737,100 @@ async fn a_changed_lun_shape_is_not_ready_and_reverted_serves_the_kept_memory() 
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Send `signal` to the daemon and wait for it to die of it.
+fn die_of(t: &mut TargetProcess, signal: rustix::process::Signal) {
+    use std::os::unix::process::ExitStatusExt;
+    ramslog_tests::send_signal(t.pid(), signal);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = t.try_exit_status() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{signal:?} did not end the daemon"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(
+        status.signal(),
+        Some(signal.as_raw()),
+        "{status:?}\n{}",
+        t.output_tail(10)
+    );
+}
+
+/// A writer that died of a fault signal may have written anywhere: the next
+/// start does not serve its memory. Where no image holds the generation the
+/// LUN is NOT READY naming the fault, at every later start too, and the
+/// memory stays in the store; where a stop dumped the generation and no
+/// write followed, that image is restored instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_that_died_of_a_fault_signal_is_not_served_from_memory() {
+    use rustix::process::Signal;
+    let dir = scratch_dir("kept", "fault");
+    let state = dir.join("state");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    let naa = stored_naa(&sup);
+    let data = random_bytes(4096);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 64, &data, false).await.expect("WRITE");
+    }
+    die_of(&mut t, Signal::SEGV);
+    assert!(t.output().contains("fatal signal"), "{}", t.output_tail(10));
+    for start_after in ["the SIGSEGV", "a start after it"] {
+        let mut t = start(&sup, &state, Some(port));
+        assert!(
+            !is_ready(&t).await,
+            "{start_after}: served the memory of a faulted writer\n{}",
+            t.output_tail(20)
+        );
+        let st = status_text(&state);
+        assert!(st.contains("SIGSEGV"), "{start_after}: {st}");
+        assert!(
+            sup.names().contains(&format!("lun-{naa}")),
+            "{start_after}: the memory left the store: {:?}",
+            sup.names()
+        );
+        t.kill();
+    }
+
+    // accept-empty starts the LUN afresh; a stop dumps this generation,
+    // the next start takes the kept memory, and a SIGBUS before any write
+    // leaves the image as current as the memory: it is restored.
+    let t = start(&sup, &state, Some(port));
+    let out = cli(&["accept-empty", t.target_name(), "0"], &state);
+    assert!(out.status.success(), "{out:?}");
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 64, &data, false).await.expect("WRITE");
+    }
+    let mut t = t;
+    assert!(t.stop().success(), "{}", t.output_tail(20));
+    let mut t = start(&sup, &state, Some(port));
+    assert!(
+        t.output().contains("LUN content kept in memory"),
+        "{}",
+        t.output_tail(20)
+    );
+    die_of(&mut t, Signal::BUS);
+    let t = start(&sup, &state, Some(port));
+    assert!(
+        t.output().contains("SIGBUS") && t.output().contains("restoring LUN content"),
+        "{}",
+        t.output_tail(20)
+    );
+    assert!(is_ready(&t).await, "{}", status_text(&state));
+    let s = open(&t, INITIATOR).await;
+    assert!(
+        s.read(0, 64, 8, 512).await.expect("READ") == data,
+        "the image's content"
+    );
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
