@@ -834,3 +834,116 @@ async fn a_writer_that_died_of_a_fault_signal_is_not_served_from_memory() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A restart whose new binary passes the check but cannot be executed (it
+/// vanished in between) changes nothing for the data: the daemon takes its
+/// LUNs back and serves on, `restart --wait` and `status` say why, writes
+/// after it are kept (under the store, in memory across a kill -9;
+/// without one, the image the restart dumped is stale at once, so a kill -9
+/// is NOT READY, never that image), and a restart with the binary put back
+/// hands everything over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// Expected failure: the daemon exits when the exec fails.
+#[should_panic(expected = "no failed restart in the status")]
+async fn a_restart_whose_exec_fails_serves_on() {
+    use std::os::unix::fs::PermissionsExt;
+    for holder in [true, false] {
+        let dir = scratch_dir("kept", if holder { "exec-held" } else { "exec-bare" });
+        let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+        let state = dir.join("state");
+        std::fs::create_dir_all(dir.join("bin")).expect("mkdir");
+        let bin = dir.join("bin/ramslog-target");
+        std::fs::copy(ramslog_tests::target_binary(), &bin).expect("copy the binary");
+        let options = |port| ramslog_tests::TargetOptions {
+            binary: Some(bin.clone()),
+            ..persistent(&state, port, &[])
+        };
+        let launch = |port| {
+            if holder {
+                TargetProcess::start_with(sup.launch(options(port)).0)
+            } else {
+                TargetProcess::start_with(options(port))
+            }
+        };
+        let mut t = launch(None);
+        let port = t.port();
+        let first = random_bytes(4096);
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 800, &first, false).await.expect("WRITE");
+        drop(s);
+        // The binary passes the check, then is gone when the exec comes.
+        let vanish = || {
+            let vanishing = bin.with_extension("new");
+            std::fs::write(
+                &vanishing,
+                format!(
+                    "#!/bin/bash\nrm -f \"$0\"\nexec {} \"$@\"\n",
+                    ramslog_tests::target_binary().display()
+                ),
+            )
+            .expect("write");
+            std::fs::set_permissions(&vanishing, std::fs::Permissions::from_mode(0o755))
+                .expect("chmod");
+            std::fs::rename(&vanishing, &bin).expect("rename over the binary");
+        };
+        vanish();
+        let out = cli(&["restart"], &state);
+        assert!(out.status.success(), "holder {holder}: {out:?}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !status_text(&state).contains("last restart: failed") {
+            assert!(
+                t.is_running() && Instant::now() < deadline,
+                "holder {holder}: no failed restart in the status\n{}",
+                t.output_tail(20)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Again, as `systemctl reload` runs it: it says why.
+        vanish();
+        let failed = restart(&state).expect_err("a restart without a binary succeeded");
+        assert!(
+            failed.contains("the restart failed") && failed.contains("cannot execute"),
+            "holder {holder}: {failed}\n{}",
+            t.output_tail(20)
+        );
+        assert!(t.is_running(), "holder {holder}: {}", t.output_tail(20));
+        assert!(
+            is_ready(&t).await,
+            "holder {holder}: {}",
+            status_text(&state)
+        );
+        let second = random_bytes(4096);
+        {
+            let s = open(&t, INITIATOR).await;
+            assert!(s.read(0, 800, 8, 512).await.expect("READ") == first);
+            s.write(0, 1600, &second, false)
+                .await
+                .expect("WRITE after the failed restart");
+        }
+        std::fs::copy(ramslog_tests::target_binary(), &bin).expect("put the binary back");
+        if holder {
+            // The next restart hands over, in memory.
+            let out = restart(&state).unwrap_or_else(|e| panic!("{e}\n{}", t.output_tail(30)));
+            assert!(out.contains("1 kept in memory"), "{out}");
+            let s = open(&t, INITIATOR).await;
+            assert!(s.read(0, 1600, 8, 512).await.expect("READ") == second);
+            drop(s);
+            t.kill();
+            let t = launch(Some(port));
+            assert!(is_ready(&t).await, "{}", status_text(&state));
+            let s = open(&t, INITIATOR).await;
+            assert!(s.read(0, 800, 8, 512).await.expect("READ") == first);
+            assert!(s.read(0, 1600, 8, 512).await.expect("READ") == second);
+        } else {
+            // The image the restart dumped does not hold `second`.
+            t.kill();
+            let t = launch(Some(port));
+            assert!(
+                !is_ready(&t).await,
+                "the restart's image came back after later writes\n{}",
+                t.output_tail(20)
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
