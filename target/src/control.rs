@@ -143,12 +143,26 @@ pub struct Status {
     /// Where a crash or a restart leaves the LUN memory.
     #[serde(default)]
     pub kept_memory: String,
+    /// The last planned restart of this program, if it failed after the
+    /// fence (the new program could not be executed): it serves on.
+    #[serde(default)]
+    pub failed_restart: Option<FailedRestart>,
+}
+
+/// A planned restart that failed after the fence: the new program could
+/// not be executed, and this one serves on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailedRestart {
+    /// How many restarts of this program failed so far.
+    pub count: u64,
+    pub at_unix: u64,
+    pub reason: String,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Reply {
-    Status(Status),
+    Status(Box<Status>),
     Accepted {
         target: String,
         lun: u64,
@@ -175,11 +189,14 @@ pub struct Control {
     pub restart: tokio::sync::mpsc::Sender<RestartReply>,
     /// Kept memory no configured LUN claimed at start.
     pub unclaimed: Arc<Mutex<Vec<UnclaimedKept>>>,
+    /// Why the last planned restart failed after the fence, if it did.
+    pub failed_restart: Arc<Mutex<Option<FailedRestart>>>,
 }
 
-/// The unclaimed kept memory, even after a panic elsewhere held the lock.
-pub fn lock(unclaimed: &Mutex<Vec<UnclaimedKept>>) -> MutexGuard<'_, Vec<UnclaimedKept>> {
-    unclaimed.lock().unwrap_or_else(PoisonError::into_inner)
+/// What a control's shared value holds, even after a panic elsewhere held
+/// the lock.
+pub fn lock<T>(shared: &Mutex<T>) -> MutexGuard<'_, T> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// One restart request, as the daemon sees it.
@@ -203,7 +220,7 @@ impl RestartReply {
 impl Control {
     pub fn handle(&self, req: Request) -> Reply {
         match req {
-            Request::Status => Reply::Status(self.status()),
+            Request::Status => Reply::Status(Box::new(self.status())),
             Request::AcceptEmpty { target, lun } => self.accept_empty(&target, lun),
             Request::Stop => Reply::Error("stop is answered when the dump is done".into()),
             Request::Restart => Reply::Error("restart is answered when the handover starts".into()),
@@ -333,6 +350,7 @@ impl Control {
                 .and_then(|p| p.state().failed_stop().cloned()),
             unclaimed_kept: lock(&self.unclaimed).clone(),
             kept_memory: crate::notify::kept_memory_mode().into(),
+            failed_restart: lock(&self.failed_restart).clone(),
         }
     }
 

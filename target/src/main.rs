@@ -18,7 +18,6 @@ use ramslog_target::scsi::ScsiTarget;
 use ramslog_target::tcp;
 use ramslog_target::volume::image;
 use ramslog_target::volume::state::FailedStop;
-use tokio::signal::unix::{signal, SignalKind};
 
 /// The exit status of a stop whose dump failed (EX_IOERR). The unit names
 /// it in RestartPreventExitStatus=: a stop that could not save the content
@@ -178,6 +177,10 @@ fn main() -> ExitCode {
     let (inherited, stored) = match cli.cmd {
         None => {
             mark_kept_memory_on_faults();
+            if let Err(e) = handover::block_stop_signals() {
+                eprintln!("ramslog-target: cannot block the stop signals: {e}");
+                return ExitCode::FAILURE;
+            }
             (handover::inherited(), handover::listened())
         }
         Some(_) => (Ok(None), Ok(Vec::new())),
@@ -259,6 +262,12 @@ async fn status(s: SocketArgs, json: bool) -> Result<(), String> {
                 out += &format!(
                     "last stop: its dump failed at unix time {}: {} (the LUNs it did not save are NOT READY)\n",
                     f.at_unix, f.reason
+                );
+            }
+            if let Some(f) = &st.failed_restart {
+                out += &format!(
+                    "last restart: failed at unix time {} ({} so far): {}; the daemon serves on\n",
+                    f.at_unix, f.count, f.reason
                 );
             }
             for t in &st.targets {
@@ -421,7 +430,15 @@ async fn restart(s: SocketArgs, wait: bool) -> Result<(), String> {
             continue;
         };
         if now.incarnation == before.incarnation {
-            continue;
+            match &now.failed_restart {
+                Some(f) if now.failed_restart != before.failed_restart => {
+                    return Err(format!(
+                        "the restart failed; the daemon serves on: {}",
+                        f.reason
+                    ))
+                }
+                _ => continue,
+            }
         }
         let luns: Vec<_> = now.targets.iter().flat_map(|t| &t.luns).collect();
         let ready = luns.iter().filter(|l| l.ready).count();
@@ -565,17 +582,14 @@ async fn run(
              Unsafe as a ZFS log: use it for demos and tests only"
         );
     }
-    // Installed first: a stop during the restore must not kill the daemon
-    // half-way, and must not dump (the image on disk is still the valid one).
-    let mut term = signal(SignalKind::terminate())
-        .map_err(|e| format!("cannot install SIGTERM handler: {e}"))?;
-    let mut interrupt = signal(SignalKind::interrupt())
-        .map_err(|e| format!("cannot install SIGINT handler: {e}"))?;
-    // A stray SIGHUP (a closed terminal, a `systemctl reload` or `kill -HUP`
-    // by habit) must not take a log half down: nothing here is reloadable
-    // while serving, so it is logged and otherwise ignored.
-    let mut hangup =
-        signal(SignalKind::hangup()).map_err(|e| format!("cannot install SIGHUP handler: {e}"))?;
+    // Read first (they were blocked before any thread started): a stop
+    // during the restore must not kill the daemon half-way, and must not
+    // dump (the image on disk is still the valid one). A stray SIGHUP (a
+    // closed terminal, a `systemctl reload` or `kill -HUP` by habit) must
+    // not take a log half down: nothing here is reloadable while serving,
+    // so it is logged and otherwise ignored.
+    let mut stops =
+        handover::StopSignals::open().map_err(|e| format!("cannot read the stop signals: {e}"))?;
     let hangup_ignored = || {
         tracing::warn!(
             "SIGHUP ignored: nothing to reload; stop with SIGTERM or `ramslog-target stop`"
@@ -612,12 +626,13 @@ async fn run(
     let stop_signal = loop {
         break tokio::select! {
             r = &mut opening => Ok(r),
-            _ = term.recv() => Err("SIGTERM"),
-            _ = interrupt.recv() => Err("SIGINT"),
-            _ = hangup.recv() => {
-                hangup_ignored();
-                continue;
-            }
+            s = stops.recv() => match s {
+                handover::StopSignal::Hangup => {
+                    hangup_ignored();
+                    continue;
+                }
+                stop => Err(stop.name()),
+            },
         };
     };
     let opened = match stop_signal {
@@ -688,6 +703,7 @@ async fn run(
     let stop = Arc::new(tokio::sync::Notify::new());
     let (stopped_tx, stopped_rx) = tokio::sync::watch::channel(None);
     let (restart_tx, mut restart_rx) = tokio::sync::mpsc::channel::<RestartReply>(1);
+    let control_failed_restart = Arc::new(std::sync::Mutex::new(None));
     {
         let control = Arc::new(Control {
             portal: portal.clone(),
@@ -696,6 +712,7 @@ async fn run(
             stopped: stopped_rx,
             restart: restart_tx,
             unclaimed: unclaimed.clone(),
+            failed_restart: control_failed_restart.clone(),
         });
         let path = &cfg.control_socket;
         control::serve(path.clone(), control)
@@ -737,7 +754,7 @@ async fn run(
     drop(inherited_listeners);
     // Second descriptors of the listening sockets: a restart aborts the
     // accept loops (which close theirs) and hands these on.
-    let listener_fds = bound
+    let mut listener_fds = bound
         .iter()
         .map(|l| rustix::io::fcntl_dupfd_cloexec(l, 3))
         .collect::<Result<Vec<_>, _>>()
@@ -764,131 +781,171 @@ async fn run(
         }
     }
 
-    notify("READY=1\nSTATUS=serving");
     let running = handover::Report::of(&cfg);
-    let restart = loop {
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: stopping"),
-            _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
-            _ = hangup.recv() => {
-                hangup_ignored();
-                continue;
-            }
-            _ = stop.notified() => tracing::info!("stop requested on the control socket"),
-            Some(reply) = restart_rx.recv() => {
-                // Checked while still serving: a refusal changes nothing.
-                let unclaimed_now = control::lock(&unclaimed).iter().map(|u| format!("naa.{}", u.naa)).collect::<Vec<_>>();
-                let checked = if persistence.is_none() {
-                    Err("an --ephemeral target keeps nothing across a restart: stop and start it".into())
-                } else if !unclaimed_now.is_empty() {
-                    // The new program could not list it: it would sit in
-                    // the store out of sight until the next start.
-                    Err(format!(
-                        "kept memory no configured LUN claims is held ({}): configure its LUN again \
-                         (then stop and start), or release it with `ramslog-target discard-kept NAA`",
-                        unclaimed_now.join(", ")
-                    ))
-                } else {
-                    let (exe, argv, running) = (exe.clone(), argv.clone(), running.clone());
-                    tokio::task::spawn_blocking(move || {
-                        handover::check(&exe, &argv, &running, std::time::Duration::from_secs(30))
-                    })
-                    .await
-                    .unwrap_or_else(|e| Err(format!("the handover check failed: {e}")))
-                };
-                match checked {
-                    Ok(()) => {
-                        tracing::info!("restart requested: handing over to {}", exe.display());
-                        break Some(reply);
-                    }
-                    Err(why) => {
-                        tracing::warn!("restart refused, still serving: {why}");
-                        reply.answer(Err(format!("restart refused, still serving: {why}"))).await;
+    let failed_restart = control_failed_restart;
+    notify("READY=1\nSTATUS=serving");
+    // Serving; left for a stop, or for a planned restart whose exec
+    // succeeded. One whose exec failed serves on.
+    let outcome = loop {
+        let restart = loop {
+            tokio::select! {
+                s = stops.recv() => match s {
+                    handover::StopSignal::Hangup => {
+                        hangup_ignored();
                         continue;
                     }
-                }
-            }
-        }
-        break None;
-    };
-    // A restart skips the dump when systemd's fd store holds every LUN's
-    // memory and record and the writer's pidfd: a failure before the new
-    // program has taken over then leaves the memory there for the next
-    // start. Otherwise the image is made current first.
-    let ending = match &restart {
-        None => Ending::Stop,
-        Some(_) => {
-            let need = 2 * portal.volumes.len() + 1;
-            match notify::store_holds(need) {
-                Ok(()) => Ending::Restart { dump: false },
-                Err(why) => {
-                    tracing::info!("restart: dumping first ({why})");
-                    Ending::Restart { dump: true }
-                }
-            }
-        }
-    };
-    notify(match ending {
-        Ending::Restart { dump: false } => "STATUS=restarting: fencing and handing over LUN memory",
-        Ending::Restart { dump: true } => {
-            "STATUS=restarting: fencing, dumping and handing over LUN memory"
-        }
-        Ending::Stop => "STOPPING=1\nSTATUS=fencing and dumping LUN content",
-    });
-    // Close the listening sockets before anything else, so a host's reconnect
-    // during the dump is refused by the kernel (a failure initiators retry)
-    // instead of being accepted and dropped mid-login, which can wedge
-    // open-iscsi's session for good. An aborted task's future, with its
-    // listener, is dropped before its handle resolves.
-    // A stop closes them for good; a restart keeps the second descriptors,
-    // so that hosts' reconnects wait in the queue for the new program.
-    let listener_fds = if restart.is_some() {
-        listener_fds
-    } else {
-        drop(listener_fds);
-        Vec::new()
-    };
-    for listener in &tcp_listeners {
-        listener.abort();
-    }
-    for listener in tcp_listeners {
-        let _ = listener.await;
-    }
-    let outcome = {
-        let portal = portal.clone();
-        let mut shutdown =
-            tokio::task::spawn_blocking(move || lifecycle::shutdown(&portal, ending));
-        // While the dump moves bytes, keep systemd's stop timeout at least
-        // STOP_EXTENSION away, so a LUN larger than TimeoutStopSec planned
-        // for is not killed mid-dump; a dump that stalls gets no more time.
-        let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
-        let mut seen = None;
-        loop {
-            tokio::select! {
-                r = &mut shutdown => break r.unwrap_or_else(|e| Err(format!("shutdown failed: {e}"))),
-                _ = tick.tick() => {
-                    let now = image::bytes_dumped();
-                    if seen != Some(now) {
-                        notify(&format!("EXTEND_TIMEOUT_USEC={}", STOP_EXTENSION.as_micros()));
-                        seen = Some(now);
+                    stop => tracing::info!("{}: stopping", stop.name()),
+                },
+                _ = stop.notified() => tracing::info!("stop requested on the control socket"),
+                Some(reply) = restart_rx.recv() => {
+                    // Checked while still serving: a refusal changes nothing.
+                    let unclaimed_now = control::lock(&unclaimed).iter().map(|u| format!("naa.{}", u.naa)).collect::<Vec<_>>();
+                    let checked = if persistence.is_none() {
+                        Err("an --ephemeral target keeps nothing across a restart: stop and start it".into())
+                    } else if !unclaimed_now.is_empty() {
+                        // The new program could not list it: it would sit in
+                        // the store out of sight until the next start.
+                        Err(format!(
+                            "kept memory no configured LUN claims is held ({}): configure its LUN again \
+                             (then stop and start), or release it with `ramslog-target discard-kept NAA`",
+                            unclaimed_now.join(", ")
+                        ))
+                    } else {
+                        let (exe, argv, running) = (exe.clone(), argv.clone(), running.clone());
+                        tokio::task::spawn_blocking(move || {
+                            handover::check(&exe, &argv, &running, std::time::Duration::from_secs(30))
+                        })
+                        .await
+                        .unwrap_or_else(|e| Err(format!("the handover check failed: {e}")))
+                    };
+                    match checked {
+                        Ok(()) => {
+                            tracing::info!("restart requested: handing over to {}", exe.display());
+                            break Some(reply);
+                        }
+                        Err(why) => {
+                            tracing::warn!("restart refused, still serving: {why}");
+                            reply.answer(Err(format!("restart refused, still serving: {why}"))).await;
+                            continue;
+                        }
                     }
                 }
             }
+            break None;
+        };
+        // A restart skips the dump when systemd's fd store holds every LUN's
+        // memory and record and the writer's pidfd: a failure before the new
+        // program has taken over then leaves the memory there for the next
+        // start. Otherwise the image is made current first.
+        let ending = match &restart {
+            None => Ending::Stop,
+            Some(_) => {
+                let need = 2 * portal.volumes.len() + 1;
+                match notify::store_holds(need) {
+                    Ok(()) => Ending::Restart { dump: false },
+                    Err(why) => {
+                        tracing::info!("restart: dumping first ({why})");
+                        Ending::Restart { dump: true }
+                    }
+                }
+            }
+        };
+        notify(match ending {
+            Ending::Restart { dump: false } => {
+                "STATUS=restarting: fencing and handing over LUN memory"
+            }
+            Ending::Restart { dump: true } => {
+                "STATUS=restarting: fencing, dumping and handing over LUN memory"
+            }
+            Ending::Stop => "STOPPING=1\nSTATUS=fencing and dumping LUN content",
+        });
+        // Close the listening sockets before anything else, so a host's reconnect
+        // during the dump is refused by the kernel (a failure initiators retry)
+        // instead of being accepted and dropped mid-login, which can wedge
+        // open-iscsi's session for good. An aborted task's future, with its
+        // listener, is dropped before its handle resolves.
+        // A stop closes them for good; a restart keeps the second descriptors,
+        // so that hosts' reconnects wait in the queue for the new program.
+        if restart.is_none() {
+            listener_fds.clear();
         }
-    };
-    if let Some(reply) = restart {
-        hand_over(
+        for listener in &tcp_listeners {
+            listener.abort();
+        }
+        for listener in tcp_listeners.drain(..) {
+            let _ = listener.await;
+        }
+        let outcome = {
+            let portal = portal.clone();
+            let mut shutdown =
+                tokio::task::spawn_blocking(move || lifecycle::shutdown(&portal, ending));
+            // While the dump moves bytes, keep systemd's stop timeout at least
+            // STOP_EXTENSION away, so a LUN larger than TimeoutStopSec planned
+            // for is not killed mid-dump; a dump that stalls gets no more time.
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+            let mut seen = None;
+            loop {
+                tokio::select! {
+                    r = &mut shutdown => break r.unwrap_or_else(|e| Err(format!("shutdown failed: {e}"))),
+                    _ = tick.tick() => {
+                        let now = image::bytes_dumped();
+                        if seen != Some(now) {
+                            notify(&format!("EXTEND_TIMEOUT_USEC={}", STOP_EXTENSION.as_micros()));
+                            seen = Some(now);
+                        }
+                    }
+                }
+            }
+        };
+        let Some(reply) = restart else {
+            break outcome;
+        };
+        // Returns only if the new program could not be executed: nothing was
+        // lost (the memory is in place, and in the store or dumped), so this
+        // program takes its LUNs back and serves on.
+        let why = hand_over(
             &portal,
             persistence.as_deref(),
             &listener_fds,
-            (ending, outcome),
+            outcome,
             reply,
             &exe,
             &argv,
         )
-        .await?;
-        return Ok(());
-    }
+        .await;
+        tracing::error!("{why}: the restart is abandoned; serving on");
+        for v in portal.volumes.iter() {
+            v.take_back();
+        }
+        portal.gate.reopen();
+        for fd in &listener_fds {
+            let listener = rustix::io::fcntl_dupfd_cloexec(fd, 3)
+                .map_err(std::io::Error::from)
+                .map(std::net::TcpListener::from)
+                .and_then(|l| {
+                    l.set_nonblocking(true)?;
+                    tokio::net::TcpListener::from_std(l)
+                });
+            match listener {
+                Ok(l) => tcp_listeners.push(tokio::spawn(tcp::serve(l, portal.clone()))),
+                Err(e) => {
+                    return Err(format!(
+                        "{why}; and the listening socket cannot be served again ({e}): exiting"
+                    )
+                    .into())
+                }
+            }
+        }
+        {
+            let mut failed = control::lock(&failed_restart);
+            *failed = Some(control::FailedRestart {
+                count: failed.as_ref().map_or(1, |f| f.count + 1),
+                at_unix: ramslog_target::volume::now_unix(),
+                reason: why,
+            });
+        }
+        notify("READY=1\nSTATUS=serving (the last restart failed: see the log)");
+    };
     record_stop(persistence.as_deref(), &outcome);
     let _ = stopped_tx.send(Some(outcome.clone()));
     // Let a waiting `ramslog-target stop` read its answer.
@@ -925,18 +982,19 @@ fn record_stop(
 /// The rest of a planned restart, after the fence and the dump: record each
 /// READY volume's memory as handed over, let it and the listening sockets
 /// and the state directory's lock cross `execve`, answer the requester and
-/// execute the binary again. Returns only when the exec failed: the images
-/// written by the dump are then what the next start restores.
+/// execute the binary again. Returns only when that failed, with the
+/// reason: every descriptor is closed on exec again, for the caller to
+/// take the LUNs back and serve on.
 async fn hand_over(
     portal: &Portal,
     persistence: Option<&ramslog_target::volume::Persistence>,
     listener_fds: &[std::os::fd::OwnedFd],
-    (ending, dumped): (Ending, Result<String, String>),
+    dumped: Result<String, String>,
     reply: RestartReply,
     exe: &Path,
     argv: &[std::ffi::OsString],
-) -> Result<(), String> {
-    use std::os::fd::AsFd;
+) -> String {
+    use std::os::fd::{AsFd, AsRawFd};
     match &dumped {
         Ok(msg) => tracing::info!("restart: {msg}"),
         // The memory still holds the content: handing it over keeps it,
@@ -950,40 +1008,58 @@ async fn hand_over(
         token,
         ..Default::default()
     };
-    let keep = |fd: std::os::fd::BorrowedFd<'_>| {
-        handover::keep_across_exec(fd).map_err(|e| format!("restart: {e}"))
-    };
+    let mut crossing: Vec<std::os::fd::BorrowedFd<'_>> = Vec::new();
     for v in portal.volumes.iter() {
         match v.hand_over(token) {
-            Some((memory, record)) => handed.volumes.push((keep(memory)?, keep(record)?)),
+            Some((memory, record)) => {
+                handed
+                    .volumes
+                    .push((memory.as_raw_fd(), record.as_raw_fd()));
+                crossing.extend([memory, record]);
+            }
             None => {
                 tracing::warn!(target = %v.target(), lun = v.lun(), "not READY: its memory is not handed over; the new program starts it from its image")
             }
         }
     }
     for fd in listener_fds {
-        handed.listeners.push(keep(fd.as_fd())?);
+        handed.listeners.push(fd.as_raw_fd());
+        crossing.push(fd.as_fd());
     }
-    if let Some(p) = persistence {
-        handed.state_lock = Some(keep(p.state().lock())?);
-    }
-    reply
-        .answer(Ok(format!(
-            "{} of {} LUNs handed over in memory to {}",
-            handed.volumes.len(),
-            portal.volumes.len(),
-            exe.display()
-        )))
-        .await;
-    let err = handover::exec(exe, argv, &handed);
-    Err(format!(
-        "restart: cannot execute {}: {err}; exiting ({})",
-        exe.display(),
-        match (ending, dumped.is_ok()) {
-            (Ending::Restart { dump: false }, _) =>
-                "systemd's fd store keeps the LUN memory for the next start",
-            (_, true) => "the next start takes each LUN from its image",
-            (_, false) => "the next start takes each LUN from its image, and the dump had failed",
+    // The state directory's lock, borrowed for a moment at a time: its
+    // mutex is not held across the wait for the requester.
+    let kept = crossing
+        .iter()
+        .try_for_each(|fd| handover::keep_across_exec(*fd).map(drop))
+        .and_then(|()| {
+            if let Some(p) = persistence {
+                handed.state_lock = Some(handover::keep_across_exec(p.state().lock())?);
+            }
+            Ok(())
+        });
+    let failure = match kept {
+        Err(e) => format!("restart: cannot pass a descriptor to the new program: {e}"),
+        Ok(()) => {
+            reply
+                .answer(Ok(format!(
+                    "{} of {} LUNs handed over in memory to {}",
+                    handed.volumes.len(),
+                    portal.volumes.len(),
+                    exe.display()
+                )))
+                .await;
+            let err = handover::exec(exe, argv, &handed);
+            format!("restart: cannot execute {}: {err}", exe.display())
         }
-    ))
+    };
+    let reclosed = crossing
+        .into_iter()
+        .try_for_each(handover::close_on_exec_again)
+        .and_then(|()| {
+            persistence.map_or(Ok(()), |p| handover::close_on_exec_again(p.state().lock()))
+        });
+    if let Err(e) = reclosed {
+        tracing::warn!("a descriptor stays open across a later exec: {e}");
+    }
+    failure
 }

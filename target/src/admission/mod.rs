@@ -818,6 +818,12 @@ impl ConnectionGate {
         controls.len()
     }
 
+    /// Admit connections again after [`Self::close`] (a planned restart
+    /// whose exec failed).
+    pub fn reopen(&self) {
+        self.state().closed = false;
+    }
+
     /// Connections now open, every pool and the evicted that have not
     /// ended yet.
     pub fn counts_now(&self) -> OpenConnections {

@@ -406,6 +406,19 @@ impl Volume {
         Some((self.store.memory(), area.memory()))
     }
 
+    /// A planned restart that did not happen (the new program could not be
+    /// executed): serve this volume again. Its record says valid once more
+    /// and the fence is lifted; a dump the restart made marked this
+    /// generation clean and reset the bump, so the next write makes that
+    /// image stale before it is acknowledged, as after any dump.
+    pub fn take_back(&self) {
+        let mut m = self.meta();
+        if matches!(m.kept, KeptState::HandedOver { .. }) {
+            self.set_kept(&mut m, KeptState::Valid);
+        }
+        self.fenced.store(false, Ordering::SeqCst);
+    }
+
     /// Put this volume's memory and its record into systemd's fd store
     /// (when there is one) under its NAA, instead of any held under
     /// `replacing` or its own NAA before, so that a crash keeps them for
