@@ -515,6 +515,12 @@ fn adopt_kept(
             r.memfd_inode
         )));
     }
+    // Dropping them would let a host fenced by a preempt write again.
+    crate::scsi::check_kept_reservations(&r.reservations).map_err(|why| {
+        Unkept::NotReady(format!(
+            "its record's persistent reservations are not ones this LU could hold ({why})"
+        ))
+    })?;
     let chunks = r
         .written
         .chunks(CHUNK_SIZE, size.div_ceil(CHUNK_SIZE))
@@ -556,7 +562,7 @@ fn adopt_kept(
         Arc::new(store),
         Some(p.clone()),
         generation,
-        Some(area),
+        (Some(area), r.reservations.clone()),
     );
     volume.set_restored(
         Restored {

@@ -230,6 +230,9 @@ impl ScsiTarget {
                 let mut st = lu.lock();
                 let port = st.port(nexus);
                 let uas = st.pr.out(&port, sa, scope, ty, data_out)?;
+                // Recorded before GOOD: a successor serving this memory
+                // fences the same hosts.
+                lu.volume.keep_reservations(st.pr.kept());
                 if sa == PR_OUT_PREEMPT_AND_ABORT {
                     // SPC-4 5.13.11.2.6: the tasks of every preempted I_T
                     // nexus are aborted (TAS=0: without status).

@@ -47,6 +47,12 @@ use ranges::RangeExclusion;
 use vocab::{opc, Geometry, Op};
 
 /// What a command with this operation code does, for counting.
+/// Whether persistent reservations a kept-memory record carries are a
+/// state this LU could have made; why not, if not.
+pub fn check_kept_reservations(kept: &crate::volume::kept::KeptReservations) -> Result<(), String> {
+    PrState::from_kept(kept).map(drop)
+}
+
 pub fn command_kind(opcode: u8) -> CommandKind {
     match opcode {
         opc::READ6 | opc::READ10 | opc::READ12 | opc::READ16 => CommandKind::Read,
@@ -461,10 +467,16 @@ impl ScsiTarget {
             if out.iter().any(|l| l.lun == lun) {
                 return Err(ConfigError::DuplicateLun(lun));
             }
+            // A predecessor's reservations, checked when its memory was
+            // taken over (`check_kept_reservations`).
+            let pr = PrState::from_kept(&volume.kept_reservations()).unwrap_or_else(|why| {
+                tracing::error!(target = %volume.target(), lun, "persistent reservations not taken over: {why}");
+                PrState::default()
+            });
             let st = LuState {
                 nexuses: HashMap::new(),
                 spc2: None,
-                pr: PrState::default(),
+                pr,
             };
             let lu = LogicalUnit {
                 lun,

@@ -1,8 +1,10 @@
 //! SPC-4 persistent reservations (PERSISTENT RESERVE IN/OUT) for one LU.
 //!
 //! Registrations belong to initiator ports (iSCSI name + ISID), not to
-//! sessions: they survive logout and I_T nexus loss (APTPL is not
-//! supported, so they do not survive a restart). There is one target port.
+//! sessions: they survive logout and I_T nexus loss, and a planned restart
+//! or a crash whose LU memory is served again (the kept-memory record
+//! carries them: the LU did not reset). APTPL is not supported, so a start
+//! from an image has none. There is one target port.
 
 use std::sync::Arc;
 
@@ -10,6 +12,7 @@ use ramslog_common::scsi_wire::be64;
 
 use super::sense::{bad_cdb_bit, bad_param, bad_param_bit, ua, SenseReason};
 use super::vocab::Access;
+use crate::volume::kept::{KeptRegistration, KeptReservation, KeptReservations};
 
 pub(crate) const WE: u8 = 1;
 pub(crate) const EA: u8 = 3;
@@ -51,6 +54,72 @@ pub(crate) struct PrState {
 }
 
 impl PrState {
+    /// The state as the kept-memory record carries it.
+    pub fn kept(&self) -> KeptReservations {
+        KeptReservations {
+            generation: self.generation,
+            registrations: self
+                .regs
+                .iter()
+                .map(|r| KeptRegistration {
+                    port: r.port.to_string(),
+                    key: r.key,
+                })
+                .collect(),
+            reservation: self.resv.as_ref().map(|r| KeptReservation {
+                holder: r.holder.to_string(),
+                kind: r.ty,
+            }),
+        }
+    }
+
+    /// The state a predecessor recorded, or why it is not one this LU
+    /// could have made (then nothing of it is taken).
+    pub fn from_kept(k: &KeptReservations) -> Result<PrState, String> {
+        if k.registrations.len() > MAX_REGISTRATIONS {
+            return Err(format!(
+                "{} registrations, more than {MAX_REGISTRATIONS}",
+                k.registrations.len()
+            ));
+        }
+        let mut regs: Vec<Reg> = Vec::with_capacity(k.registrations.len());
+        for r in &k.registrations {
+            if r.key == 0 || r.port.is_empty() || r.port.len() > 512 {
+                return Err(format!(
+                    "a registration of key {:#x} for port {:?}",
+                    r.key, r.port
+                ));
+            }
+            if regs.iter().any(|g| *g.port == *r.port) {
+                return Err(format!("port {:?} registered twice", r.port));
+            }
+            regs.push(Reg {
+                port: r.port.as_str().into(),
+                key: r.key,
+            });
+        }
+        let resv = match &k.reservation {
+            None => None,
+            Some(r) => {
+                if !matches!(r.kind, WE | EA | WE_RO | EA_RO | WE_AR | EA_AR) {
+                    return Err(format!("a reservation of type {:#x}", r.kind));
+                }
+                if !regs.iter().any(|g| *g.port == *r.holder) {
+                    return Err(format!("a reservation held by unregistered {:?}", r.holder));
+                }
+                Some(Resv {
+                    holder: r.holder.as_str().into(),
+                    ty: r.kind,
+                })
+            }
+        };
+        Ok(PrState {
+            generation: k.generation,
+            regs,
+            resv,
+        })
+    }
+
     /// Anything here that RESERVE(6)/RELEASE(6) must yield to.
     pub fn active(&self) -> bool {
         !self.regs.is_empty() || self.resv.is_some()
@@ -347,5 +416,58 @@ impl PrState {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn register(pr: &mut PrState, port: &str, key: u64) {
+        let mut param = [0u8; 24];
+        param[8..16].copy_from_slice(&key.to_be_bytes());
+        pr.out(&Arc::from(port), 0, 0, 0, &param).expect("REGISTER");
+    }
+
+    /// What a record carries comes back as the same state; what no LU
+    /// could have made is refused whole.
+    #[test]
+    fn kept_reservations_round_trip_and_nonsense_is_refused() {
+        let mut pr = PrState::default();
+        register(&mut pr, "iqn.a,i,0x1", 0xaa);
+        register(&mut pr, "iqn.b,i,0x2", 0xbb);
+        let mut param = [0u8; 24];
+        param[0..8].copy_from_slice(&0xaau64.to_be_bytes());
+        pr.out(&Arc::from("iqn.a,i,0x1"), 1, 0, WE, &param)
+            .expect("RESERVE");
+        let kept = pr.kept();
+        assert_eq!(kept.generation, 2);
+        let back = PrState::from_kept(&kept).expect("taken back");
+        assert_eq!(back.kept(), kept);
+        assert!(back.conflicts("iqn.b,i,0x2", Access::Write));
+        assert!(!back.conflicts("iqn.a,i,0x1", Access::Write));
+
+        let broken = |f: &dyn Fn(&mut KeptReservations)| {
+            let mut k = kept.clone();
+            f(&mut k);
+            PrState::from_kept(&k).err()
+        };
+        assert!(broken(&|k| k.reservation.as_mut().unwrap().kind = 2).is_some());
+        assert!(
+            broken(&|k| k.reservation.as_mut().unwrap().holder = "iqn.c,i,0x3".into()).is_some()
+        );
+        assert!(broken(&|k| k.registrations[1].port = k.registrations[0].port.clone()).is_some());
+        assert!(broken(&|k| k.registrations[0].key = 0).is_some());
+        assert!(broken(&|k| {
+            k.registrations = (0..=MAX_REGISTRATIONS as u64)
+                .map(|i| KeptRegistration {
+                    port: format!("iqn.h{i},i,0x1"),
+                    key: i + 1,
+                })
+                .collect();
+            k.reservation = None;
+        })
+        .is_some());
+        assert_eq!(broken(&|k| k.reservation = None), None);
     }
 }

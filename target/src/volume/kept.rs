@@ -144,6 +144,32 @@ pub enum Written {
     },
 }
 
+/// A LUN's persistent reservations, as the SCSI layer last made them: they
+/// survive a planned restart and a crash whose memory is served again (the
+/// LU did not reset; dropping them would let a host fenced by fence_scsi
+/// write again). The image path drops them (no APTPL).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptReservations {
+    /// PRgeneration.
+    pub generation: u32,
+    pub registrations: Vec<KeptRegistration>,
+    pub reservation: Option<KeptReservation>,
+}
+
+/// One registration: an initiator port (iSCSI name and ISID) and its key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptRegistration {
+    pub port: String,
+    pub key: u64,
+}
+
+/// The reservation: its holder's initiator port and its type code.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptReservation {
+    pub holder: String,
+    pub kind: u8,
+}
+
 /// One kept LUN memory, as recorded by its last writer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeptRecord {
@@ -170,6 +196,9 @@ pub struct KeptRecord {
     pub boot_id: String,
     pub owner: Owner,
     pub written: Written,
+    /// Absent in a record without any (or from a binary that kept none).
+    #[serde(default)]
+    pub reservations: KeptReservations,
 }
 
 /// Why one slot holds no record.
@@ -519,6 +548,7 @@ mod tests {
                 chunk_bytes: 1 << 20,
                 bitmap: "ff01".into(),
             },
+            reservations: KeptReservations::default(),
         }
     }
 

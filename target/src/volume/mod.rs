@@ -26,7 +26,7 @@ use std::time::SystemTime;
 
 use crate::notify;
 use crate::store::Store;
-use kept::{KeptRecord, KeptState, RecordArea, Written};
+use kept::{KeptRecord, KeptReservations, KeptState, RecordArea, Written};
 use state::StateDir;
 
 pub use identity::{naa_hex, Identity};
@@ -231,6 +231,8 @@ struct Meta {
     pending_generation: Option<u64>,
     /// What the memory is, as its kept-memory record says.
     kept: KeptState,
+    /// The LU's persistent reservations, recorded beside the memory.
+    reservations: KeptReservations,
 }
 
 /// A volume's state as `status` shows it.
@@ -299,17 +301,24 @@ impl Volume {
                 tracing::error!(target = %cfg.target, lun = cfg.lun, "no kept-memory record ({e}): this memory can never be handed on")
             })
             .ok();
-        Volume::with_record(cfg, store, persistence, generation, record)
+        Volume::with_record(
+            cfg,
+            store,
+            persistence,
+            generation,
+            (record, KeptReservations::default()),
+        )
     }
 
     /// A volume over kept memory, writing its records on in the area its
-    /// predecessor wrote (the one a holder such as systemd's fd store has).
+    /// predecessor wrote (the one a holder such as systemd's fd store has),
+    /// with the persistent reservations that record carried.
     pub fn with_record(
         cfg: VolumeConfig,
         store: Arc<Store>,
         persistence: Option<Arc<Persistence>>,
         generation: u64,
-        record: Option<RecordArea>,
+        (record, reservations): (Option<RecordArea>, KeptReservations),
     ) -> Volume {
         let ready = cfg.readiness == Readiness::Ready;
         let volume = Volume {
@@ -336,6 +345,7 @@ impl Volume {
                 } else {
                     KeptState::Restoring
                 },
+                reservations,
             }),
             persistence,
             imaging: Mutex::new(()),
@@ -371,6 +381,7 @@ impl Volume {
             boot_id: kept::boot_id().into(),
             owner: kept::this_process(),
             written,
+            reservations: m.reservations.clone(),
         };
         if let Err(e) = area.write(&record) {
             tracing::error!(target = %self.target, lun = self.lun, "kept-memory record not written ({e}): no successor will serve this memory");
@@ -404,6 +415,23 @@ impl Volume {
         // survived before, it vouches for the content, as a dump would.
         area.clear_fault_mark();
         Some((self.store.memory(), area.memory()))
+    }
+
+    /// The persistent reservations the record carries (those a predecessor
+    /// left, until the LU's first change).
+    pub fn kept_reservations(&self) -> KeptReservations {
+        self.meta().reservations.clone()
+    }
+
+    /// Record the LU's persistent reservations as they are now: called
+    /// under the LU's lock after each change, before its GOOD, so a
+    /// successor serving this memory has them too.
+    pub fn keep_reservations(&self, reservations: KeptReservations) {
+        let mut m = self.meta();
+        if m.reservations != reservations {
+            m.reservations = reservations;
+            self.write_record(&m);
+        }
     }
 
     /// A planned restart that did not happen (the new program could not be

@@ -991,3 +991,105 @@ async fn a_stop_during_a_restart_is_honoured_by_the_new_program() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Host A holds a WRITE EXCLUSIVE reservation and has preempted host B (as
+/// fence_scsi fences a node). A planned restart and a crash whose memory is
+/// served again keep that: B's write still conflicts, and the keys read
+/// back are A's alone. A stop and a start through the image drop
+/// persistent reservations (no APTPL): B writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_survive_a_restart_and_a_crash_but_not_a_stop() {
+    const HOST_B: &str = "iqn.2026-11.org.ramslog:e2e-fenced-host";
+    let pr_out = ramslog_common::cdb::persistent_reserve_out;
+    let dir = scratch_dir("kept", "reservations");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let state = dir.join("state");
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    stored_naa(&sup);
+    let b_writes = |t: &TargetProcess| {
+        let (addr, name) = (t.addr(), t.target_name().to_string());
+        async move {
+            let b = Session::login(addr, LoginParams::normal(HOST_B, &name))
+                .await
+                .expect("login B");
+            clear_unit_attentions(&b).await;
+            let cdb = ramslog_common::cdb::write10(100, 1, false).expect("WRITE(10)");
+            let r = b
+                .command(0, &cdb, Some(&[0x5a; 512]), 0)
+                .await
+                .expect("B's WRITE");
+            r.status
+        }
+    };
+    let keys = |t: &TargetProcess| {
+        let t_addr = (t.addr(), t.target_name().to_string());
+        async move {
+            let a = Session::login(t_addr.0, LoginParams::normal(INITIATOR, &t_addr.1))
+                .await
+                .expect("login A");
+            clear_unit_attentions(&a).await;
+            let r = a
+                .command(0, &[0x5e, 0, 0, 0, 0, 0, 0, 0, 255, 0], None, 255)
+                .await
+                .expect("PERSISTENT RESERVE IN, READ KEYS");
+            assert!(r.is_good(), "{r:?}");
+            let len = u32::from_be_bytes(r.data[4..8].try_into().expect("length")) as usize;
+            r.data[8..8 + len]
+                .chunks(8)
+                .map(|k| u64::from_be_bytes(k.try_into().expect("key")))
+                .collect::<Vec<_>>()
+        }
+    };
+    {
+        let a = open(&t, INITIATOR).await;
+        let b = open(&t, HOST_B).await;
+        for (s, sa, key, sa_key) in [
+            (&a, 0, 0, 0xaa),
+            (&b, 0, 0, 0xbb),
+            (&a, 1, 0xaa, 0),
+            (&a, 4, 0xaa, 0xbb),
+        ] {
+            let (cdb, params) = pr_out(sa, key, sa_key);
+            let r = s
+                .command(0, &cdb, Some(&params), 0)
+                .await
+                .expect("PERSISTENT RESERVE OUT");
+            assert!(r.is_good(), "service action {sa}: {r:?}");
+        }
+    }
+    assert_eq!(b_writes(&t).await, status::RESERVATION_CONFLICT, "fenced");
+    restart(&state).unwrap_or_else(|e| panic!("{e}\n{}", t.output_tail(20)));
+    assert_eq!(
+        b_writes(&t).await,
+        status::RESERVATION_CONFLICT,
+        "after a restart\n{}",
+        t.output_tail(20)
+    );
+    assert_eq!(keys(&t).await, vec![0xaa], "after a restart");
+    t.kill();
+    let mut t = start(&sup, &state, Some(port));
+    assert!(
+        t.output().contains("LUN content kept in memory"),
+        "{}",
+        t.output_tail(20)
+    );
+    assert_eq!(
+        b_writes(&t).await,
+        status::RESERVATION_CONFLICT,
+        "after a crash\n{}",
+        t.output_tail(20)
+    );
+    assert_eq!(keys(&t).await, vec![0xaa], "after a crash");
+    assert!(t.stop().success(), "{}", t.output_tail(20));
+    sup.clear();
+    let t = start(&sup, &state, Some(port));
+    assert_eq!(b_writes(&t).await, status::GOOD, "after a stop and a start");
+    assert_eq!(
+        keys(&t).await,
+        Vec::<u64>::new(),
+        "after a stop and a start"
+    );
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
