@@ -191,6 +191,45 @@ pub struct Control {
     pub unclaimed: Arc<Mutex<Vec<UnclaimedKept>>>,
     /// Why the last planned restart failed after the fence, if it did.
     pub failed_restart: Arc<Mutex<Option<FailedRestart>>>,
+    /// The administrative operation under way.
+    pub under_way: UnderWay,
+}
+
+/// The one administrative operation that changes what the LUNs hold or
+/// who holds them (an accept-empty, a discard-kept, a restart, a stop's
+/// dump) under way, if any: two at once could, say, hand over a LUN half
+/// given a new identity.
+#[derive(Clone, Default)]
+pub struct UnderWay(Arc<Mutex<Option<&'static str>>>);
+
+/// [`UnderWay`] taken for one operation, until dropped.
+pub struct UnderWayGuard(Arc<Mutex<Option<&'static str>>>);
+
+impl UnderWay {
+    /// Begin `what`, or say which operation is under way.
+    pub fn begin(&self, what: &'static str) -> Result<UnderWayGuard, String> {
+        let mut now = lock(&self.0);
+        match *now {
+            Some(other) => Err(format!(
+                "{other} is under way: {what} is refused; try again once it is done"
+            )),
+            None => {
+                *now = Some(what);
+                Ok(UnderWayGuard(self.0.clone()))
+            }
+        }
+    }
+
+    /// The operation under way, if any.
+    pub fn now(&self) -> Option<&'static str> {
+        *lock(&self.0)
+    }
+}
+
+impl Drop for UnderWayGuard {
+    fn drop(&mut self) {
+        *lock(&self.0) = None;
+    }
 }
 
 /// What a control's shared value holds, even after a panic elsewhere held
@@ -233,7 +272,11 @@ impl Control {
     async fn restart(&self) -> (Reply, tokio::sync::oneshot::Sender<()>) {
         let (answer, rx) = tokio::sync::oneshot::channel();
         let (written, delivered) = tokio::sync::oneshot::channel();
-        let reply = if self
+        let reply = if let Some(other) = self.under_way.now() {
+            Reply::Error(format!(
+                "{other} is under way: the restart is refused; try again once it is done"
+            ))
+        } else if self
             .restart
             .try_send(RestartReply { answer, delivered })
             .is_err()
@@ -355,6 +398,10 @@ impl Control {
     }
 
     fn discard_kept(&self, naa: &str) -> Reply {
+        let _one_at_a_time = match self.under_way.begin("discard-kept") {
+            Ok(g) => g,
+            Err(why) => return Reply::Error(why),
+        };
         let wanted = naa.trim_start_matches("naa.").to_ascii_lowercase();
         let configured = self.portal.targets.iter().find_map(|t| {
             t.scsi.luns().find_map(|lu| {
@@ -376,6 +423,10 @@ impl Control {
     }
 
     fn accept_empty(&self, target: &str, lun: u64) -> Reply {
+        let _one_at_a_time = match self.under_way.begin("accept-empty") {
+            Ok(g) => g,
+            Err(why) => return Reply::Error(why),
+        };
         let Some(t) = self.portal.target(target) else {
             return Reply::Error(format!(
                 "no target named {target}; `ramslog-target status` lists them"
@@ -603,4 +654,30 @@ pub async fn request(path: &Path, req: &Request) -> Result<Reply, String> {
         (Ok(None), Ok(())) => return Err("daemon closed the control socket".into()),
     };
     serde_json::from_str(&reply).map_err(|e| format!("bad reply from daemon: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One operation at a time; the refusal names the one under way, and
+    /// the next may begin once its guard is gone.
+    #[test]
+    fn one_operation_is_under_way_at_a_time() {
+        let under_way = UnderWay::default();
+        let accepting = under_way.begin("accept-empty").expect("nothing under way");
+        assert_eq!(under_way.now(), Some("accept-empty"));
+        let refused = under_way.begin("restart").err().expect("refused");
+        assert!(
+            refused.starts_with("accept-empty is under way: restart is refused"),
+            "{refused}"
+        );
+        drop(accepting);
+        assert_eq!(under_way.now(), None);
+        let _restarting = under_way.clone().begin("restart").expect("free again");
+        assert!(
+            under_way.begin("discard-kept").is_err(),
+            "a clone shares it"
+        );
+    }
 }

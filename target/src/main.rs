@@ -704,6 +704,7 @@ async fn run(
     let (stopped_tx, stopped_rx) = tokio::sync::watch::channel(None);
     let (restart_tx, mut restart_rx) = tokio::sync::mpsc::channel::<RestartReply>(1);
     let control_failed_restart = Arc::new(std::sync::Mutex::new(None));
+    let under_way = control::UnderWay::default();
     {
         let control = Arc::new(Control {
             portal: portal.clone(),
@@ -713,6 +714,7 @@ async fn run(
             restart: restart_tx,
             unclaimed: unclaimed.clone(),
             failed_restart: control_failed_restart.clone(),
+            under_way: under_way.clone(),
         });
         let path = &cfg.control_socket;
         control::serve(path.clone(), control)
@@ -786,7 +788,7 @@ async fn run(
     notify("READY=1\nSTATUS=serving");
     // Serving; left for a stop, or for a planned restart whose exec
     // succeeded. One whose exec failed serves on.
-    let outcome = loop {
+    let (outcome, _stopping) = loop {
         let restart = loop {
             tokio::select! {
                 s = stops.recv() => match s {
@@ -798,6 +800,13 @@ async fn run(
                 },
                 _ = stop.notified() => tracing::info!("stop requested on the control socket"),
                 Some(reply) = restart_rx.recv() => {
+                    let restarting = match under_way.begin("restart") {
+                        Ok(g) => g,
+                        Err(why) => {
+                            reply.answer(Err(why)).await;
+                            continue;
+                        }
+                    };
                     // Checked while still serving: a refusal changes nothing.
                     let unclaimed_now = control::lock(&unclaimed).iter().map(|u| format!("naa.{}", u.naa)).collect::<Vec<_>>();
                     let checked = if persistence.is_none() {
@@ -821,7 +830,7 @@ async fn run(
                     match checked {
                         Ok(()) => {
                             tracing::info!("restart requested: handing over to {}", exe.display());
-                            break Some(reply);
+                            break Some((reply, restarting));
                         }
                         Err(why) => {
                             tracing::warn!("restart refused, still serving: {why}");
@@ -832,6 +841,17 @@ async fn run(
                 }
             }
             break None;
+        };
+        // A stop holds `under_way` from its fence to the exit; an
+        // accept-empty or a discard-kept under way ends first.
+        let stopping = match restart {
+            Some(_) => None,
+            None => loop {
+                match under_way.begin("stop") {
+                    Ok(g) => break Some(g),
+                    Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+                }
+            },
         };
         // A restart skips the dump when systemd's fd store holds every LUN's
         // memory and record and the writer's pidfd: a failure before the new
@@ -897,8 +917,8 @@ async fn run(
                 }
             }
         };
-        let Some(reply) = restart else {
-            break outcome;
+        let Some((reply, _restarting)) = restart else {
+            break (outcome, stopping);
         };
         // Returns only if the new program could not be executed: nothing was
         // lost (the memory is in place, and in the store or dumped), so this
