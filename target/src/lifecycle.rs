@@ -24,17 +24,37 @@ use crate::volume::{Identity, Persistence, Readiness, Restored, Volume, VolumeCo
 /// (the volumes are fenced either way: nothing more is acknowledged).
 pub const CONNECTION_DRAIN: Duration = Duration::from_secs(10);
 
+/// Why the state directory could not be opened.
+#[derive(Debug)]
+pub enum OpenError {
+    /// Another process holds its lock.
+    Locked(String),
+    Other(String),
+}
+
+impl From<OpenError> for String {
+    fn from(e: OpenError) -> String {
+        match e {
+            OpenError::Locked(s) | OpenError::Other(s) => s,
+        }
+    }
+}
+
 /// Open the state directory (locked for the daemon's lifetime, through
 /// `inherited_lock` after a planned restart) and the image directory.
 pub fn open_persistence(
     cfg: &Config,
     inherited_lock: Option<OwnedFd>,
-) -> Result<Option<Arc<Persistence>>, String> {
+) -> Result<Option<Arc<Persistence>>, OpenError> {
     let (Some(state_dir), Some(image_dir)) = (&cfg.state_dir, &cfg.image_dir) else {
         return Ok(None);
     };
-    let state = StateDir::open_with(state_dir, inherited_lock).map_err(|e| e.to_string())?;
-    private_dir::prepare(image_dir, "image directory").map_err(|e| e.to_string())?;
+    let state = StateDir::open_with(state_dir, inherited_lock).map_err(|e| match e {
+        e @ crate::volume::state::StateError::Locked { .. } => OpenError::Locked(e.to_string()),
+        e => OpenError::Other(e.to_string()),
+    })?;
+    private_dir::prepare(image_dir, "image directory")
+        .map_err(|e| OpenError::Other(e.to_string()))?;
     Ok(Some(Arc::new(Persistence::new(state, image_dir.clone()))))
 }
 

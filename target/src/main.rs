@@ -595,7 +595,53 @@ async fn run(
             "SIGHUP ignored: nothing to reload; stop with SIGTERM or `ramslog-target stop`"
         )
     };
-    let persistence = lifecycle::open_persistence(&cfg, inherited_lock)?;
+    // A start after a crash under systemd whose last writer has not let go
+    // of the state directory yet (a leader still ending, a straggler in D
+    // state) waits for it instead of exiting: a unit that ends `failed`
+    // loses systemd's fd store, and with it the kept memory. systemd's
+    // timeout is kept away meanwhile, and `systemctl status` says why. A
+    // stop meanwhile is honoured once the lock is had: the start-up is
+    // finished and what must be saved is dumped.
+    let from_store = !restarted && kept.is_some();
+    let mut inherited_lock = inherited_lock;
+    let mut stop_while_waiting = None;
+    let mut waiting_since: Option<std::time::Instant> = None;
+    let persistence = loop {
+        match lifecycle::open_persistence(&cfg, inherited_lock.take()) {
+            Ok(p) => break p,
+            Err(lifecycle::OpenError::Locked(why)) if from_store => {
+                let since = *waiting_since.get_or_insert_with(|| {
+                    tracing::warn!(
+                        "{why}: waiting for it (after a crash, the previous daemon may still be ending); \
+                         the kept LUN memory is taken over once this start holds the lock"
+                    );
+                    std::time::Instant::now()
+                });
+                notify(&format!(
+                    "STATUS=waiting {} s for the state directory's lock (another process holds it)\nEXTEND_TIMEOUT_USEC={}",
+                    since.elapsed().as_secs(),
+                    STOP_EXTENSION.as_micros()
+                ));
+                tokio::select! {
+                    _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+                    s = stops.recv() => match s {
+                        handover::StopSignal::Hangup => hangup_ignored(),
+                        stop => {
+                            tracing::info!("{}: stopping once the state directory's lock is had", stop.name());
+                            stop_while_waiting = Some(stop.name());
+                        }
+                    },
+                }
+            }
+            Err(e) => return Err(String::from(e).into()),
+        }
+    };
+    if let Some(since) = waiting_since {
+        tracing::info!(
+            waited_s = since.elapsed().as_secs_f64(),
+            "the state directory's lock is this start's"
+        );
+    }
     if let Some(f) = persistence
         .as_ref()
         .and_then(|p| p.state().failed_stop().cloned())
@@ -624,6 +670,9 @@ async fn run(
         })
     };
     let stop_signal = loop {
+        if let Some(stop) = stop_while_waiting.take() {
+            break Err(stop);
+        }
         break tokio::select! {
             r = &mut opening => Ok(r),
             s = stops.recv() => match s {

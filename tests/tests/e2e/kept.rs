@@ -1093,3 +1093,108 @@ async fn reservations_survive_a_restart_and_a_crash_but_not_a_stop() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// After a crash, the start systemd makes may find the state directory
+/// still locked by a process of the previous run (a leader still ending, a
+/// straggler): it waits for the lock instead of exiting (which would end
+/// the unit and lose the store), and once the lock is free takes the kept
+/// memory over, READY with every acknowledged write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_after_a_crash_waits_for_the_state_directory_lock() {
+    let dir = scratch_dir("kept", "lock-wait");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let state = dir.join("state");
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    stored_naa(&sup);
+    let data = random_bytes(4096);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 800, &data, false).await.expect("WRITE");
+    }
+    t.kill();
+    // The straggler: this test holds the directory's lock.
+    let straggler = std::fs::File::open(&state).expect("open the state directory");
+    straggler.lock().expect("lock it");
+    let (options, _inherited) = sup.launch(persistent(&state, Some(port), &[]));
+    let mut t = TargetProcess::spawn_with(options);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !t.output().contains("waiting for it") {
+        assert!(
+            t.is_running() && Instant::now() < deadline,
+            "the start did not wait for the lock\n{}",
+            t.output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(t.is_running(), "{}", t.output_tail(20));
+    assert!(
+        !t.output().contains("listening on"),
+        "{}",
+        t.output_tail(20)
+    );
+    drop(straggler);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !t.output().contains("listening on") {
+        assert!(
+            t.is_running() && Instant::now() < deadline,
+            "no start once the lock was free\n{}",
+            t.output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        t.output().contains("LUN content kept in memory"),
+        "{}",
+        t.output_tail(20)
+    );
+    assert!(is_ready(&t).await, "{}", status_text(&state));
+    let s = open(&t, INITIATOR).await;
+    assert!(s.read(0, 800, 8, 512).await.expect("READ") == data);
+    drop(s);
+
+    // A stop while it waits is honoured once the lock is had: the kept
+    // memory is taken over and dumped (exit 0), so a start without the
+    // store has the content.
+    let mut t = t;
+    t.kill();
+    let straggler = std::fs::File::open(&state).expect("open the state directory");
+    straggler.lock().expect("lock it");
+    let (options, _inherited) = sup.launch(persistent(&state, Some(port), &[]));
+    let mut t = TargetProcess::spawn_with(options);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !t.output().contains("waiting for it") {
+        assert!(
+            t.is_running() && Instant::now() < deadline,
+            "{}",
+            t.output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ramslog_tests::send_signal(t.pid(), rustix::process::Signal::TERM);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        t.is_running(),
+        "exited without the lock\n{}",
+        t.output_tail(20)
+    );
+    drop(straggler);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let exit = loop {
+        if let Some(st) = t.try_exit_status() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "{}", t.output_tail(20));
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(exit.success(), "{exit:?}\n{}", t.output_tail(20));
+    sup.clear();
+    let t = start(&sup, &state, Some(port));
+    assert!(is_ready(&t).await, "{}", status_text(&state));
+    let s = open(&t, INITIATOR).await;
+    assert!(s.read(0, 800, 8, 512).await.expect("READ") == data);
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
