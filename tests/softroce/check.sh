@@ -93,6 +93,13 @@ done
 [ -s "$list.rest" ] && { echo "softroce: scripts left unrun after three boots: $(tr '\n' ' ' <"$list.rest")" >&2; fail=1; }
 echo "softroce: the short scripts:"
 awk -F'\t' '{ printf "  %-32s %s in %s s\n", $1, ($2 == 0 ? "passed" : "FAILED (exit " $2 ")"), $3 }' "$all"
+# A failed script's end, here where a CI summary that keeps only the tail of
+# the output still shows it (the whole output streamed above).
+while IFS=$'\t' read -r entry rc _ log; do
+  [ "$rc" != 0 ] && [ -s "${log:-}" ] || continue
+  echo "softroce: the last 40 lines of $entry (all of it: $log):"
+  tail -n 40 "$log" | sed 's/^/  | /'
+done <"$all"
 
 if [ -n "$zfs_pid" ]; then
   echo "softroce: waiting for zfs/run (running beside the suite since the start)"

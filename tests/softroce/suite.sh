@@ -16,7 +16,7 @@
 # guest (tests/softroce/check.sh does).
 #
 # Results, one line per script, go to $RESULTS/suite.tsv (script, exit code,
-# seconds) and, when RAMSLOG_TIMES is set, to that file as "lab" lines. The
+# seconds, its output in $RESULTS/script-logs/) and, when RAMSLOG_TIMES is set, to that file as "lab" lines. The
 # exit code is 64 + the number of failed scripts (a baseline break counts as
 # one more), so the caller also proves the harness hands the guest's exit
 # code back: it compares the code with the results.
@@ -86,9 +86,27 @@ for i in "${!entries[@]}"; do
   echo
   echo "##### suite: $entry (timeout ${timeout} s)"
   t0=$(date +%s)
+  log=$RESULTS/script-logs/$(tr -c 'A-Za-z0-9.\n-' _ <<<"$entry").log
+  mkdir -p "$(dirname "$log")"
   # timeout signals its whole process group: the script and its children.
-  timeout -k 10 "$timeout" bash "$HERE/${cmd[0]}" "${cmd[@]:1}" </dev/null
+  # Its output goes to a file that is streamed (not piped: a daemon the
+  # script leaves behind would hold a pipe open), so that the caller can
+  # show a failed script's end after the summary.
+  timeout -k 10 "$timeout" bash "$HERE/${cmd[0]}" "${cmd[@]:1}" </dev/null >"$log" 2>&1 &
+  pid=$!
+  # Shortly before the timeout, a picture of what still runs and where it
+  # waits, so that a hang names itself.
+  (
+    sleep $((timeout > 60 ? timeout - 20 : timeout))
+    echo "##### suite: $entry still runs after $((timeout > 60 ? timeout - 20 : timeout)) s; the processes and where they wait:"
+    ps -eo pid,ppid,stat,etimes,wchan:28,args --forest | grep -v ' \[.*\]$'
+  ) >>"$log" 2>&1 &
+  watchdog=$!
+  tail -n +1 -f --pid="$pid" "$log"
+  wait "$pid"
   rc=$?
+  kill "$watchdog" 2>/dev/null
+  wait "$watchdog" 2>/dev/null
   secs=$(($(date +%s) - t0))
   status=passed
   [ "$rc" = 0 ] || status=FAILED
@@ -101,7 +119,7 @@ for i in "${!entries[@]}"; do
     fi
   fi
   [ "$rc" = 0 ] || failed=$((failed + 1))
-  printf '%s\t%s\t%s\n' "$entry" "$rc" "$secs" >>"$RESULTS/suite.tsv"
+  printf '%s\t%s\t%s\t%s\n' "$entry" "$rc" "$secs" "$log" >>"$RESULTS/suite.tsv"
   [ -n "${RAMSLOG_TIMES:-}" ] && printf 'lab\t%s\t%s\t%s\n' "$entry" "$status" "$secs" >>"$RAMSLOG_TIMES"
   echo "##### suite: $entry $status (exit $rc) in $secs s"
   if ((i + 1 < ${#entries[@]})); then

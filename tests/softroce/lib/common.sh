@@ -17,7 +17,8 @@
 #                          until an rdma_cm ID listens on PORT (the kernel's own
 #                          list, `rdma resource show cm_id`); fails when PID exits
 #                          first or after SECONDS (30)
-#   stop_pid PID           kill and reap
+#   stop_pid PID [SECONDS] kill and reap; fails (after SIGKILL and a picture of
+#                          its threads) when PID outlives SIGTERM by SECONDS (120)
 set -euo pipefail
 LAB_LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$LAB_LIB/../../.." && pwd)
@@ -80,8 +81,26 @@ target_start() {
 }
 
 # Kill a background process by PID and reap it (a bare `wait` would also wait
-# for daemons such as iscsid and hang the guest).
+# for daemons such as iscsid and hang the guest). One that outlives SIGTERM by
+# SECONDS (120) is a failure with a picture of where its threads wait, then
+# SIGKILLed: never a silent suite timeout.
 stop_pid() {
-  kill "$1" 2>/dev/null || true
-  wait "$1" 2>/dev/null || true
+  local pid=$1 secs=${2:-120} i state t
+  kill "$pid" 2>/dev/null || true
+  for ((i = 0; i < secs * 5; i++)); do
+    # kill -0 succeeds on a zombie: an unreaped child that has ended.
+    state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null || true)
+    [ -z "$state" ] || [ "$state" = Z ] && break
+    sleep 0.2
+  done
+  if [ -n "$state" ] && [ "$state" != Z ]; then
+    echo "process $pid ($(cat "/proc/$pid/comm" 2>/dev/null)) still runs $secs s after SIGTERM; where its threads wait:"
+    for t in /proc/"$pid"/task/*; do
+      echo "  $(cat "$t/comm" 2>/dev/null) ${t##*/}: $(cat "$t/wchan" 2>/dev/null) $(head -6 "$t/stack" 2>/dev/null | tr '\n' ' ')"
+    done
+    kill -9 "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    return 1
+  fi
+  wait "$pid" 2>/dev/null || true
 }
