@@ -61,6 +61,10 @@ pub struct LunStatus {
     /// When that image was taken (seconds since the epoch).
     #[serde(default)]
     pub restored_taken_unix: Option<u64>,
+    /// For content taken over as kept memory: who wrote it before this
+    /// process, and how that run ended.
+    #[serde(default)]
+    pub previous_writer: Option<PreviousWriter>,
     /// What the next dump writes.
     #[serde(default)]
     pub written_bytes: u64,
@@ -70,6 +74,13 @@ pub struct LunStatus {
     /// Where the content comes from at the next start, by how this run ends.
     #[serde(default)]
     pub next_start: String,
+}
+
+/// The run whose kept memory a LUN took over at start.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PreviousWriter {
+    pub pid: u32,
+    pub ended: String,
 }
 
 /// [`LunStatus::next_start`] for a LUN that is `ready` (or not), in a
@@ -328,11 +339,17 @@ impl Control {
                             ready: st.readiness == Readiness::Ready,
                             not_ready_reason: st.not_ready_reason,
                             generation: st.generation,
-                            restored_from: st.restored.as_ref().map(|r| match r.kept_memory {
-                                true => KEPT_MEMORY.to_string(),
-                                false => r.image.display().to_string(),
+                            restored_from: st.restored.as_ref().map(|r| match r.kept_from {
+                                Some(_) => KEPT_MEMORY.to_string(),
+                                None => r.image.display().to_string(),
                             }),
-                            restored_taken_unix: st.restored.map(|r| r.taken_unix),
+                            restored_taken_unix: st.restored.as_ref().map(|r| r.taken_unix),
+                            previous_writer: st.restored.and_then(|r| r.kept_from).map(|k| {
+                                PreviousWriter {
+                                    pid: k.writer_pid,
+                                    ended: k.ended.into(),
+                                }
+                            }),
                             written_bytes: st.written_bytes,
                             io: lu.metrics().totals().report(),
                             next_start: next_start(

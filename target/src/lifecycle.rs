@@ -18,7 +18,9 @@ use crate::volume::image::{self, ImageError, ImageIdentity};
 use crate::volume::kept::{self, KeptState, RecordArea, MEMORY_PREFIX, RECORD_PREFIX};
 use crate::volume::state::{Recall, StateDir};
 use crate::volume::{naa_hex, now_unix, CHUNK_SIZE};
-use crate::volume::{Identity, Persistence, Readiness, Restored, Volume, VolumeConfig, Volumes};
+use crate::volume::{
+    Identity, KeptFrom, Persistence, Readiness, Restored, Volume, VolumeConfig, Volumes,
+};
 
 /// How long shutdown waits for connections to end before it dumps anyway
 /// (the volumes are fenced either way: nothing more is acknowledged).
@@ -584,10 +586,23 @@ fn adopt_kept(
         generation,
         (Some(area), r.reservations.clone()),
     );
+    let ended = match (source, &r.state) {
+        (Source::Restart { .. }, _) => "handed it over in a planned restart",
+        (Source::Holder { .. }, KeptState::HandedOver { .. }) => {
+            "handed it over in a restart whose new program did not take it; systemd's fd store kept it"
+        }
+        (Source::Holder { .. }, _) => {
+            "ended without handing it over (kill -9, an OOM kill, or a crash with no fault recorded); \
+             systemd's fd store kept it"
+        }
+    };
     volume.set_restored(
         Restored {
             image: image_path,
-            kept_memory: true,
+            kept_from: Some(KeptFrom {
+                writer_pid: r.owner.pid,
+                ended,
+            }),
             taken_unix: now_unix(),
             generation,
         },
@@ -867,7 +882,7 @@ fn recall(
             volume.set_restored(
                 Restored {
                     image: r.path.clone(),
-                    kept_memory: false,
+                    kept_from: None,
                     taken_unix: r.taken_unix,
                     generation,
                 },
@@ -890,12 +905,6 @@ fn recall(
         )),
     }
 }
-
-/// How a planned restart waits for connections before the exec: their
-/// commands get no status after the fence, so this only bounds how long the
-/// RDMA queue pairs take to go (the exec closes any left, before the new
-/// program runs).
-pub const RESTART_DRAIN: Duration = Duration::from_millis(100);
 
 /// Why the daemon fences its volumes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -930,7 +939,10 @@ pub fn shutdown(portal: &Portal, ending: Ending) -> Result<String, String> {
     let started = Instant::now();
     let drain = match ending {
         Ending::Stop | Ending::Restart { dump: true } => CONNECTION_DRAIN,
-        Ending::Restart { dump: false } => RESTART_DRAIN,
+        // Commands get no status after the fence: this bounds how long the
+        // connections take to send the hosts' notice and go (the exec
+        // closes any left, before the new program runs).
+        Ending::Restart { dump: false } => portal.limits.restart_drain,
     };
     while portal.gate.counts_now().total > 0 && started.elapsed() < drain {
         std::thread::sleep(Duration::from_millis(1));
@@ -942,6 +954,12 @@ pub fn shutdown(portal: &Portal, ending: Ending) -> Result<String, String> {
             drained_ms = started.elapsed().as_millis() as u64,
             "restart: no dump, systemd's fd store holds the LUN memory"
         );
+        if left > 0 {
+            tracing::warn!(
+                left,
+                "connections still open after the restart drain ({drain:?}): the exec closes them,                  and their hosts may miss the notice to come back (they reconnect after their own                  timeouts); --restart-drain-ms sets the bound"
+            );
+        }
         return Ok(format!("{} LUNs fenced, not dumped", volumes.len()));
     }
     if left > 0 {

@@ -289,8 +289,19 @@ async fn status(s: SocketArgs, json: bool) -> Result<(), String> {
                         "    generation {}  written {} bytes (the next dump)\n",
                         l.generation, l.written_bytes
                     );
-                    if let (Some(from), Some(taken)) = (&l.restored_from, l.restored_taken_unix) {
-                        out += &format!("    restored from {from} (taken at unix time {taken})\n");
+                    match (&l.previous_writer, &l.restored_from, l.restored_taken_unix) {
+                        (Some(w), _, Some(taken)) => {
+                            out += &format!(
+                                "    restored from the memory kept from the previous run (taken over at unix \
+                                 time {taken}): its writer, process {}, {}\n",
+                                w.pid, w.ended
+                            );
+                        }
+                        (None, Some(from), Some(taken)) => {
+                            out +=
+                                &format!("    restored from {from} (taken at unix time {taken})\n");
+                        }
+                        _ => {}
                     }
                     if !l.next_start.is_empty() {
                         out += &format!("    next start: {}\n", l.next_start);

@@ -51,6 +51,9 @@ pub struct Limits {
     /// A connection whose output (responses, Data-In) makes no progress this
     /// long is closed: its peer stopped reading.
     pub output_stall_timeout: Duration,
+    /// How long a planned restart waits for connections to close before the
+    /// exec: long enough for each to send its restart notice.
+    pub restart_drain: Duration,
     pub connections: ConnectionLimits,
 }
 
@@ -71,6 +74,7 @@ impl Default for Limits {
             discovery_lifetime: Duration::from_secs(30),
             staging_budget: 128 << 20,
             output_stall_timeout: Duration::from_secs(30),
+            restart_drain: Duration::from_millis(100),
             connections: ConnectionLimits::default(),
         }
     }

@@ -173,6 +173,11 @@ pub struct RunArgs {
     /// Seconds a new connection may take to send its first PDU (default 5).
     #[arg(long, value_name = "SECS")]
     pub first_pdu_timeout: Option<u64>,
+    /// Milliseconds a planned restart waits for connections to send the
+    /// hosts' notice and close before the exec (default 100); those left
+    /// are closed by the exec, without the notice.
+    #[arg(long, value_name = "MS")]
+    pub restart_drain_ms: Option<u64>,
     /// Seconds after its last SendTargets a discovery session is asked to
     /// log out, and then closed (default 30).
     #[arg(long, value_name = "SECS")]
@@ -536,6 +541,9 @@ impl Config {
                 *limit = Duration::from_secs(n);
             }
         }
+        if let Some(ms) = number!(restart_drain_ms) {
+            limits.restart_drain = Duration::from_millis(ms);
+        }
         let c = &mut limits.connections;
         let counts = [
             (number!(max_connections), &mut c.total),
@@ -731,6 +739,7 @@ fn check_setting(key: &str, value: u64) -> Result<(), String> {
             (1, 3600, " seconds")
         }
         "discovery_lifetime" => (1, 86_400, " seconds"),
+        "restart_drain_ms" => (1, 10_000, " milliseconds"),
         "staging_budget" => (1 << 20, u64::MAX, " bytes (1M)"),
         _ => (1, u64::from(u32::MAX), ""),
     };

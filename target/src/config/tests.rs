@@ -305,3 +305,42 @@ fn kept_memory_is_on_unless_the_flag_or_the_file_turns_it_off() {
         "{bad}"
     );
 }
+
+#[test]
+fn the_restart_drain_is_100_ms_unless_set_within_its_bounds() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+    let dir = scratch("restart-drain");
+    let file = dir.join("drain.toml");
+    let load = |flags: &[&str], text: Option<&str>| {
+        let mut run = <Cli as clap::Parser>::try_parse_from(
+            ["ramslog-target", "--size", "16M", "--ephemeral"]
+                .into_iter()
+                .chain(flags.iter().copied()),
+        )
+        .map_err(|e| e.to_string())?
+        .run;
+        if let Some(text) = text {
+            std::fs::write(&file, text).unwrap();
+            run.config = Some(file.clone());
+        }
+        Config::load(&run)
+            .map(|c| c.limits.restart_drain)
+            .map_err(|e| e.to_string())
+    };
+    let ms = Duration::from_millis;
+    assert_eq!(load(&[], None), Ok(ms(100)));
+    assert_eq!(load(&["--restart-drain-ms", "1000"], None), Ok(ms(1000)));
+    assert_eq!(load(&[], Some("restart_drain_ms = 250\n")), Ok(ms(250)));
+    for bad in ["0", "10001"] {
+        let e = load(&["--restart-drain-ms", bad], None).unwrap_err();
+        assert!(
+            e.contains("restart_drain_ms must be between 1 and 10000 milliseconds"),
+            "{e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

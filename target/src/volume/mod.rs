@@ -125,12 +125,22 @@ pub struct Restored {
     /// The image of `generation` (for kept memory: the one written before
     /// the handover, if it was).
     pub image: PathBuf,
-    /// The content is the memory a planned restart handed over, not a copy
-    /// read from the image.
-    pub kept_memory: bool,
+    /// The content is memory an earlier run kept (a planned restart handed
+    /// it over, or systemd's fd store held it across a crash), not a copy
+    /// read from the image: who wrote it last, and how that run ended.
+    pub kept_from: Option<KeptFrom>,
     /// When the image was written (seconds since the epoch).
     pub taken_unix: u64,
     pub generation: u64,
+}
+
+/// The run whose memory a volume took over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptFrom {
+    /// The process that wrote the memory last.
+    pub writer_pid: u32,
+    /// How it ended, as far as its record tells.
+    pub ended: &'static str,
 }
 
 /// What a volume's owner sets up at start.
@@ -454,7 +464,7 @@ impl Volume {
     pub fn hold_in_fd_store(&self, replacing: Option<&str>) {
         let naa = {
             let m = self.meta();
-            if !notify::has_holder() || m.restored.as_ref().is_some_and(|r| r.kept_memory) {
+            if !notify::has_holder() || m.restored.as_ref().is_some_and(|r| r.kept_from.is_some()) {
                 return;
             }
             naa_hex(&m.identity.naa)
@@ -1055,7 +1065,7 @@ mod tests {
         restoring.set_restored(
             Restored {
                 image: "x".into(),
-                kept_memory: false,
+                kept_from: None,
                 taken_unix: 0,
                 generation: 5,
             },

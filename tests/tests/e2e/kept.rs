@@ -89,6 +89,7 @@ async fn a_crash_under_a_holder_keeps_every_acknowledged_write() {
             assert!(Instant::now() < deadline, "the writers are stuck");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        let killed = t.pid();
         t.kill();
         let acked = writers.await.expect("writers");
         assert!(!acked.is_empty(), "round {round} wrote nothing");
@@ -101,6 +102,18 @@ async fn a_crash_under_a_holder_keeps_every_acknowledged_write() {
             t.output_tail(30)
         );
         assert!(is_ready(&t).await, "crash {round}: {}", status_text(&state));
+        // `status` names the killed writer and how it ended.
+        let st: serde_json::Value =
+            serde_json::from_slice(&cli(&["status", "--json"], &state).stdout)
+                .expect("status --json");
+        let writer = &st["targets"][0]["luns"][0]["previous_writer"];
+        assert_eq!(writer["pid"], u64::from(killed), "crash {round}: {st}");
+        assert!(
+            writer["ended"]
+                .as_str()
+                .is_some_and(|e| e.contains("without handing it over")),
+            "crash {round}: {st}"
+        );
         // Held once, under the same NAA, by the new writer.
         let names = sup.names();
         assert_eq!(

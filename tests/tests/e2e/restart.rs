@@ -150,7 +150,11 @@ async fn ten_restarts_under_load_keep_every_acknowledged_write() {
     );
     let st = status_text(&dir);
     assert!(
-        st.contains("restored from the memory kept from the previous run"),
+        st.contains("restored from the memory kept from the previous run")
+            && st.contains(&format!(
+                "its writer, process {}, handed it over in a planned restart",
+                t.pid()
+            )),
         "{st}"
     );
 
