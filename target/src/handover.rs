@@ -236,6 +236,10 @@ pub struct LunShape {
     pub lun: u64,
     pub size: u64,
     pub block_size: u32,
+    /// What its Block Limits VPD page advertises (absent from a binary
+    /// older than this check).
+    #[serde(default)]
+    pub block_limits: Option<crate::scsi::BlockLimits>,
 }
 
 impl Report {
@@ -253,6 +257,7 @@ impl Report {
                         lun: l.lun,
                         size: l.size,
                         block_size: l.block_size,
+                        block_limits: Some(crate::scsi::block_limits(l.block_size)),
                     })
                 })
                 .collect(),
@@ -261,8 +266,9 @@ impl Report {
 
     /// Why the program that printed `new` may not take over from the one
     /// serving `self`: another record format or state directory, or a LUN
-    /// served now that it would drop or serve with another size or block
-    /// size (a LUN it adds is fine: it starts as on a first start).
+    /// served now that it would drop, serve with another size or block
+    /// size, or advertise lower Block Limits (hosts keep the ones they read
+    /// at their scan). A LUN it adds is fine: it starts as on a first start.
     pub fn refusal(&self, new: &Report) -> Option<String> {
         if new.format != self.format {
             return Some(format!(
@@ -294,7 +300,20 @@ impl Report {
                         lun.target, lun.lun, n.size, n.block_size, lun.size, lun.block_size
                     ))
                 }
-                Some(_) => {}
+                Some(n) => {
+                    let lowered = match (&lun.block_limits, &n.block_limits) {
+                        (Some(now), Some(then)) => now.lowered_by(then),
+                        (Some(_), None) => Some("it does not say what it advertises".into()),
+                        (None, _) => None,
+                    };
+                    if let Some(what) = lowered {
+                        return Some(format!(
+                            "the new binary would lower {} LUN {}'s Block Limits, which hosts cache ({what}): \
+                             stop and start instead, so that hosts scan the LUN again",
+                            lun.target, lun.lun
+                        ));
+                    }
+                }
             }
         }
         None
@@ -577,6 +596,7 @@ mod tests {
             lun,
             size,
             block_size: 512,
+            block_limits: Some(crate::scsi::block_limits(512)),
         };
         let running = Report {
             format: kept::FORMAT,
@@ -599,5 +619,18 @@ mod tests {
         .contains("drops iqn.a LUN 1"));
         assert!(refused(&|r| r.luns[0].size *= 2).contains("iqn.a LUN 0 2147483648 bytes"));
         assert!(refused(&|r| r.luns[1].block_size = 4096).contains("4096-byte blocks"));
+        let lower = |r: &mut Report| {
+            if let Some(l) = r.luns[1].block_limits.as_mut() {
+                l.max_transfer -= 1
+            }
+        };
+        assert!(refused(&lower).contains("iqn.a LUN 1's Block Limits"));
+        assert!(refused(&lower).contains("MAXIMUM TRANSFER LENGTH 32768 -> 32767 blocks"));
+        assert!(refused(&|r| r.luns[0].block_limits = None).contains("does not say"));
+        let mut raised = running.clone();
+        if let Some(l) = raised.luns[0].block_limits.as_mut() {
+            l.max_write_same *= 2;
+        }
+        assert_eq!(running.refusal(&raised), None, "a raised limit is fine");
     }
 }

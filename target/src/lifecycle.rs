@@ -584,7 +584,7 @@ fn adopt_kept(
         Arc::new(store),
         Some(p.clone()),
         generation,
-        (Some(area), r.reservations.clone()),
+        (Some(area), r.reservations.clone(), r.inquiry),
     );
     let ended = match (source, &r.state) {
         (Source::Restart { .. }, _) => "handed it over in a planned restart",

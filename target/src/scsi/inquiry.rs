@@ -72,13 +72,14 @@ pub(crate) fn vpd(out: &mut Vec<u8>, code: u8, id: &Identity, geo: Geometry) {
             o.extend_from_slice(&b);
         }),
         0xb0 => page(out, SBC_DISK, code, |o| {
+            let limits = block_limits(bs);
             let mut b = [0u8; 60];
             // b[0] bit 0 WSNZ = 0: WRITE SAME with 0 blocks means "to the end".
-            b[1] = MAX_CAW_BLOCKS;
+            b[1] = limits.max_compare_and_write;
             b[2..4].copy_from_slice(&1u16.to_be_bytes()); // OPTIMAL TRANSFER LENGTH GRANULARITY
-            b[4..8].copy_from_slice(&(MAX_TRANSFER_BYTES / bs).to_be_bytes());
+            b[4..8].copy_from_slice(&limits.max_transfer.to_be_bytes());
             // MAXIMUM UNMAP LBA COUNT / BLOCK DESCRIPTOR COUNT stay 0: no UNMAP.
-            b[32..40].copy_from_slice(&(MAX_WRITE_SAME_BYTES / u64::from(bs)).to_be_bytes());
+            b[32..40].copy_from_slice(&limits.max_write_same.to_be_bytes());
             o.extend_from_slice(&b);
         }),
         0xb1 => page(out, SBC_DISK, code, |o| {
@@ -88,6 +89,70 @@ pub(crate) fn vpd(out: &mut Vec<u8>, code: u8, id: &Identity, geo: Geometry) {
         }),
         _ => absent_vpd(out, code),
     }
+}
+
+/// The limits the Block Limits VPD page (B0h) advertises, in logical
+/// blocks of `block_size`. Hosts cache them (Linux at the first scan,
+/// illumos at attach), so a restart may raise none of them lower: a host
+/// would send commands the new program refuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BlockLimits {
+    pub max_compare_and_write: u8,
+    pub max_transfer: u32,
+    pub max_write_same: u64,
+}
+
+impl BlockLimits {
+    /// The first limit `new` lowers, named, with both values.
+    pub fn lowered_by(&self, new: &BlockLimits) -> Option<String> {
+        let pairs = [
+            (
+                "MAXIMUM COMPARE AND WRITE LENGTH",
+                u64::from(self.max_compare_and_write),
+                u64::from(new.max_compare_and_write),
+            ),
+            (
+                "MAXIMUM TRANSFER LENGTH",
+                u64::from(self.max_transfer),
+                u64::from(new.max_transfer),
+            ),
+            (
+                "MAXIMUM WRITE SAME LENGTH",
+                self.max_write_same,
+                new.max_write_same,
+            ),
+        ];
+        pairs
+            .into_iter()
+            .find(|(_, old, new)| new < old)
+            .map(|(name, old, new)| format!("{name} {old} -> {new} blocks"))
+    }
+}
+
+pub fn block_limits(block_size: u32) -> BlockLimits {
+    BlockLimits {
+        max_compare_and_write: MAX_CAW_BLOCKS,
+        max_transfer: MAX_TRANSFER_BYTES / block_size.max(1),
+        max_write_same: MAX_WRITE_SAME_BYTES / u64::from(block_size.max(1)),
+    }
+}
+
+/// A checksum of the INQUIRY data and every VPD page this binary serves for
+/// a LU of `geo`, its identity left out (accept-empty changes that, and
+/// hosts learn it as a new device): a successor whose checksum differs
+/// from the one recorded beside the kept memory tells hosts INQUIRY DATA
+/// HAS CHANGED.
+pub(crate) fn digest(geo: Geometry) -> u32 {
+    let anonymous = Identity {
+        naa: [0; 8],
+        serial: String::new(),
+    };
+    let mut out = Vec::with_capacity(512);
+    standard(&mut out, true);
+    for code in VPD_PAGES {
+        vpd(&mut out, code, &anonymous, geo);
+    }
+    crc32c::crc32c(&out)
 }
 
 pub(crate) fn report_luns(out: &mut Vec<u8>, select: u8, luns: impl Iterator<Item = u64>) {

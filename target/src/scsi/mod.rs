@@ -70,6 +70,7 @@ pub fn command_kind(opcode: u8) -> CommandKind {
         _ => CommandKind::Other,
     }
 }
+pub use inquiry::{block_limits, BlockLimits};
 pub use sense::SenseReason;
 pub use transfers::{CopyGuard, Transfers};
 
@@ -332,6 +333,10 @@ pub struct LogicalUnit {
     /// against each other where their blocks overlap.
     exclusion: RangeExclusion,
     metrics: Arc<LunMetrics>,
+    /// The previous run (a restart or a crash whose memory this LU took
+    /// over) served other INQUIRY or VPD data: every nexus of this run is
+    /// told INQUIRY DATA HAS CHANGED after its POWER ON.
+    inquiry_changed: bool,
 }
 
 impl std::fmt::Debug for LogicalUnit {
@@ -478,18 +483,32 @@ impl ScsiTarget {
                 spc2: None,
                 pr,
             };
+            let geo = Geometry {
+                blocks: volume.size() / u64::from(block_size),
+                block_size,
+            };
+            let digest = inquiry::digest(geo);
+            let inquiry_changed = match volume.keep_inquiry(digest) {
+                Some(before) if before != digest => {
+                    tracing::info!(
+                        target = %volume.target(),
+                        lun,
+                        "INQUIRY or VPD data differ from the previous run's: hosts are told INQUIRY DATA HAS CHANGED"
+                    );
+                    true
+                }
+                _ => false,
+            };
             let lu = LogicalUnit {
                 lun,
-                geo: Geometry {
-                    blocks: volume.size() / u64::from(block_size),
-                    block_size,
-                },
+                geo,
                 volume,
                 attention: AtomicBool::new(false),
                 abort_epoch: AtomicU64::new(0),
                 state: Mutex::new(st),
                 exclusion: RangeExclusion::default(),
                 metrics: Arc::default(),
+                inquiry_changed,
             };
             lu.refresh(&lu.lock());
             out.push(Arc::new(lu));
@@ -536,12 +555,16 @@ impl ScsiTarget {
     pub fn attach(&self, nexus: &Nexus) {
         let port: Arc<str> = Arc::from(nexus.initiator_port());
         for lu in &self.lus {
+            let mut uas = vec![sense::ua::POWER_ON_RESET];
+            if lu.inquiry_changed {
+                uas.push(sense::ua::INQUIRY_DATA_CHANGED);
+            }
             let mut st = lu.lock();
             st.nexuses.insert(
                 nexus.id,
                 NexusEntry {
                     port: port.clone(),
-                    uas: vec![sense::ua::POWER_ON_RESET],
+                    uas,
                     aborted_at: 0,
                     transfers: nexus.transfers.clone(),
                     aborted_by_it: Vec::new(),

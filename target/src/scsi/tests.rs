@@ -156,6 +156,59 @@ fn power_on_ua_reported_once_and_not_consumed_by_inquiry() {
     run(&t, n.id, 0, &rw10(0x28, 0, 1), &[]).expect("UA cleared");
 }
 
+/// A LU over memory a previous run kept: when that run served other
+/// INQUIRY or VPD data (a new binary), every nexus hears INQUIRY DATA HAS
+/// CHANGED after its POWER ON; with the same data, or none recorded, only
+/// the POWER ON. The LU records its own data for the next run.
+#[test]
+fn inquiry_data_changed_since_the_previous_run_is_told_after_power_on() {
+    let build = |before: Option<u32>| {
+        let store = Arc::new(Store::new(SIZE, HugePages::Off).expect("store"));
+        let cfg = VolumeConfig {
+            target: "iqn.2026-11.org.test:t".into(),
+            lun: 0,
+            block_size: 512,
+            identity: Identity::generate(),
+            readiness: Readiness::Ready,
+        };
+        let volume = Arc::new(Volume::in_memory(cfg, store));
+        if let Some(b) = before {
+            volume.keep_inquiry(b);
+        }
+        let t = ScsiTarget::new(vec![volume.clone()]);
+        (t, volume)
+    };
+    let uas = |t: &ScsiTarget, id: u32| {
+        let n = nexus(id);
+        t.attach(&n);
+        let mut seen = Vec::new();
+        loop {
+            match run(t, n.id, 0, &rw10(0x28, 0, 1), &[]) {
+                Ok(_) => return seen,
+                Err(r) => {
+                    let s = sense(r);
+                    assert_eq!(s.key, sense_key::UNIT_ATTENTION, "{s:?}");
+                    seen.push((s.asc, s.ascq));
+                }
+            }
+        }
+    };
+    let (fresh, volume) = build(None);
+    assert_eq!(uas(&fresh, 1), [(0x29, 0)], "no previous run");
+    let ours = volume.keep_inquiry(0).expect("the LU recorded its data");
+    let (same, _) = build(Some(ours));
+    assert_eq!(uas(&same, 1), [(0x29, 0)], "the same data");
+    let (changed, volume) = build(Some(ours ^ 1));
+    for id in [1, 2] {
+        assert_eq!(uas(&changed, id), [(0x29, 0), (0x3f, 3)], "nexus {id}");
+    }
+    assert_eq!(
+        volume.keep_inquiry(0),
+        Some(ours),
+        "recorded for the next run"
+    );
+}
+
 #[test]
 fn read_write_all_sizes_round_trip() {
     let (t, n) = setup(512);

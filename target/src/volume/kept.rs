@@ -199,6 +199,10 @@ pub struct KeptRecord {
     /// Absent in a record without any (or from a binary that kept none).
     #[serde(default)]
     pub reservations: KeptReservations,
+    /// The checksum of the INQUIRY and VPD data the writer served (its
+    /// identity left out); absent from a binary older than the check.
+    #[serde(default)]
+    pub inquiry: Option<u32>,
 }
 
 /// Why one slot holds no record.
@@ -549,6 +553,7 @@ mod tests {
                 bitmap: "ff01".into(),
             },
             reservations: KeptReservations::default(),
+            inquiry: Some(0x1234_5678),
         }
     }
 

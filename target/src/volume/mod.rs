@@ -243,6 +243,9 @@ struct Meta {
     kept: KeptState,
     /// The LU's persistent reservations, recorded beside the memory.
     reservations: KeptReservations,
+    /// The checksum of the INQUIRY and VPD data served (until the LU is
+    /// built: the previous run's, if its memory was taken over).
+    inquiry: Option<u32>,
 }
 
 /// A volume's state as `status` shows it.
@@ -316,19 +319,20 @@ impl Volume {
             store,
             persistence,
             generation,
-            (record, KeptReservations::default()),
+            (record, KeptReservations::default(), None),
         )
     }
 
     /// A volume over kept memory, writing its records on in the area its
     /// predecessor wrote (the one a holder such as systemd's fd store has),
-    /// with the persistent reservations that record carried.
+    /// with the persistent reservations that record carried and the
+    /// checksum of the INQUIRY data its writer served.
     pub fn with_record(
         cfg: VolumeConfig,
         store: Arc<Store>,
         persistence: Option<Arc<Persistence>>,
         generation: u64,
-        (record, reservations): (Option<RecordArea>, KeptReservations),
+        (record, reservations, inquiry): (Option<RecordArea>, KeptReservations, Option<u32>),
     ) -> Volume {
         let ready = cfg.readiness == Readiness::Ready;
         let volume = Volume {
@@ -356,6 +360,7 @@ impl Volume {
                     KeptState::Restoring
                 },
                 reservations,
+                inquiry,
             }),
             persistence,
             imaging: Mutex::new(()),
@@ -392,6 +397,7 @@ impl Volume {
             owner: kept::this_process(),
             written,
             reservations: m.reservations.clone(),
+            inquiry: m.inquiry,
         };
         if let Err(e) = area.write(&record) {
             tracing::error!(target = %self.target, lun = self.lun, "kept-memory record not written ({e}): no successor will serve this memory");
@@ -442,6 +448,18 @@ impl Volume {
             m.reservations = reservations;
             self.write_record(&m);
         }
+    }
+
+    /// Record the checksum of the INQUIRY and VPD data this run's LU
+    /// serves; returns the one recorded before (the previous run's, for
+    /// memory taken over), so the LU can tell hosts when it changed.
+    pub fn keep_inquiry(&self, digest: u32) -> Option<u32> {
+        let mut m = self.meta();
+        let before = m.inquiry.replace(digest);
+        if before != Some(digest) {
+            self.write_record(&m);
+        }
+        before
     }
 
     /// A planned restart that did not happen (the new program could not be
