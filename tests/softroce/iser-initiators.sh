@@ -38,8 +38,14 @@ CHECK=${ISER_CHECK_BIN:-$(pick_bin iser-initiator-check)} ||
 TARGET_PID=
 LOG=$RESULTS/ramslog-target-iser-initiators.log
 
+STALL_PID= CAP_PID= FLOOD_PID= FLOOD_CHAP_PID=
 cleanup() {
-  [ -n "$TARGET_PID" ] && stop_pid "$TARGET_PID"
+  # Every daemon a step started, in case a failure left the step early:
+  # one holding the RDMA device would block its removal.
+  local p
+  for p in "$TARGET_PID" "$STALL_PID" "$CAP_PID" "$FLOOD_PID" "$FLOOD_CHAP_PID"; do
+    if [ -n "$p" ] && kill -0 "$p" 2>/dev/null; then stop_pid "$p" || true; fi
+  done
   rxe_down
 }
 
@@ -294,8 +300,11 @@ if [ "$fail" = 0 ]; then
       [ "$l2" -gt "$max2" ] && max2=$l2
       sleep 1
     done
-    wait "$P1"; r1=$?
-    wait "$P2"; r2=$?
+    # Not a bare `wait`: under set -e a failed client would end the script
+    # here, before its log is shown.
+    r1=0 r2=0
+    wait "$P1" || r1=$?
+    wait "$P2" || r2=$?
     cat /tmp/flood1.log /tmp/flood2.log
     # A connection nobody admitted pins its login slots alone: 8 receives
     # of 10 KiB and 4 sends of 16 KiB; at most the RDMA pending cap (8) of

@@ -37,6 +37,21 @@ rxe_up() {
 
 rxe_down() {
   # Teardown runs from EXIT traps under `set -e`: nothing here may fail.
+  # rxe cannot take a device away from a process that holds it open:
+  # `rdma link delete` would wait in D state for ever (seen: a script that
+  # failed before stopping its daemons hung until the suite's timeout).
+  # Whatever still holds an RDMA device now is a leftover: named, killed.
+  local fd pid holders=()
+  for fd in /proc/[0-9]*/fd/*; do
+    [[ $(readlink "$fd" 2>/dev/null) == /dev/infiniband/* ]] || continue
+    pid=${fd#/proc/}
+    pid=${pid%%/*}
+    [[ $pid == "$$" || " ${holders[*]} " == *" $pid "* ]] && continue
+    holders+=("$pid")
+    echo "rxe_down: process $pid ($(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-120)) still holds an RDMA device: killed"
+    kill -9 "$pid" 2>/dev/null || true
+  done
+  ((${#holders[@]} == 0)) || sleep 0.5
   rdma link delete "$RXE_DEV_A" 2>/dev/null || true
   rdma link delete "$RXE_DEV_B" 2>/dev/null || true
   ip link delete rsl-a 2>/dev/null || true
