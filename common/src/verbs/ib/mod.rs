@@ -105,7 +105,6 @@ fn with_device_list<T>(f: impl FnOnce(&[*mut ffi::ibv_context]) -> T) -> Result<
 }
 
 /// Limits of a device, from `ibv_query_device` (negative values read as 0).
-/// Limits of a device, from `ibv_query_device` (negative values read as 0).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceAttrs {
     pub max_qp_wr: u32,
