@@ -1308,3 +1308,97 @@ async fn a_stop_at_any_moment_of_a_start_up_keeps_the_content() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Two successors given the same kept memory at once (a supervisor's bad
+/// order: systemd never starts two, a hand-made holder might): one takes
+/// the state directory's lock and serves, the other waits for it, neither
+/// serving nor exiting. When the first dies (kill -9), the second takes
+/// the memory over with every write of both runs, READY.
+///
+/// Expected to fail until the records are read again once the lock is
+/// had: the second decides on the record as it was before it waited, one
+/// generation behind the first's writes, and gives the memory up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "content kept in memory")]
+async fn two_successors_given_the_same_memory_serve_one_at_a_time() {
+    let dir = scratch_dir("kept", "two-successors");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let state = dir.join("state");
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    stored_naa(&sup);
+    let before = random_bytes(4096);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 800, &before, false).await.expect("WRITE");
+    }
+    t.kill();
+    let launch = || {
+        let (options, _inherited) = sup.launch(persistent(&state, Some(port), &[]));
+        TargetProcess::spawn_with(options)
+    };
+    let mut both = [launch(), launch()];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (serving, waiting) = loop {
+        let listening = |t: &TargetProcess| t.output().contains("listening on");
+        let waits = |t: &TargetProcess| t.output().contains("waiting for it");
+        match (listening(&both[0]), listening(&both[1])) {
+            (true, true) => panic!(
+                "two daemons serve one memory:\n{}\n---\n{}",
+                both[0].output_tail(20),
+                both[1].output_tail(20)
+            ),
+            (true, false) if waits(&both[1]) => break (0, 1),
+            (false, true) if waits(&both[0]) => break (1, 0),
+            _ => {}
+        }
+        for t in &mut both {
+            assert!(t.is_running(), "a successor exited: {}", t.output_tail(20));
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not one serving and one waiting:\n{}\n---\n{}",
+            both[0].output_tail(20),
+            both[1].output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let [a, b] = both;
+    let (mut first, mut second) = if serving == 0 { (a, b) } else { (b, a) };
+    let _ = waiting;
+    assert!(is_ready(&first).await, "{}", first.output_tail(20));
+    let during = random_bytes(4096);
+    {
+        let s = open(&first, INITIATOR).await;
+        assert!(s.read(0, 800, 8, 512).await.expect("READ") == before);
+        s.write(0, 1600, &during, false).await.expect("WRITE");
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        second.is_running() && !second.output().contains("listening on"),
+        "the second must wait while the first serves: {}",
+        second.output_tail(20)
+    );
+    first.kill();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !second.output().contains("listening on") {
+        assert!(
+            second.is_running() && Instant::now() < deadline,
+            "the second did not take over once the first died\n{}",
+            second.output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        second.output().contains("LUN content kept in memory"),
+        "the second did not take the LUN content kept in memory over: {}",
+        second.output_tail(20)
+    );
+    assert!(is_ready(&second).await, "{}", status_text(&state));
+    let s = open(&second, INITIATOR).await;
+    assert!(s.read(0, 800, 8, 512).await.expect("READ") == before);
+    assert!(s.read(0, 1600, 8, 512).await.expect("READ") == during);
+    drop(s);
+    drop(second);
+    let _ = std::fs::remove_dir_all(&dir);
+}
