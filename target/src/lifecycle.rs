@@ -102,6 +102,19 @@ impl Unkept {
 }
 
 impl KeptMemory {
+    /// Read every record again from its memory. A start reads them before
+    /// it holds the state directory's lock; by the time it does, another
+    /// process may have served this memory and moved its record on (two
+    /// successors given the same memory: the first's writes bumped the
+    /// generation), and the take-over must judge the record as it is now.
+    fn read_records_again(&mut self) {
+        for v in &mut self.volumes {
+            if let Some(fd) = &v.record_memory {
+                v.record = kept::read_handed(fd.as_fd()).map_err(|e| e.to_string());
+            }
+        }
+    }
+
     /// What a planned restart handed over.
     pub fn handed(
         token: u64,
@@ -153,10 +166,17 @@ impl KeptMemory {
                     r.len()
                 )),
             };
+            // Several memories or records under one name: which would be a
+            // guess, so none is taken (and none read again later).
+            let record_memory = if (mem.len(), recs.len()) == (1, 1) {
+                recs.pop()
+            } else {
+                None
+            };
             volumes.push(KeptVolume {
                 memory: mem.swap_remove(0),
                 record,
-                record_memory: recs.pop(),
+                record_memory,
                 stored_as: Some(naa),
             });
         }
@@ -621,6 +641,10 @@ pub fn open_volumes(
     cancelled: &AtomicBool,
     mut kept: Option<KeptMemory>,
 ) -> Result<Opened, String> {
+    // The caller holds the state directory's lock now.
+    if let Some(k) = kept.as_mut() {
+        k.read_records_again();
+    }
     let writers_gone = match &kept {
         Some(KeptMemory {
             source: Source::Holder { writer },
