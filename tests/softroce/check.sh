@@ -10,7 +10,11 @@
 #     failures) is checked against its results: the harness hands the guest's
 #     exit code back.
 #  2. the ZFS end to end (zfs/run: a pool with a mirrored log on two ramslog
-#     boxes, failures and recovery), in its own 6 GiB guest.
+#     boxes, failures and recovery), in its own 6 GiB guest; then, in a
+#  3. third boot, ramslog's .deb under Debian's systemd 252 as the guest's
+#     PID 1 (systemd.sh: reload, kill -9, OOM kill, a crash loop,
+#     daemon-reload, a broken binary, a dpkg -i upgrade, systemctl kill, a
+#     stop during start-up).
 # The two boots run at the same time: under emulation each guest keeps the
 # host's two cores only about half busy (its scripts wait on QD1 round
 # trips, timers and one another), so together they fill the idle time
@@ -61,11 +65,28 @@ zfs_run() {
     "$([ "$rc" = 0 ] && echo passed || echo FAILED)" $(($(date +%s) - t1)) >>"$RAMSLOG_TIMES"
   return 0
 }
+# The package the systemd boot installs (the release binaries are built).
+deb=$REPO/$("$REPO/target/debian/build-deb.sh" 2>"$REPO/build/softroce/build-deb.log") ||
+  { tail -20 "$REPO/build/softroce/build-deb.log"; echo "softroce: building the .deb failed" >&2; exit 1; }
+systemd_result=$REPO/build/softroce/systemd-run.rc
+rm -f "$systemd_result"
+systemd_run() {
+  local t1 rc
+  t1=$(date +%s)
+  { RAMSLOG_SOFTROCE_MODE=guest RAMSLOG_SOFTROCE_INIT=systemd RAMSLOG_SOFTROCE_TIMEOUT=900 \
+    "$HERE/run" "$HERE/systemd.sh" "$deb"; echo $? >"$systemd_result"; } 2>&1 | sed -u 's/^/[systemd] /'
+  rc=$(cat "$systemd_result" 2>/dev/null || echo 125)
+  echo "softroce: systemd.sh $([ "$rc" = 0 ] && echo passed || echo "FAILED (exit $rc)") in $(($(date +%s) - t1)) s"
+  [ -n "${RAMSLOG_TIMES:-}" ] && printf 'lab\tsystemd.sh (its own boot, systemd as PID 1)\t%s\t%s\n' \
+    "$([ "$rc" = 0 ] && echo passed || echo FAILED)" $(($(date +%s) - t1)) >>"$RAMSLOG_TIMES"
+  return 0
+}
 zfs_pid=
 if [ "${RAMSLOG_LAB_SERIAL:-0}" != 1 ]; then
   half=$(($(nproc) / 2))
   export RAMSLOG_SOFTROCE_SMP=${RAMSLOG_SOFTROCE_SMP:-$((half > 0 ? half : 1))}
-  zfs_run &
+  # The ZFS run is the shorter of the two: the systemd boot follows it.
+  { zfs_run; systemd_run; } &
   zfs_pid=$!
 fi
 
@@ -102,11 +123,13 @@ while IFS=$'\t' read -r entry rc _ log; do
 done <"$all"
 
 if [ -n "$zfs_pid" ]; then
-  echo "softroce: waiting for zfs/run (running beside the suite since the start)"
+  echo "softroce: waiting for zfs/run and systemd.sh (running beside the suite since the start)"
   wait "$zfs_pid"
 else
   zfs_run
+  systemd_run
 fi
 [ "$(cat "$zfs_result" 2>/dev/null)" = 0 ] || fail=1
+[ "$(cat "$systemd_result" 2>/dev/null)" = 0 ] || fail=1
 echo "softroce: total $(($(date +%s) - t0)) s"
 exit $fail

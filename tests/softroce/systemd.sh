@@ -1,0 +1,269 @@
+#!/usr/bin/env bash
+# Lab: ramslog-target installed from its .deb and run by Debian's systemd 252
+# as PID 1 (the guest boots it: RAMSLOG_SOFTROCE_INIT=systemd; check.sh runs
+# this script that way), in the cases where systemd's own behaviour decides
+# what survives. The LUN is 8 MiB over iSCSI/TCP on loopback; between cases
+# lun-fill writes it whole with a new seed, and after each case it must read
+# back the last seed written (every acknowledged write).
+#   a. install: dpkg -i starts nothing; start; fill
+#   b. systemctl reload: the same main PID, content from the kept memory
+#   c. kill -9 of the main PID: systemd starts it again with the fd store
+#      intact; content from the kept memory; kill -> READY timed
+#   d. an OOM kill of the main PID (sysrq f, its oom_score_adj raised)
+#   e. a crash loop past systemd's default start limit (6 kills in a row,
+#      each during the previous start-up)
+#   f. daemon-reload and daemon-reexec, then kill -9: the store survives both
+#   g. a broken new binary (one that cannot run, one that fails its handover
+#      check): reload is refused, the daemon serves on
+#   h. a dpkg -i upgrade: the package restarts nothing; reload runs the new file
+#   i. systemctl kill (SIGTERM): the daemon dumps and ends; the store is
+#      dropped (a clean exit); start restores the image
+#   j. a stop during start-up (after a kill -9, while the next daemon waits
+#      for the state directory's lock a straggler holds): once it has the
+#      lock it takes the memory over, dumps it, ends; start restores the image
+#   k. stop, start: the image path
+#   tests/softroce/systemd.sh [DEB]    (default: the newest build/deb/ramslog_*.deb)
+HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/lib/common.sh"
+
+if [ "$(cat /proc/1/comm)" != systemd ]; then
+  echo "this needs systemd as PID 1; run it as"
+  echo "  RAMSLOG_SOFTROCE_MODE=guest RAMSLOG_SOFTROCE_INIT=systemd tests/softroce/run $0"
+  exit 1
+fi
+DEB=${1:-$(ls -t "$REPO"/build/deb/ramslog_*.deb 2>/dev/null | head -1)}
+[ -f "$DEB" ] || { echo "no .deb: build it first (target/debian/build-deb.sh)"; exit 1; }
+FILL=$(pick_bin lun-fill) || { echo "build lun-fill first (cargo build -p ramslog-tests)"; exit 1; }
+UNIT=ramslog-target.service
+IQN=iqn.2026-12.org.ramslog:lab
+PORTAL=127.0.0.1:3260
+SEED=0
+
+fail() {
+  echo "FAILED: $*"
+  systemctl status --no-pager --lines=0 "$UNIT" || true
+  ramslog-target status 2>&1 || true
+  journalctl -u "$UNIT" --no-pager -n 80 -o short-monotonic || true
+  exit 1
+}
+prop() { systemctl show -P "$1" "$UNIT"; }
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
+# Until the unit is active and LUN 0 READY, under a main PID other than $1
+# (when given).
+wait_ready() {
+  local not_pid=${1:-} i
+  for ((i = 0; i < 1200; i++)); do
+    if [ "$(prop ActiveState)" = active ] && [ "$(prop MainPID)" != "$not_pid" ] &&
+      ramslog-target status 2>/dev/null | grep -qE '^  LUN 0 .*  ready$'; then
+      return 0
+    fi
+    sleep 0.05
+  done
+  fail "not active and READY 60 s on (ActiveState $(prop ActiveState), MainPID $(prop MainPID))"
+}
+# The next seed over the whole LUN; then the content is that seed's.
+fill() {
+  SEED=$((SEED + 1))
+  "$FILL" --target "$PORTAL" --iqn "$IQN" --seed "$SEED" >/dev/null || fail "writing the LUN with seed $SEED"
+}
+# The last seed written reads back, and status says where the content came from.
+content_is_kept() {
+  "$FILL" --target "$PORTAL" --iqn "$IQN" --seed "$SEED" --check >/dev/null ||
+    fail "$1: the LUN does not hold what seed $SEED wrote"
+  local st
+  st=$(ramslog-target status)
+  grep -q "$2" <<<"$st" || fail "$1: status does not say '$2'"
+  echo "$1: every block written with seed $SEED is there; status: $(grep -m1 -E 'restored from' <<<"$st")"
+}
+FROM_MEMORY="restored from the memory kept from the previous run"
+FROM_IMAGE="restored from /var/lib/ramslog/images"
+# The guest's uptime in ms, the clock of the journal's monotonic stamps.
+uptime_ms() { awk '{ printf "%d\n", $1 * 1000 }' /proc/uptime; }
+# When systemd last logged the unit started (READY=1 received), in uptime ms.
+started_ms() {
+  journalctl -u "$UNIT" -o short-monotonic --no-pager |
+    sed -n 's/^\[ *\([0-9]*\)\.\([0-9]\{3\}\)[0-9]*\].*Started ramslog-target.*/\1\2/p' | tail -1
+}
+# Kill the main PID (the kill command given), then wait for the next one to
+# be READY; prints the time from the kill to systemd's "Started" (READY=1),
+# read from the journal: polling here would add its own seconds.
+crash() {
+  local pid t0
+  pid=$(prop MainPID)
+  t0=$(uptime_ms)
+  "$@" "$pid"
+  wait_ready "$pid"
+  echo "$* $pid -> READY=1 from $(prop MainPID) $(($(started_ms) - t0)) ms later (RestartSec=100ms included)"
+}
+
+step "a. install: dpkg -i $(basename "$DEB") starts nothing"
+echo "PID 1: $(/lib/systemd/systemd --version | head -1)"
+dpkg -i "$DEB" >/tmp/dpkg.log 2>&1 || { cat /tmp/dpkg.log; fail "dpkg -i"; }
+[ "$(prop ActiveState)" = inactive ] || fail "the package started the service"
+cat >/etc/ramslog/ramslog.toml <<EOF
+listen = ["$PORTAL"]
+state_dir = "/var/lib/ramslog"
+
+[[target]]
+name = "$IQN"
+
+[[target.lun]]
+lun = 0
+size = "8M"
+EOF
+ramslog-target check-config /etc/ramslog/ramslog.toml
+systemctl start "$UNIT" || fail "systemctl start"
+wait_ready
+echo "FileDescriptorStoreMax $(prop FileDescriptorStoreMax), Restart $(prop Restart), RestartUSec $(prop RestartUSec)"
+fill
+
+step "b. systemctl reload: a restart in place"
+pid=$(prop MainPID)
+t0=$(now_ms)
+systemctl reload "$UNIT" || fail "systemctl reload"
+echo "systemctl reload returned after $(($(now_ms) - t0)) ms"
+wait_ready
+[ "$(prop MainPID)" = "$pid" ] || fail "reload changed the main PID ($pid -> $(prop MainPID))"
+content_is_kept "after reload" "$FROM_MEMORY"
+fill
+
+step "c. kill -9 of the main PID"
+crash kill -KILL
+content_is_kept "after kill -9" "$FROM_MEMORY"
+[ "$(prop NRestarts)" -ge 1 ] || fail "systemd counted no restart"
+fill
+
+step "d. an OOM kill of the main PID"
+oom_kill() { echo 1000 >"/proc/$1/oom_score_adj"; echo f >/proc/sysrq-trigger; }
+pid=$(prop MainPID)
+crash oom_kill
+kernel_log=$(journalctl -k --no-pager)
+grep -E "Killed process $pid|Out of memory" <<<"$kernel_log" | tail -2
+grep -q "Killed process $pid " <<<"$kernel_log" || fail "the kernel's log names no OOM kill of $pid"
+content_is_kept "after the OOM kill" "$FROM_MEMORY"
+fill
+
+step "e. a crash loop: six kills in a row, each as the next daemon starts"
+restarts0=$(prop NRestarts)
+for i in 1 2 3 4 5 6; do
+  pid=$(prop MainPID)
+  kill -KILL "$pid"
+  # The next main PID, then kill it during its start-up.
+  for ((w = 0; w < 400; w++)); do
+    new=$(prop MainPID)
+    [ "$new" != 0 ] && [ "$new" != "$pid" ] && break
+    sleep 0.025
+  done
+  echo "kill $i: $pid; the next is $new ($(prop ActiveState))"
+done
+wait_ready
+[ "$(prop NRestarts)" -ge $((restarts0 + 6)) ] || fail "fewer than 6 restarts counted: $(prop NRestarts)"
+[ "$(prop Result)" = success ] || echo "(Result is $(prop Result): systemd's last exit reason, not a failed unit)"
+content_is_kept "after the crash loop" "$FROM_MEMORY"
+fill
+
+step "f. daemon-reload and daemon-reexec keep the store"
+systemctl daemon-reload
+systemctl daemon-reexec
+crash kill -KILL
+content_is_kept "after daemon-reload, daemon-reexec and kill -9" "$FROM_MEMORY"
+fill
+
+step "g. a broken new binary: reload is refused, nothing changes"
+pid=$(prop MainPID)
+cp /usr/bin/ramslog-target /tmp/ramslog-target.good
+# Put FILE at /usr/bin/ramslog-target (a rename: the running file is busy).
+install_binary() {
+  cp "$1" /usr/bin/ramslog-target.new
+  chmod 755 /usr/bin/ramslog-target.new
+  mv -f /usr/bin/ramslog-target.new /usr/bin/ramslog-target
+}
+# g1. A file that cannot run at all: systemd's ExecReload (the file's own
+# `restart --wait`) fails before it reaches the daemon.
+head -c 4096 /tmp/ramslog-target.good >/tmp/ramslog-target.truncated
+install_binary /tmp/ramslog-target.truncated
+if systemctl reload "$UNIT"; then fail "reload with a truncated binary succeeded"; fi
+# g2. A binary that runs but fails its handover check (what a missing
+# library or a refused configuration looks like to the daemon).
+printf '%s\n' '#!/bin/sh' 'for a in "$@"; do' \
+  '  [ "$a" = --handover-check ] && { echo "lab: this build refuses every handover" >&2; exit 1; }' \
+  'done' 'exec /tmp/ramslog-target.good "$@"' >/tmp/ramslog-target.fails-check
+install_binary /tmp/ramslog-target.fails-check
+cursor=$(journalctl -u "$UNIT" -n 0 --show-cursor --no-pager | sed -n 's/^-- cursor: //p')
+if systemctl reload "$UNIT"; then fail "reload with a binary that fails its check succeeded"; fi
+refusal=$(journalctl -u "$UNIT" --no-pager -o cat --after-cursor "$cursor")
+grep -q "lab: this build refuses every handover" <<<"$refusal" ||
+  { echo "$refusal"; fail "the refusal does not give the check's reason"; }
+grep -m2 -E "refus|handover-check" <<<"$refusal" || true
+[ "$(prop MainPID)" = "$pid" ] && [ "$(prop ActiveState)" = active ] || fail "the daemon did not serve on"
+install_binary /tmp/ramslog-target.good
+"$FILL" --target "$PORTAL" --iqn "$IQN" --seed "$SEED" --check >/dev/null || fail "the content changed"
+echo "both refused; main PID $pid serves on with its content"
+fill
+
+step "h. a dpkg -i upgrade, then systemctl reload"
+version=$(dpkg-deb -f "$DEB" Version)
+rm -rf /tmp/pkg
+dpkg-deb -R "$DEB" /tmp/pkg
+sed -i "s/^Version: .*/Version: $version+lab1/" /tmp/pkg/DEBIAN/control
+dpkg-deb -Znone -b /tmp/pkg /tmp/ramslog-upgrade.deb >/dev/null
+pid=$(prop MainPID)
+dpkg -i /tmp/ramslog-upgrade.deb >/tmp/dpkg.log 2>&1 || { cat /tmp/dpkg.log; fail "dpkg -i (upgrade)"; }
+echo "installed $(dpkg-query -W -f='${Version}' ramslog); the daemon runs $(readlink "/proc/$pid/exe")"
+[ "$(prop MainPID)" = "$pid" ] && [ "$(prop ActiveState)" = active ] || fail "the upgrade restarted the daemon"
+systemctl reload "$UNIT" || fail "systemctl reload after the upgrade"
+wait_ready
+[ "$(prop MainPID)" = "$pid" ] || fail "reload changed the main PID"
+case $(readlink "/proc/$pid/exe") in *deleted*) fail "the daemon still runs the replaced file" ;; esac
+echo "after reload the daemon runs $(readlink "/proc/$pid/exe")"
+content_is_kept "after the upgrade" "$FROM_MEMORY"
+fill
+
+step "i. systemctl kill: SIGTERM dumps, the unit ends cleanly, the store goes"
+systemctl kill "$UNIT"
+for ((w = 0; w < 1200; w++)); do [ "$(prop ActiveState)" = inactive ] && break; sleep 0.05; done
+[ "$(prop ActiveState)" = inactive ] || fail "still $(prop ActiveState) 60 s after systemctl kill"
+systemctl start "$UNIT" || fail "systemctl start"
+wait_ready
+content_is_kept "after systemctl kill and start" "$FROM_IMAGE"
+fill
+
+step "j. a stop during start-up"
+# The next daemon waits for the state directory's lock, which flock(1) takes
+# the moment the killed one lets it go (a straggler of the old run): a
+# start-up step that lasts until the lock is released, so the stop lands in it.
+# -F: flock holds the lock in the process it runs (no child to outlive it).
+flock -x -F /var/lib/ramslog sleep 300 &
+holder=$!
+pid=$(prop MainPID)
+cursor=$(journalctl -u "$UNIT" -n 0 --show-cursor --no-pager | sed -n 's/^-- cursor: //p')
+kill -KILL "$pid"
+for ((w = 0; w < 600; w++)); do
+  grep -q "waiting for it" <<<"$(journalctl -u "$UNIT" -o cat --after-cursor "$cursor" --no-pager)" && break
+  sleep 0.1
+done
+echo "the next daemon $(prop MainPID) is $(prop ActiveState): $(prop StatusText)"
+[ "$(prop ActiveState)" = activating ] || fail "the next daemon is not waiting in its start-up"
+systemctl stop --no-block "$UNIT"
+sleep 1
+echo "stop requested; the unit is $(prop ActiveState) ($(prop SubState)); now the lock is let go"
+kill "$holder"
+wait "$holder" 2>/dev/null || true
+for ((w = 0; w < 1200; w++)); do [ "$(prop ActiveState)" = inactive ] && break; sleep 0.05; done
+[ "$(prop ActiveState)" = inactive ] || fail "still $(prop ActiveState) 60 s after the stop"
+[ "$(prop Result)" = success ] || fail "the stop ended $(prop Result)"
+journalctl -u "$UNIT" --no-pager -o cat -n 6 | grep -E "dump|stopped|stop" || true
+systemctl start "$UNIT" || fail "systemctl start"
+wait_ready
+content_is_kept "after a stop during start-up" "$FROM_IMAGE"
+fill
+
+step "k. stop and start: the image"
+systemctl stop "$UNIT" || fail "systemctl stop"
+[ "$(prop Result)" = success ] || fail "the stop ended $(prop Result)"
+systemctl start "$UNIT" || fail "systemctl start"
+wait_ready
+content_is_kept "after stop and start" "$FROM_IMAGE"
+ramslog-target status
+systemctl stop "$UNIT"
+echo "SYSTEMD LAB PASSED"
