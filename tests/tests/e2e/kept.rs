@@ -1398,3 +1398,118 @@ async fn two_successors_given_the_same_memory_serve_one_at_a_time() {
     drop(second);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The state field of /proc/PID/stat ('Z' for a zombie), if PID exists.
+fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// A supervisor that has not yet reaped the killed daemon (a zombie: every
+/// thread ended, its memory and descriptors released, only its pid left)
+/// does not hold the memory back: the next start serves it. A writer whose
+/// leader exited while another thread lives is still a writer: NOT READY
+/// until that thread ends too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "a zombie writer holds the memory back")]
+async fn an_unreaped_writer_is_gone_and_a_leader_with_a_live_thread_is_not() {
+    let dir = scratch_dir("kept", "zombie");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let state = dir.join("state");
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    stored_naa(&sup);
+    let data = random_bytes(4096);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 800, &data, false).await.expect("WRITE");
+    }
+    // SIGKILL, and no wait(): the daemon stays a zombie while the next starts.
+    // The leader turns 'Z' as soon as its own thread ends; the rest of the
+    // group ends after it, so wait for the pidfd (all threads gone).
+    let zombie = t.pid();
+    let zombie_fd = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(zombie as i32).expect("pid"),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .expect("pidfd_open");
+    ramslog_tests::send_signal(zombie, rustix::process::Signal::KILL);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut fds = [rustix::event::PollFd::new(
+            &zombie_fd,
+            rustix::event::PollFlags::IN,
+        )];
+        if rustix::event::poll(
+            &mut fds,
+            Some(&rustix::time::Timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            }),
+        )
+        .expect("poll")
+            > 0
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the daemon did not end");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(process_state(zombie), Some('Z'), "not a zombie");
+    let next = start(&sup, &state, Some(port));
+    let ready = is_ready(&next).await;
+    assert_eq!(process_state(zombie), Some('Z'), "reaped too early");
+    assert!(
+        ready,
+        "a zombie writer holds the memory back: {}",
+        status_text(&state)
+    );
+    let s = open(&next, INITIATOR).await;
+    assert!(s.read(0, 800, 8, 512).await.expect("READ") == data);
+    drop(s);
+    drop(next);
+    t.kill();
+
+    // A writer whose main thread called exit(2) (not exit_group) while a
+    // second thread sleeps: a zombie leader, its thread group alive.
+    let mut leader_gone = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import ctypes, threading, time\n\
+             threading.Thread(target=time.sleep, args=(60,)).start()\n\
+             ctypes.CDLL(None).syscall(60, 0)",
+        ])
+        .spawn()
+        .expect("python3");
+    let pid = leader_gone.id();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while process_state(pid) != Some('Z') {
+        assert!(Instant::now() < deadline, "the leader did not exit");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let live_thread = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert!(live_thread >= 1, "no thread left in {pid}");
+    let pidfd = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(pid as i32).expect("pid"),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .expect("pidfd_open");
+    sup.remove("writer");
+    sup.put("writer", pidfd.as_fd());
+    let next = start(&sup, &state, Some(port));
+    assert!(!is_ready(&next).await, "served while a writer thread lives");
+    let st = status_text(&state);
+    assert!(st.contains("is still running"), "{st}");
+    drop(next);
+    leader_gone.kill().expect("kill");
+    leader_gone.wait().expect("reap");
+    let next = start(&sup, &state, Some(port));
+    assert!(is_ready(&next).await, "{}", status_text(&state));
+    let s = open(&next, INITIATOR).await;
+    assert!(s.read(0, 800, 8, 512).await.expect("READ") == data);
+    drop(s);
+    drop(next);
+    let _ = std::fs::remove_dir_all(&dir);
+}
