@@ -351,17 +351,8 @@ fn rdma_refusal(rdma_descriptors: &[String]) -> Option<String> {
 /// polls readable once the whole thread group is gone (a leader that
 /// exited while another thread lives is not).
 fn writers_gone(pidfds: &[OwnedFd]) -> Result<(), String> {
-    use rustix::event::{poll, PollFd, PollFlags};
     for fd in pidfds {
-        let mut fds = [PollFd::new(fd, PollFlags::IN)];
-        let zero = rustix::time::Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        let ended = poll(&mut fds, Some(&zero))
-            .map(|n| n > 0 && fds[0].revents().intersects(PollFlags::IN | PollFlags::HUP))
-            .unwrap_or(false);
-        if !ended {
+        if !kept::pidfd_ended(fd) {
             let pid = std::fs::read_to_string(format!(
                 "/proc/self/fdinfo/{}",
                 std::os::fd::AsRawFd::as_raw_fd(fd)
@@ -470,7 +461,7 @@ fn adopt_kept(
             if let Err(why) = writer {
                 return Err(Unkept::NotReady(why.clone()));
             }
-            if kept::start_time(r.owner.pid) == Some(r.owner.start_time) {
+            if kept::still_running(r.owner.pid, r.owner.start_time) {
                 return Err(Unkept::NotReady(format!(
                     "its writer, process {}, is still running",
                     r.owner.pid

@@ -514,6 +514,42 @@ pub fn this_process() -> Owner {
     })
 }
 
+/// Whether the process a pidfd names has ended: the kernel makes a pidfd
+/// readable once the whole thread group is gone (a leader that exited
+/// while another thread lives is not), zombie or reaped alike.
+pub fn pidfd_ended(pidfd: &impl std::os::fd::AsFd) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+    let zero = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    poll(&mut fds, Some(&zero))
+        .map(|n| n > 0 && fds[0].revents().intersects(PollFlags::IN | PollFlags::HUP))
+        .unwrap_or(false)
+}
+
+/// Whether process `pid`, started at `start_time`, still has a thread that
+/// may write: not once it is gone or its pid names another process, nor
+/// while it is a zombie no one has reaped yet (every thread has ended, its
+/// mappings and descriptors are released; only the pid is left).
+pub fn still_running(pid: u32, start_time: u64) -> bool {
+    let Some(id) = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+    else {
+        return false;
+    };
+    match rustix::process::pidfd_open(id, rustix::process::PidfdFlags::empty()) {
+        Err(rustix::io::Errno::SRCH) => false,
+        // Opened first, then the start time: the pidfd is that process's.
+        Ok(pidfd) => self::start_time(pid) == Some(start_time) && !pidfd_ended(&pidfd),
+        // No pidfd to ask (out of descriptors): the start time alone, which
+        // counts a zombie as running (the safe side).
+        Err(_) => self::start_time(pid) == Some(start_time),
+    }
+}
+
 /// Field 22 of /proc/PID/stat, the start time in clock ticks after boot;
 /// `None` if the process is gone. The command name (field 2) may hold
 /// spaces and parentheses, so fields are counted from its last ')'.
@@ -779,6 +815,25 @@ mod tests {
         assert_eq!(start_time(me.pid), Some(me.start_time));
         assert_eq!(this_process(), me, "one incarnation per process");
         assert_eq!(boot_id().len(), 36, "{}", boot_id());
+    }
+
+    #[test]
+    fn a_writer_runs_until_it_ends_and_is_then_gone_reaped_or_not() {
+        let me = this_process();
+        assert!(still_running(me.pid, me.start_time));
+        assert!(!still_running(me.pid, me.start_time + 1), "another process");
+        let mut child = std::process::Command::new("true").spawn().expect("true");
+        let pid = child.id();
+        let started = start_time(pid);
+        // Unreaped, it is a zombie once `true` has exited.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while started.is_some_and(|t| still_running(pid, t)) {
+            assert!(std::time::Instant::now() < deadline, "true did not end");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(start_time(pid).is_some(), "reaped too early: not a zombie");
+        child.wait().expect("reap");
+        assert!(started.is_none_or(|t| !still_running(pid, t)));
     }
 
     proptest! {
