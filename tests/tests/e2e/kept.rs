@@ -268,6 +268,25 @@ async fn bad_orders_in_the_store_are_not_ready_until_put_right() {
     sup.put(&memory, real_memory.as_fd());
     check(true, "the recorded memory again").await;
 
+    // A memory of another size (sealed, as the daemon seals its own).
+    let smaller = rustix::fs::memfd_create(
+        "ramslog smaller",
+        rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
+    )
+    .expect("memfd");
+    rustix::fs::ftruncate(&smaller, 128 << 20).expect("size");
+    rustix::fs::fcntl_add_seals(
+        &smaller,
+        rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW | rustix::fs::SealFlags::SEAL,
+    )
+    .expect("seal");
+    sup.remove(&memory);
+    sup.put(&memory, smaller.as_fd());
+    check(false, "memfd inode").await;
+    sup.remove(&memory);
+    sup.put(&memory, real_memory.as_fd());
+    check(true, "the recorded memory once more").await;
+
     // A torn record: both slots unreadable.
     let torn =
         rustix::fs::memfd_create("ramslog torn", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd");
