@@ -68,13 +68,15 @@ zfs_run() {
 # The package the systemd boot installs (the release binaries are built).
 deb=$REPO/$("$REPO/target/debian/build-deb.sh" 2>"$REPO/build/softroce/build-deb.log") ||
   { tail -20 "$REPO/build/softroce/build-deb.log"; echo "softroce: building the .deb failed" >&2; exit 1; }
+upgrade=$REPO/build/deb/ramslog-upgrade-lab.deb
+"$HERE/systemd.sh" --upgrade-package "$deb" "$upgrade"
 systemd_result=$REPO/build/softroce/systemd-run.rc
 rm -f "$systemd_result"
 systemd_run() {
   local t1 rc
   t1=$(date +%s)
   { RAMSLOG_SOFTROCE_MODE=guest RAMSLOG_SOFTROCE_INIT=systemd RAMSLOG_SOFTROCE_TIMEOUT=900 \
-    "$HERE/run" "$HERE/systemd.sh" "$deb"; echo $? >"$systemd_result"; } 2>&1 | sed -u 's/^/[systemd] /'
+    "$HERE/run" "$HERE/systemd.sh" "$deb" "$upgrade"; echo $? >"$systemd_result"; } 2>&1 | sed -u 's/^/[systemd] /'
   rc=$(cat "$systemd_result" 2>/dev/null || echo 125)
   echo "softroce: systemd.sh $([ "$rc" = 0 ] && echo passed || echo "FAILED (exit $rc)") in $(($(date +%s) - t1)) s"
   [ -n "${RAMSLOG_TIMES:-}" ] && printf 'lab\tsystemd.sh (its own boot, systemd as PID 1)\t%s\t%s\n' \

@@ -22,9 +22,28 @@
 #      for the state directory's lock a straggler holds): once it has the
 #      lock it takes the memory over, dumps it, ends; start restores the image
 #   k. stop, start: the image path
-#   tests/softroce/systemd.sh [DEB]    (default: the newest build/deb/ramslog_*.deb)
+#   tests/softroce/systemd.sh [DEB [UPGRADE]]
+# DEB: default the newest build/deb/ramslog_*.deb; UPGRADE: the package
+# installed over it in case h (default: DEB repacked here with a higher
+# version; check.sh repacks it on the host, where that is quicker).
+#   tests/softroce/systemd.sh --upgrade-package DEB OUT   (only that repacking)
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/lib/common.sh"
+
+# DEB repacked as OUT with the version "+lab1" higher (the same files: what
+# matters to the case is dpkg replacing the running binary's file).
+upgrade_package() {
+  local tree
+  tree=$(mktemp -d)
+  dpkg-deb -R "$1" "$tree/pkg"
+  sed -i "s/^Version: \(.*\)/Version: \1+lab1/" "$tree/pkg/DEBIAN/control"
+  dpkg-deb --root-owner-group -Znone -b "$tree/pkg" "$2" >/dev/null
+  rm -rf "$tree"
+}
+if [ "${1:-}" = --upgrade-package ]; then
+  upgrade_package "$2" "$3"
+  exit 0
+fi
 
 if [ "$(cat /proc/1/comm)" != systemd ]; then
   echo "this needs systemd as PID 1; run it as"
@@ -33,6 +52,7 @@ if [ "$(cat /proc/1/comm)" != systemd ]; then
 fi
 DEB=${1:-$(ls -t "$REPO"/build/deb/ramslog_*.deb 2>/dev/null | head -1)}
 [ -f "$DEB" ] || { echo "no .deb: build it first (target/debian/build-deb.sh)"; exit 1; }
+UPGRADE=${2:-}
 FILL=$(pick_bin lun-fill) || { echo "build lun-fill first (cargo build -p ramslog-tests)"; exit 1; }
 UNIT=ramslog-target.service
 IQN=iqn.2026-12.org.ramslog:lab
@@ -202,13 +222,9 @@ echo "both refused; main PID $pid serves on with its content"
 fill
 
 step "h. a dpkg -i upgrade, then systemctl reload"
-version=$(dpkg-deb -f "$DEB" Version)
-rm -rf /tmp/pkg
-dpkg-deb -R "$DEB" /tmp/pkg
-sed -i "s/^Version: .*/Version: $version+lab1/" /tmp/pkg/DEBIAN/control
-dpkg-deb -Znone -b /tmp/pkg /tmp/ramslog-upgrade.deb >/dev/null
+[ -n "$UPGRADE" ] || { UPGRADE=/tmp/ramslog-upgrade.deb; upgrade_package "$DEB" "$UPGRADE"; }
 pid=$(prop MainPID)
-dpkg -i /tmp/ramslog-upgrade.deb >/tmp/dpkg.log 2>&1 || { cat /tmp/dpkg.log; fail "dpkg -i (upgrade)"; }
+dpkg -i "$UPGRADE" >/tmp/dpkg.log 2>&1 || { cat /tmp/dpkg.log; fail "dpkg -i (upgrade)"; }
 echo "installed $(dpkg-query -W -f='${Version}' ramslog); the daemon runs $(readlink "/proc/$pid/exe")"
 [ "$(prop MainPID)" = "$pid" ] && [ "$(prop ActiveState)" = active ] || fail "the upgrade restarted the daemon"
 systemctl reload "$UNIT" || fail "systemctl reload after the upgrade"
