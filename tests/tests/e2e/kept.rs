@@ -1531,3 +1531,73 @@ async fn an_unreaped_writer_is_gone_and_a_leader_with_a_live_thread_is_not() {
     drop(next);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A child forked by the daemon would share the state directory's lock
+/// (one open file description) and could outlive it. The test takes the
+/// daemon's own lock descriptor (pidfd_getfd: what a fork inherits), the
+/// daemon is killed, and the next start waits for the lock, serving
+/// nothing, until that holder lets it go; then it serves the content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forked_holder_of_the_lock_keeps_the_next_start_waiting() {
+    let dir = scratch_dir("kept", "forked-holder");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let state = dir.join("state");
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    stored_naa(&sup);
+    let data = random_bytes(4096);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 800, &data, false).await.expect("WRITE");
+    }
+    let state_path = std::fs::canonicalize(&state).expect("state path");
+    let lock_fd: i32 = std::fs::read_dir(format!("/proc/{}/fd", t.pid()))
+        .expect("the daemon's descriptors")
+        .filter_map(Result::ok)
+        .find(|e| std::fs::read_link(e.path()).ok().as_deref() == Some(state_path.as_path()))
+        .and_then(|e| e.file_name().to_str()?.parse().ok())
+        .expect("the daemon holds the state directory open");
+    let daemon = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(t.pid() as i32).expect("pid"),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .expect("pidfd_open");
+    let holder =
+        rustix::process::pidfd_getfd(&daemon, lock_fd, rustix::process::PidfdGetfdFlags::empty())
+            .expect("pidfd_getfd: the daemon's lock");
+    t.kill();
+
+    let (options, _inherited) = sup.launch(persistent(&state, Some(port), &[]));
+    let mut t = TargetProcess::spawn_with(options);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !t.output().contains("waiting for it") {
+        assert!(
+            t.is_running() && Instant::now() < deadline,
+            "the start did not wait for the lock the holder shares\n{}",
+            t.output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(
+        t.is_running() && !t.output().contains("listening on"),
+        "a second server beside the holder\n{}",
+        t.output_tail(20)
+    );
+    drop(holder);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !t.output().contains("listening on") {
+        assert!(
+            t.is_running() && Instant::now() < deadline,
+            "no start once the holder let the lock go\n{}",
+            t.output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(is_ready(&t).await, "{}", status_text(&state));
+    let s = open(&t, INITIATOR).await;
+    assert!(s.read(0, 800, 8, 512).await.expect("READ") == data);
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
