@@ -117,7 +117,8 @@ crash() {
 }
 
 step "a. install: dpkg -i $(basename "$DEB") starts nothing"
-echo "PID 1: $(/lib/systemd/systemd --version | head -1)"
+echo "PID 1: $(/lib/systemd/systemd --version | head -1); virtualization: $(systemd-detect-virt || true)"
+if systemd-detect-virt --container >/dev/null; then fail "systemd takes this guest for a container"; fi
 dpkg -i "$DEB" >/tmp/dpkg.log 2>&1 || { cat /tmp/dpkg.log; fail "dpkg -i"; }
 [ "$(prop ActiveState)" = inactive ] || fail "the package started the service"
 cat >/etc/ramslog/ramslog.toml <<EOF
