@@ -74,6 +74,21 @@ pub struct LunStatus {
     /// Where the content comes from at the next start, by how this run ends.
     #[serde(default)]
     pub next_start: String,
+    /// The LU's persistent reservations.
+    #[serde(default)]
+    pub persistent_reservations: PrStatus,
+}
+
+/// A LU's persistent reservations, as `status` shows them.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PrStatus {
+    pub registrations: usize,
+    /// The reservation's type code (SPC-4 table: 1 write exclusive, 3
+    /// exclusive access, 5/6 registrants only, 7/8 all registrants).
+    pub reservation_type: Option<u8>,
+    /// A host asked them to persist through power loss: the image carries
+    /// them through a stop and a start.
+    pub aptpl: bool,
 }
 
 /// The run whose kept memory a LUN took over at start.
@@ -330,6 +345,7 @@ impl Control {
                     .map(|lu| {
                         let v = lu.volume();
                         let st = v.status();
+                        let pr = v.kept_reservations();
                         LunStatus {
                             lun: lu.lun(),
                             size: v.size(),
@@ -358,6 +374,11 @@ impl Control {
                                 crate::notify::has_holder(),
                             )
                             .into(),
+                            persistent_reservations: PrStatus {
+                                registrations: pr.registrations.len(),
+                                reservation_type: pr.reservation.map(|r| r.kind),
+                                aptpl: pr.aptpl,
+                            },
                         }
                     })
                     .collect(),

@@ -618,6 +618,8 @@ fn adopt_kept(
             generation,
         },
         chunks,
+        // The record's reservations came with the record.
+        None,
     );
     Ok(volume)
 }
@@ -884,11 +886,29 @@ fn recall(
         cancelled.load(Ordering::Acquire)
     }) {
         Ok(r) => {
+            // Reservations a host asked to persist are part of the content:
+            // ones no LU could have made refuse the image (dropping them
+            // would let a fenced host write again).
+            if let Some(why) = r
+                .reservations
+                .as_ref()
+                .and_then(|k| crate::scsi::check_kept_reservations(k).err())
+            {
+                let _ = store.zero(0, store.len() as usize);
+                return Ok(refuse(
+                    volume,
+                    format!(
+                        "image {} refused: its persistent reservations are not valid: {why}",
+                        path.display()
+                    ),
+                ));
+            }
             tracing::info!(
                 target,
                 lun,
                 generation,
                 chunks = r.chunks.len(),
+                reservations = r.reservations.as_ref().map_or(0, |k| k.registrations.len()),
                 "LUN content restored and verified: {} bytes in {:.2} s ({:.0} MiB/s)",
                 r.bytes,
                 r.seconds,
@@ -902,6 +922,7 @@ fn recall(
                     generation,
                 },
                 r.chunks.iter().copied(),
+                r.reservations,
             );
             Ok(volume)
         }

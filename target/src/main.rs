@@ -306,6 +306,20 @@ async fn status(s: SocketArgs, json: bool) -> Result<(), String> {
                     if !l.next_start.is_empty() {
                         out += &format!("    next start: {}\n", l.next_start);
                     }
+                    let pr = &l.persistent_reservations;
+                    if pr.registrations > 0 || pr.aptpl {
+                        out += &format!(
+                            "    persistent reservations: {} registration(s), {}; {}\n",
+                            pr.registrations,
+                            pr.reservation_type
+                                .map_or("none held".into(), |t| format!("type {t} held")),
+                            if pr.aptpl {
+                                "APTPL: kept through a stop and a start (in the image)"
+                            } else {
+                                "no APTPL: kept through a restart or a crash with kept memory, dropped by a stop"
+                            }
+                        );
+                    }
                     for k in l.io.kinds.iter().filter(|k| k.commands > 0) {
                         let at_most = |v: Option<f64>| v.map_or("-".into(), |v| format!("≤{v} µs"));
                         out += &format!(

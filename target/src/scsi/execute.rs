@@ -221,7 +221,9 @@ impl ScsiTarget {
                 match sa {
                     0 => st.pr.read_keys(data_in),
                     1 => st.pr.read_reservation(data_in),
-                    2 => PrState::report_capabilities(data_in),
+                    2 => st
+                        .pr
+                        .report_capabilities(lu.volume.persistence().is_some(), data_in),
                     _ => st.pr.read_full_status(data_in),
                 }
                 Ok(finish(data_in, alloc))
@@ -229,10 +231,14 @@ impl ScsiTarget {
             Op::PrOut { sa, scope, ty } => {
                 let mut st = lu.lock();
                 let port = st.port(nexus);
-                let uas = st.pr.out(&port, sa, scope, ty, data_out)?;
+                let persistent = lu.volume.persistence().is_some();
+                let mut next = st.pr.clone();
+                let uas = next.out(&port, sa, scope, ty, data_out, persistent)?;
                 // Recorded before GOOD: a successor serving this memory
-                // fences the same hosts.
-                lu.volume.keep_reservations(st.pr.kept());
+                // fences the same hosts, and a change the image is to carry
+                // (APTPL before or after) makes the last image stale first.
+                lu.volume.keep_reservations(next.kept())?;
+                st.pr = next;
                 if sa == PR_OUT_PREEMPT_AND_ABORT {
                     // SPC-4 5.13.11.2.6: the tasks of every preempted I_T
                     // nexus are aborted (TAS=0: without status).

@@ -3,7 +3,9 @@
 //! Registrations belong to initiator ports (iSCSI name + ISID), not to
 //! sessions: they survive logout and I_T nexus loss, and a planned restart
 //! or a crash whose LU memory is served again (the kept-memory record
-//! carries them: the LU did not reset). APTPL is not supported, so a start
+//! carries them: the LU did not reset). Through a stop and a start (the
+//! image) they persist only when the last REGISTER asked for it (APTPL=1),
+//! and only on a volume with a state directory (PTPL_C); otherwise a start
 //! from an image has none. There is one target port.
 
 use std::sync::Arc;
@@ -46,9 +48,11 @@ struct Resv {
 /// A unit attention to raise on the I_T nexus of an initiator port.
 pub(crate) type PortUa = (Arc<str>, (u8, u8));
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct PrState {
     generation: u32,
+    /// Persist through power loss (the last effective REGISTER's APTPL).
+    aptpl: bool,
     regs: Vec<Reg>,
     resv: Option<Resv>,
 }
@@ -58,6 +62,7 @@ impl PrState {
     pub fn kept(&self) -> KeptReservations {
         KeptReservations {
             generation: self.generation,
+            aptpl: self.aptpl,
             registrations: self
                 .regs
                 .iter()
@@ -115,6 +120,7 @@ impl PrState {
         };
         Ok(PrState {
             generation: k.generation,
+            aptpl: k.aptpl,
             regs,
             resv,
         })
@@ -185,10 +191,20 @@ impl PrState {
         }
     }
 
-    pub fn report_capabilities(out: &mut Vec<u8>) {
-        // CRH/SIP_C/ATP_C/PTPL_C all 0; TMV=1, ALLOW COMMANDS 0; type mask:
-        // WR_EX_AR, EX_AC_RO, WR_EX_RO, EX_AC, WR_EX | EX_AC_AR.
-        out.extend_from_slice(&[0, 8, 0x00, 0x80, 0xea, 0x01, 0, 0]);
+    /// Whether the reservations are to persist through power loss.
+    #[cfg(test)]
+    pub fn aptpl(&self) -> bool {
+        self.aptpl
+    }
+
+    /// REPORT CAPABILITIES; `persistent`: the LU has a state directory, so
+    /// it can keep reservations through power loss (PTPL_C).
+    pub fn report_capabilities(&self, persistent: bool, out: &mut Vec<u8>) {
+        // CRH/SIP_C/ATP_C 0; TMV=1, ALLOW COMMANDS 0; type mask: WR_EX_AR,
+        // EX_AC_RO, WR_EX_RO, EX_AC, WR_EX | EX_AC_AR.
+        let ptpl_c = u8::from(persistent);
+        let ptpl_a = u8::from(persistent && self.aptpl);
+        out.extend_from_slice(&[0, 8, ptpl_c, 0x80 | ptpl_a, 0xea, 0x01, 0, 0]);
     }
 
     pub fn read_full_status(&self, out: &mut Vec<u8>) {
@@ -264,6 +280,8 @@ impl PrState {
     }
 
     /// PERSISTENT RESERVE OUT. Returns the unit attentions to raise.
+    /// `persistent`: the LU can keep reservations through power loss, so
+    /// APTPL=1 is taken (PTPL_C=1); otherwise it is refused.
     pub fn out(
         &mut self,
         port: &Arc<str>,
@@ -271,6 +289,7 @@ impl PrState {
         scope: u8,
         ty: u8,
         param: &[u8],
+        persistent: bool,
     ) -> Result<Vec<PortUa>, SenseReason> {
         if param.len() < 24 {
             return Err(SenseReason::ParamListLengthError);
@@ -284,8 +303,9 @@ impl PrState {
         if flags & 0x04 != 0 {
             return Err(bad_param_bit(20, 2)); // ALL_TG_PT: ATP_C=0
         }
-        if flags & 0x01 != 0 {
-            return Err(bad_param_bit(20, 0)); // APTPL: PTPL_C=0
+        let aptpl = flags & 0x01 != 0;
+        if aptpl && !persistent {
+            return Err(bad_param_bit(20, 0)); // PTPL_C=0
         }
         let check_type = || {
             if scope != 0 {
@@ -314,6 +334,8 @@ impl PrState {
                             key: sa_key,
                         });
                         self.generation = self.generation.wrapping_add(1);
+                        // Only a REGISTER's APTPL counts (SPC-4: ignored elsewhere).
+                        self.aptpl = aptpl;
                     }
                 }
                 Some(k) => {
@@ -326,6 +348,7 @@ impl PrState {
                         r.key = sa_key;
                     }
                     self.generation = self.generation.wrapping_add(1);
+                    self.aptpl = aptpl;
                 }
             },
             1..=5 => {
@@ -426,7 +449,60 @@ mod tests {
     fn register(pr: &mut PrState, port: &str, key: u64) {
         let mut param = [0u8; 24];
         param[8..16].copy_from_slice(&key.to_be_bytes());
-        pr.out(&Arc::from(port), 0, 0, 0, &param).expect("REGISTER");
+        pr.out(&Arc::from(port), 0, 0, 0, &param, true)
+            .expect("REGISTER");
+    }
+
+    fn params(key: u64, sa_key: u64, aptpl: bool) -> [u8; 24] {
+        let mut p = [0u8; 24];
+        p[0..8].copy_from_slice(&key.to_be_bytes());
+        p[8..16].copy_from_slice(&sa_key.to_be_bytes());
+        p[20] = u8::from(aptpl);
+        p
+    }
+
+    fn capabilities(pr: &PrState, persistent: bool) -> (u8, u8) {
+        let mut out = Vec::new();
+        pr.report_capabilities(persistent, &mut out);
+        (out[2], out[3])
+    }
+
+    /// APTPL is the last effective REGISTER's bit (REGISTER AND IGNORE
+    /// EXISTING KEY and unregistering included), ignored in every other
+    /// service action, refused where nothing persists, and reported as
+    /// PTPL_C/PTPL_A and carried in the record.
+    #[test]
+    fn aptpl_follows_the_last_register_and_is_refused_without_persistence() {
+        let a: Arc<str> = Arc::from("iqn.a,i,0x1");
+        let mut pr = PrState::default();
+        assert_eq!(capabilities(&pr, true), (0x01, 0x80));
+        assert_eq!(capabilities(&pr, false), (0x00, 0x80));
+
+        let refused = pr.out(&a, 0, 0, 0, &params(0, 0xa, true), false);
+        assert!(matches!(refused, Err(r) if r == bad_param_bit(20, 0)));
+        assert!(!pr.active(), "a refused REGISTER changes nothing");
+
+        pr.out(&a, 0, 0, 0, &params(0, 0xa, true), true)
+            .expect("REGISTER, APTPL=1");
+        assert!(pr.aptpl());
+        assert_eq!(capabilities(&pr, true), (0x01, 0x81));
+        assert_eq!(capabilities(&pr, false).1, 0x80);
+        // RESERVE's APTPL bit is ignored, set or not.
+        pr.out(&a, 1, 0, WE, &params(0xa, 0, false), true)
+            .expect("RESERVE");
+        assert!(pr.aptpl());
+        assert!(PrState::from_kept(&pr.kept()).expect("back").aptpl());
+        // A failed REGISTER (wrong key) changes nothing.
+        let conflict = pr.out(&a, 0, 0, 0, &params(0xbad, 0xb, false), true);
+        assert!(matches!(conflict, Err(SenseReason::ReservationConflict)));
+        assert!(pr.aptpl());
+        pr.out(&a, 6, 0, 0, &params(0, 0xa, false), true)
+            .expect("REGISTER AND IGNORE EXISTING KEY, APTPL=0");
+        assert!(!pr.aptpl());
+        assert!(!pr.kept().aptpl);
+        pr.out(&a, 0, 0, 0, &params(0xa, 0, true), true)
+            .expect("unregister, APTPL=1");
+        assert!(pr.aptpl() && !pr.active());
     }
 
     /// What a record carries comes back as the same state; what no LU
@@ -438,7 +514,7 @@ mod tests {
         register(&mut pr, "iqn.b,i,0x2", 0xbb);
         let mut param = [0u8; 24];
         param[0..8].copy_from_slice(&0xaau64.to_be_bytes());
-        pr.out(&Arc::from("iqn.a,i,0x1"), 1, 0, WE, &param)
+        pr.out(&Arc::from("iqn.a,i,0x1"), 1, 0, WE, &param, true)
             .expect("RESERVE");
         let kept = pr.kept();
         assert_eq!(kept.generation, 2);

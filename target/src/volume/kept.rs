@@ -147,11 +147,16 @@ pub enum Written {
 /// A LUN's persistent reservations, as the SCSI layer last made them: they
 /// survive a planned restart and a crash whose memory is served again (the
 /// LU did not reset; dropping them would let a host fenced by fence_scsi
-/// write again). The image path drops them (no APTPL).
+/// write again). The image carries them only while `aptpl` is set (a host
+/// asked them to persist through power loss); otherwise a start from the
+/// image has none.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeptReservations {
     /// PRgeneration.
     pub generation: u32,
+    /// The APTPL bit of the last REGISTER that took effect (PTPL_A).
+    #[serde(default)]
+    pub aptpl: bool,
     pub registrations: Vec<KeptRegistration>,
     pub reservation: Option<KeptReservation>,
 }

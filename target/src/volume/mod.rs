@@ -439,15 +439,40 @@ impl Volume {
         self.meta().reservations.clone()
     }
 
-    /// Record the LU's persistent reservations as they are now: called
-    /// under the LU's lock after each change, before its GOOD, so a
-    /// successor serving this memory has them too.
-    pub fn keep_reservations(&self, reservations: KeptReservations) {
-        let mut m = self.meta();
-        if m.reservations != reservations {
-            m.reservations = reservations;
-            self.write_record(&m);
+    /// Record the LU's persistent reservations as they are to be: called
+    /// under the LU's lock for each change, before the LU takes it and
+    /// before its GOOD, so a successor serving this memory has them too.
+    /// A change the image carries (APTPL set before or after it) is a
+    /// change of the medium's content: like a write, it makes the last
+    /// image stale (the generation bump) before it is acknowledged, so a
+    /// crash cannot bring the old reservations back, and the next dump
+    /// writes the new ones. An error: the change must not be taken.
+    pub fn keep_reservations(&self, reservations: KeptReservations) -> Result<(), VolumeError> {
+        let imaged = {
+            let m = self.meta();
+            if m.reservations == reservations {
+                return Ok(());
+            }
+            m.reservations.aptpl || reservations.aptpl
+        };
+        if imaged {
+            if self.fenced.load(Ordering::SeqCst) {
+                return Err(VolumeError::Fenced);
+            }
+            self.dirty.store(true, Ordering::SeqCst);
+            if !self.generation_open.load(Ordering::Acquire) {
+                self.open_generation()?;
+            }
         }
+        let mut m = self.meta();
+        // Checked under the lock the dump takes its snapshot with: either
+        // the dump sees this change, or the change is refused.
+        if imaged && self.fenced.load(Ordering::SeqCst) {
+            return Err(VolumeError::Fenced);
+        }
+        m.reservations = reservations;
+        self.write_record(&m);
+        Ok(())
     }
 
     /// Record the checksum of the INQUIRY and VPD data this run's LU
@@ -588,12 +613,21 @@ impl Volume {
     }
 
     /// The content was loaded from `from`: the chunks it held count as
-    /// written (the next dump must carry them again).
-    pub fn set_restored(&self, from: Restored, chunks: impl IntoIterator<Item = u64>) {
+    /// written (the next dump must carry them again). `reservations`: the
+    /// persistent reservations the image carried (APTPL), if any.
+    pub fn set_restored(
+        &self,
+        from: Restored,
+        chunks: impl IntoIterator<Item = u64>,
+        reservations: Option<KeptReservations>,
+    ) {
         for c in chunks {
             self.written.mark(c * CHUNK_SIZE, 1);
         }
         let mut m = self.meta();
+        if let Some(r) = reservations {
+            m.reservations = r;
+        }
         m.generation = from.generation;
         m.restored = Some(from);
         self.set_kept(&mut m, KeptState::Valid);
@@ -719,12 +753,13 @@ impl Volume {
         // One snapshot: after the fence neither generation nor identity
         // changes (open_generation and accept_empty check the fence under
         // this lock).
-        let (identity, generation, ready) = {
+        let (identity, generation, ready, reservations) = {
             let m = self.meta();
             (
                 m.identity.clone(),
                 m.generation,
                 m.readiness == Readiness::Ready,
+                m.reservations.clone(),
             )
         };
         if !ready {
@@ -742,7 +777,8 @@ impl Volume {
             tracing::info!("{msg}");
             return Ok(msg);
         }
-        let msg = self.write_image(p, identity, generation, verify)?;
+        let reservations = reservations.aptpl.then_some(&reservations);
+        let msg = self.write_image(p, identity, generation, reservations, verify)?;
         // The image is current and the volume fenced: the next run's first
         // write must start a new generation before it is acknowledged.
         self.dirty.store(false, Ordering::SeqCst);
@@ -777,16 +813,18 @@ impl Volume {
             let m = self.meta();
             (m.identity.clone(), m.generation)
         };
-        self.write_image(p, identity, generation, false)
+        self.write_image(p, identity, generation, None, false)
     }
 
-    /// Write the image of `identity` at `generation` and record it clean.
-    /// The caller holds `imaging`.
+    /// Write the image of `identity` at `generation`, with `reservations`
+    /// to persist through power loss, and record it clean. The caller
+    /// holds `imaging`.
     fn write_image(
         &self,
         p: &Persistence,
         identity: Identity,
         generation: u64,
+        reservations: Option<&KeptReservations>,
         verify: bool,
     ) -> Result<String, String> {
         let (target, lun) = (self.target.as_str(), self.lun);
@@ -808,7 +846,7 @@ impl Volume {
         let mut attempt = 0;
         let r = loop {
             attempt += 1;
-            let r = image::dump(&p.image_dir, &id, &self.store, &self.written)
+            let r = image::dump(&p.image_dir, &id, &self.store, &self.written, reservations)
                 .map_err(|e| failed(&e))?;
             if !verify {
                 break r;
@@ -870,8 +908,10 @@ impl Volume {
             let old = m.identity.clone();
             // The memory is being made empty from here on: a successor that
             // finds this record finishes accept-empty, never serves the old
-            // content.
+            // content. Nor the old identity's reservations: the empty
+            // device has none (the caller clears the LU's).
             let before = std::mem::replace(&mut m.kept, KeptState::Initialising);
+            let reservations_before = std::mem::take(&mut m.reservations);
             self.write_record(&m);
             if let Some(p) = &self.persistence {
                 let g = match p.state().set(&self.target, self.lun, &new) {
@@ -880,6 +920,7 @@ impl Volume {
                         // Still the old identity: its record goes back to
                         // what it was (never INITIALISING, which a successor
                         // would finish under the identity it names).
+                        m.reservations = reservations_before;
                         self.set_kept(&mut m, before);
                         return Err(format!("identity not changed: {e}"));
                     }
@@ -1088,6 +1129,7 @@ mod tests {
                 generation: 5,
             },
             [0],
+            None,
         );
         let r = kept(&restoring);
         assert_eq!((r.state, r.generation), (KeptState::Valid, 5));
@@ -1145,6 +1187,74 @@ mod tests {
             block_size: 512,
             generation: v.generation(),
         }
+    }
+
+    fn reservations(aptpl: bool, key: u64) -> KeptReservations {
+        KeptReservations {
+            generation: 1,
+            aptpl,
+            registrations: vec![kept::KeptRegistration {
+                port: "iqn.h,i,0x1".into(),
+                key,
+            }],
+            reservation: Some(kept::KeptReservation {
+                holder: "iqn.h,i,0x1".into(),
+                kind: 1,
+            }),
+        }
+    }
+
+    /// Reservations without APTPL are only recorded beside the memory;
+    /// with it they are content: the image goes stale (generation bump)
+    /// before the change is taken, the dump carries them and a restore
+    /// brings them back, a damaged copy refuses the image. Turning APTPL
+    /// off leaves an image without them. Once fenced, a change the image
+    /// would carry is refused.
+    #[test]
+    fn aptpl_reservations_are_content_the_image_carries() {
+        let (dir, v) = persistent_volume("aptpl");
+        let restored = |v: &Volume| {
+            let id = image_identity(v);
+            let path = v
+                .persistence()
+                .expect("p")
+                .image_dir
+                .join(image::image_name(&id.identity.naa, id.generation));
+            let fresh = Store::new(3 << 20, HugePages::Off).expect("store");
+            let r = image::restore(&path, &id, &fresh, &|| false).expect("restore");
+            (path, id, r.reservations)
+        };
+        let g0 = state_generation(&v);
+        v.keep_reservations(reservations(false, 0xa)).expect("kept");
+        assert_eq!(state_generation(&v), g0, "no APTPL: no bump");
+        assert_eq!(kept(&v).reservations, reservations(false, 0xa));
+        v.keep_reservations(reservations(true, 0xa)).expect("kept");
+        assert_eq!(state_generation(&v), g0 + 1, "APTPL: bumped before GOOD");
+        assert_eq!(kept(&v).reservations, reservations(true, 0xa));
+        v.keep_reservations(reservations(false, 0xa)).expect("kept");
+        v.fence();
+        assert_eq!(
+            v.keep_reservations(reservations(true, 0xb)),
+            Err(VolumeError::Fenced)
+        );
+        assert_eq!(v.kept_reservations(), reservations(false, 0xa));
+        v.dump(false).expect("dump");
+        assert_eq!(restored(&v).2, None, "APTPL off: none in the image");
+
+        v.take_back();
+        v.keep_reservations(reservations(true, 0xc)).expect("kept");
+        assert_eq!(state_generation(&v), g0 + 2, "the clean image went stale");
+        v.fence();
+        assert!(v.dump(false).expect("dump").contains("dumped to"));
+        let (path, id, carried) = restored(&v);
+        assert_eq!(carried, Some(reservations(true, 0xc)));
+        let mut bytes = std::fs::read(&path).expect("read");
+        bytes[4096 + 10] ^= 1;
+        let torn = dir.join("torn.img");
+        std::fs::write(&torn, &bytes).expect("write");
+        let e = image::verify(&torn, &id).expect_err("a damaged image");
+        assert!(e.to_string().contains("reservations"), "{e}");
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]

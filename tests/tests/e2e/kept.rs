@@ -1024,73 +1024,87 @@ async fn a_stop_during_a_restart_is_honoured_by_the_new_program() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The host a reservation fences.
+const HOST_B: &str = "iqn.2026-11.org.ramslog:e2e-fenced-host";
+
+/// The status of one WRITE(10) from host B.
+async fn b_writes(t: &TargetProcess) -> u8 {
+    let b = Session::login(t.addr(), LoginParams::normal(HOST_B, t.target_name()))
+        .await
+        .expect("login B");
+    clear_unit_attentions(&b).await;
+    let cdb = ramslog_common::cdb::write10(100, 1, false).expect("WRITE(10)");
+    let r = b
+        .command(0, &cdb, Some(&[0x5a; 512]), 0)
+        .await
+        .expect("B's WRITE");
+    r.status
+}
+
+/// PERSISTENT RESERVE IN from host A: the registered keys.
+async fn read_keys(t: &TargetProcess) -> Vec<u64> {
+    let a = open(t, INITIATOR).await;
+    let r = a
+        .command(0, &[0x5e, 0, 0, 0, 0, 0, 0, 0, 255, 0], None, 255)
+        .await
+        .expect("PERSISTENT RESERVE IN, READ KEYS");
+    assert!(r.is_good(), "{r:?}");
+    let len = u32::from_be_bytes(r.data[4..8].try_into().expect("length")) as usize;
+    r.data[8..8 + len]
+        .chunks(8)
+        .map(|k| u64::from_be_bytes(k.try_into().expect("key")))
+        .collect()
+}
+
+/// PERSISTENT RESERVE IN, REPORT CAPABILITIES: (PTPL_C, PTPL_A).
+async fn ptpl(t: &TargetProcess) -> (bool, bool) {
+    let a = open(t, INITIATOR).await;
+    let r = a
+        .command(0, &[0x5e, 2, 0, 0, 0, 0, 0, 0, 8, 0], None, 8)
+        .await
+        .expect("PERSISTENT RESERVE IN, REPORT CAPABILITIES");
+    assert!(r.is_good() && r.data.len() == 8, "{r:?}");
+    (r.data[2] & 1 != 0, r.data[3] & 1 != 0)
+}
+
+/// PERSISTENT RESERVE OUT (type WRITE EXCLUSIVE), GOOD expected.
+async fn pr_out(s: &Session, sa: u8, key: u64, sa_key: u64, aptpl: bool) {
+    let (cdb, mut params) = ramslog_common::cdb::persistent_reserve_out(sa, key, sa_key);
+    params[20] = u8::from(aptpl);
+    let r = s
+        .command(0, &cdb, Some(&params), 0)
+        .await
+        .expect("PERSISTENT RESERVE OUT");
+    assert!(r.is_good(), "service action {sa}: {r:?}");
+}
+
+/// A holds WRITE EXCLUSIVE and preempted B (as fence_scsi fences a node),
+/// every REGISTER with `aptpl`.
+async fn fence_b(t: &TargetProcess, aptpl: bool) {
+    let a = open(t, INITIATOR).await;
+    let b = open(t, HOST_B).await;
+    pr_out(&a, 0, 0, 0xaa, aptpl).await;
+    pr_out(&b, 0, 0, 0xbb, aptpl).await;
+    pr_out(&a, 1, 0xaa, 0, false).await;
+    pr_out(&a, 4, 0xaa, 0xbb, false).await;
+}
+
 /// Host A holds a WRITE EXCLUSIVE reservation and has preempted host B (as
 /// fence_scsi fences a node). A planned restart and a crash whose memory is
 /// served again keep that: B's write still conflicts, and the keys read
 /// back are A's alone. A stop and a start through the image drop
-/// persistent reservations (no APTPL): B writes again.
+/// persistent reservations without APTPL: B writes again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reservations_survive_a_restart_and_a_crash_but_not_a_stop() {
-    const HOST_B: &str = "iqn.2026-11.org.ramslog:e2e-fenced-host";
-    let pr_out = ramslog_common::cdb::persistent_reserve_out;
     let dir = scratch_dir("kept", "reservations");
     let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
     let state = dir.join("state");
     let mut t = start(&sup, &state, None);
     let port = t.port();
     stored_naa(&sup);
-    let b_writes = |t: &TargetProcess| {
-        let (addr, name) = (t.addr(), t.target_name().to_string());
-        async move {
-            let b = Session::login(addr, LoginParams::normal(HOST_B, &name))
-                .await
-                .expect("login B");
-            clear_unit_attentions(&b).await;
-            let cdb = ramslog_common::cdb::write10(100, 1, false).expect("WRITE(10)");
-            let r = b
-                .command(0, &cdb, Some(&[0x5a; 512]), 0)
-                .await
-                .expect("B's WRITE");
-            r.status
-        }
-    };
-    let keys = |t: &TargetProcess| {
-        let t_addr = (t.addr(), t.target_name().to_string());
-        async move {
-            let a = Session::login(t_addr.0, LoginParams::normal(INITIATOR, &t_addr.1))
-                .await
-                .expect("login A");
-            clear_unit_attentions(&a).await;
-            let r = a
-                .command(0, &[0x5e, 0, 0, 0, 0, 0, 0, 0, 255, 0], None, 255)
-                .await
-                .expect("PERSISTENT RESERVE IN, READ KEYS");
-            assert!(r.is_good(), "{r:?}");
-            let len = u32::from_be_bytes(r.data[4..8].try_into().expect("length")) as usize;
-            r.data[8..8 + len]
-                .chunks(8)
-                .map(|k| u64::from_be_bytes(k.try_into().expect("key")))
-                .collect::<Vec<_>>()
-        }
-    };
-    {
-        let a = open(&t, INITIATOR).await;
-        let b = open(&t, HOST_B).await;
-        for (s, sa, key, sa_key) in [
-            (&a, 0, 0, 0xaa),
-            (&b, 0, 0, 0xbb),
-            (&a, 1, 0xaa, 0),
-            (&a, 4, 0xaa, 0xbb),
-        ] {
-            let (cdb, params) = pr_out(sa, key, sa_key);
-            let r = s
-                .command(0, &cdb, Some(&params), 0)
-                .await
-                .expect("PERSISTENT RESERVE OUT");
-            assert!(r.is_good(), "service action {sa}: {r:?}");
-        }
-    }
+    fence_b(&t, false).await;
     assert_eq!(b_writes(&t).await, status::RESERVATION_CONFLICT, "fenced");
+    assert_eq!(ptpl(&t).await, (true, false));
     restart(&state).unwrap_or_else(|e| panic!("{e}\n{}", t.output_tail(20)));
     assert_eq!(
         b_writes(&t).await,
@@ -1098,7 +1112,7 @@ async fn reservations_survive_a_restart_and_a_crash_but_not_a_stop() {
         "after a restart\n{}",
         t.output_tail(20)
     );
-    assert_eq!(keys(&t).await, vec![0xaa], "after a restart");
+    assert_eq!(read_keys(&t).await, vec![0xaa], "after a restart");
     t.kill();
     let mut t = start(&sup, &state, Some(port));
     assert!(
@@ -1112,16 +1126,75 @@ async fn reservations_survive_a_restart_and_a_crash_but_not_a_stop() {
         "after a crash\n{}",
         t.output_tail(20)
     );
-    assert_eq!(keys(&t).await, vec![0xaa], "after a crash");
+    assert_eq!(read_keys(&t).await, vec![0xaa], "after a crash");
     assert!(t.stop().success(), "{}", t.output_tail(20));
     sup.clear();
     let t = start(&sup, &state, Some(port));
     assert_eq!(b_writes(&t).await, status::GOOD, "after a stop and a start");
     assert_eq!(
-        keys(&t).await,
+        read_keys(&t).await,
         Vec::<u64>::new(),
         "after a stop and a start"
     );
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With APTPL (fence_scsi's --aptpl, Windows failover clusters), the
+/// reservations are content: REPORT CAPABILITIES says PTPL_C and PTPL_A, a
+/// stop and a start through the image keep them (B still conflicts, the
+/// keys are A's, `status` says so). A PR OUT that changes them makes the
+/// image stale before its GOOD, so a kill -9 with the store dropped
+/// answers NOT READY instead of bringing the older reservations back; and
+/// accept-empty clears them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aptpl_reservations_survive_a_stop_and_a_start_until_accept_empty() {
+    let dir = scratch_dir("kept", "aptpl");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let state = dir.join("state");
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    stored_naa(&sup);
+    fence_b(&t, true).await;
+    assert_eq!(ptpl(&t).await, (true, true));
+    assert!(t.stop().success(), "{}", t.output_tail(20));
+    sup.clear();
+    let mut t = start(&sup, &state, Some(port));
+    assert!(
+        t.output().contains("LUN content restored"),
+        "{}",
+        t.output_tail(20)
+    );
+    assert_eq!(
+        b_writes(&t).await,
+        status::RESERVATION_CONFLICT,
+        "after a stop and a start\n{}",
+        t.output_tail(20)
+    );
+    assert_eq!(read_keys(&t).await, vec![0xaa]);
+    assert_eq!(ptpl(&t).await, (true, true));
+    let shown = cli(&["status"], &state);
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        shown.contains("persistent reservations: 1 registration(s), type 1 held; APTPL"),
+        "{shown}"
+    );
+    // A new key for A, no data written: the image of this generation is
+    // no longer current before the GOOD.
+    pr_out(&open(&t, INITIATOR).await, 6, 0, 0xab, true).await;
+    t.kill();
+    sup.clear();
+    let t = start(&sup, &state, Some(port));
+    assert!(
+        !is_ready(&t).await,
+        "the older image came back\n{}",
+        t.output_tail(20)
+    );
+    let out = cli(&["accept-empty", t.target_name(), "0"], &state);
+    assert!(out.status.success(), "accept-empty: {out:?}");
+    assert_eq!(read_keys(&t).await, Vec::<u64>::new());
+    assert_eq!(ptpl(&t).await, (true, false));
+    assert_eq!(b_writes(&t).await, status::GOOD, "after accept-empty");
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -99,26 +99,35 @@ pub fn free_space(dir: &Path) -> std::io::Result<u64> {
     Ok(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
-/// Bytes of an image holding `chunks` (by index) of a volume of `size` bytes.
-pub fn image_len(size: u64, chunks: impl Iterator<Item = u64>) -> u64 {
+/// Bytes of an image holding `chunks` (by index) of a volume of `size`
+/// bytes, and `reservation_bytes` of persistent reservations.
+pub fn image_len(size: u64, chunks: impl Iterator<Item = u64>, reservation_bytes: usize) -> u64 {
     let data: u64 = chunks.map(|c| BLOCK as u64 + chunk_len(size, c)).sum();
-    2 * BLOCK as u64 + data
+    (2 + reservation_blocks(reservation_bytes)) as u64 * BLOCK as u64 + data
 }
 
-/// Write the image of `id` holding the chunks `written` says were written:
-/// to a temporary file, fsync, rename, directory fsync. On error the
-/// temporary file is removed and no image of this generation exists.
+/// Write the image of `id` holding the chunks `written` says were written,
+/// and `reservations` (those to persist through power loss): to a
+/// temporary file, fsync, rename, directory fsync. On error the temporary
+/// file is removed and no image of this generation exists.
 pub fn dump(
     dir: &Path,
     id: &ImageIdentity,
     store: &Store,
     written: &crate::volume::WrittenChunks,
+    reservations: Option<&KeptReservations>,
 ) -> Result<DumpReport, ImageError> {
     let started = Instant::now();
     let chunks: Vec<u64> = (0..written.chunks())
         .filter(|c| written.is_marked(*c))
         .collect();
-    let len = image_len(id.size, chunks.iter().copied());
+    let reservations = match reservations {
+        Some(r) => serde_json::to_vec(r).map_err(|e| {
+            ImageError::Mismatch(format!("persistent reservations not encodable: {e}"))
+        })?,
+        None => Vec::new(),
+    };
+    let len = image_len(id.size, chunks.iter().copied(), reservations.len());
     let free = free_space(dir)?;
     let need = len + SPACE_MARGIN;
     if free < need {
@@ -131,7 +140,7 @@ pub fn dump(
     let tmp = dir.join(tmp_name(&id.identity.naa, id.generation));
     let path = dir.join(image_name(&id.identity.naa, id.generation));
     let _ = std::fs::remove_file(&tmp);
-    let result = write_image(&tmp, id, store, &chunks);
+    let result = write_image(&tmp, id, store, &chunks, &reservations);
     let direct = match result {
         Ok(d) => d,
         Err(e) => {
@@ -158,10 +167,16 @@ fn write_image(
     id: &ImageIdentity,
     store: &Store,
     chunks: &[u64],
+    reservations: &[u8],
 ) -> Result<bool, ImageError> {
     // Checked before anything is written: its error is the dump's error.
-    let header = encode_header(id, chunks.len() as u64, crate::volume::now_unix())
-        .map_err(ImageError::Mismatch)?;
+    let header = encode_header(
+        id,
+        chunks.len() as u64,
+        crate::volume::now_unix(),
+        reservations,
+    )
+    .map_err(ImageError::Mismatch)?;
     let out = Output::create(tmp)?;
     let batch_bytes = RECORDS_PER_WRITE * BLOCK;
     std::thread::scope(|scope| {
@@ -206,6 +221,11 @@ fn write_image(
                 Ok(Job::Block(buf))
             };
             tx.send(block(&header)?).map_err(|_| ())?;
+            for piece in reservations.chunks(BLOCK) {
+                let mut padded = [0u8; BLOCK];
+                padded[..piece.len()].copy_from_slice(piece);
+                tx.send(block(&padded)?).map_err(|_| ())?;
+            }
             let mut chain = commit_seed(&header);
             for group in chunks.chunks(RECORDS_PER_WRITE) {
                 let mut prefixes = spare.recv().map_err(|_| ())?;

@@ -5,7 +5,11 @@
 //! ```text
 //! header   4 KiB   "RAMSLOGI", format, generation, size, block size,
 //!                  chunk size, chunk count, LUN, NAA, taken-at, serial,
-//!                  target; CRC32C of the block's first 4092 bytes at 4092
+//!                  target, reservations length and CRC32C (format 2);
+//!                  CRC32C of the block's first 4092 bytes at 4092
+//! reservations     format 2 only: the persistent reservations a host asked
+//!          n × 4 KiB to keep through power loss (APTPL), as JSON, zero
+//!                  padded to whole blocks
 //! chunk    4 KiB   "RLCHUNK\0", index, generation, data length,
 //!                  CRC32C(index, generation, data); CRC of the prefix
 //!          data    the chunk's bytes (1 MiB, less for the LUN's last chunk)
@@ -14,6 +18,8 @@
 //!                  chunk CRC in order, CRC of the block
 //! ```
 //! The file's length is exactly the sum of these; anything else is refused.
+//! An image without reservations is written as format 1, which every
+//! earlier release reads.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -22,12 +28,20 @@ use std::time::Instant;
 
 use thiserror::Error;
 
+use super::kept::KeptReservations;
 use super::{naa_hex, Identity, CHUNK_SIZE};
 use crate::private_dir::{create_private, open_regular};
 use crate::store::Store;
 
 const BLOCK: usize = 4096;
 const FORMAT: u32 = 1;
+/// Format 1 followed by the reservations' blocks.
+const FORMAT_WITH_RESERVATIONS: u32 = 2;
+/// Where the header keeps the reservations' length and checksum.
+const RESERVATIONS_AT: usize = 400;
+/// The most the reservations may take: 64 registrations with the longest
+/// iSCSI names fit in a quarter of it.
+const MAX_RESERVATIONS: usize = 128 << 10;
 const HEADER_MAGIC: &[u8; 8] = b"RAMSLOGI";
 const CHUNK_MAGIC: &[u8; 8] = b"RLCHUNK\0";
 const COMMIT_MAGIC: &[u8; 8] = b"RLCOMMIT";
@@ -207,13 +221,35 @@ fn chunk_len(size: u64, index: u64) -> u64 {
     (size - index * CHUNK_SIZE).min(CHUNK_SIZE)
 }
 
-fn encode_header(id: &ImageIdentity, chunk_count: u64, taken_unix: u64) -> Result<Vec<u8>, String> {
+/// Whole blocks for `len` bytes of reservations.
+fn reservation_blocks(len: usize) -> usize {
+    len.div_ceil(BLOCK)
+}
+
+fn encode_header(
+    id: &ImageIdentity,
+    chunk_count: u64,
+    taken_unix: u64,
+    reservations: &[u8],
+) -> Result<Vec<u8>, String> {
     if id.target.len() > MAX_TARGET || id.identity.serial.len() > MAX_SERIAL {
         return Err("target name or serial too long for the image header".into());
     }
+    if reservations.len() > MAX_RESERVATIONS {
+        return Err(format!(
+            "{} bytes of persistent reservations, more than an image holds",
+            reservations.len()
+        ));
+    }
     let mut b = vec![0u8; BLOCK];
     b[..8].copy_from_slice(HEADER_MAGIC);
-    put_u32(&mut b, 8, FORMAT);
+    if reservations.is_empty() {
+        put_u32(&mut b, 8, FORMAT);
+    } else {
+        put_u32(&mut b, 8, FORMAT_WITH_RESERVATIONS);
+        put_u32(&mut b, RESERVATIONS_AT, reservations.len() as u32);
+        put_u32(&mut b, RESERVATIONS_AT + 4, crc32c::crc32c(reservations));
+    }
     put_u64(&mut b, 16, id.generation);
     put_u64(&mut b, 24, id.size);
     put_u32(&mut b, 32, id.block_size);
@@ -236,6 +272,8 @@ struct Header {
     chunk_size: u32,
     chunk_count: u64,
     taken_unix: u64,
+    /// Length and CRC32C of the reservations that follow (0 and 0: none).
+    reservations: (usize, u32),
 }
 
 fn decode_header(b: &[u8]) -> Result<Header, ImageError> {
@@ -246,9 +284,17 @@ fn decode_header(b: &[u8]) -> Result<Header, ImageError> {
     if !sealed(b) {
         return Err(damaged("checksum mismatch"));
     }
-    if get_u32(b, 8) != FORMAT {
-        return Err(damaged("unknown format version"));
-    }
+    let reservations = match get_u32(b, 8) {
+        FORMAT => (0, 0),
+        FORMAT_WITH_RESERVATIONS => {
+            let len = get_u32(b, RESERVATIONS_AT) as usize;
+            if len == 0 || len > MAX_RESERVATIONS {
+                return Err(damaged("bad reservations length"));
+            }
+            (len, get_u32(b, RESERVATIONS_AT + 4))
+        }
+        _ => return Err(damaged("unknown format version")),
+    };
     let serial_len = usize::from(get_u16(b, 72));
     let t = 74 + MAX_SERIAL;
     let target_len = usize::from(get_u16(b, t));
@@ -273,6 +319,7 @@ fn decode_header(b: &[u8]) -> Result<Header, ImageError> {
         chunk_size: get_u32(b, 36),
         chunk_count: get_u64(b, 40),
         taken_unix: get_u64(b, 64),
+        reservations,
     })
 }
 

@@ -10,6 +10,8 @@ pub struct RestoreReport {
     pub bytes: u64,
     pub seconds: f64,
     pub taken_unix: u64,
+    /// The persistent reservations the image carried (APTPL), if any.
+    pub reservations: Option<KeptReservations>,
 }
 
 fn open_for_read(path: &Path) -> std::io::Result<File> {
@@ -34,13 +36,14 @@ pub fn restore(
     if result.is_err() {
         let _ = store.zero(0, store.len() as usize);
     }
-    let (chunks, bytes, taken_unix) = result?;
+    let loaded = result?;
     Ok(RestoreReport {
         path: path.into(),
-        chunks,
-        bytes,
+        chunks: loaded.chunks,
+        bytes: loaded.bytes,
         seconds: started.elapsed().as_secs_f64(),
-        taken_unix,
+        taken_unix: loaded.taken_unix,
+        reservations: loaded.reservations,
     })
 }
 
@@ -180,6 +183,14 @@ pub fn verify(path: &Path, expect: &ImageIdentity) -> Result<(), ImageError> {
     load(path, expect, None, &|| false).map(|_| ())
 }
 
+/// What [`load`] found.
+struct Loaded {
+    chunks: Vec<u64>,
+    bytes: u64,
+    taken_unix: u64,
+    reservations: Option<KeptReservations>,
+}
+
 /// Verify the image and, with `store`, copy each chunk into it as it
 /// streams in.
 fn load(
@@ -187,7 +198,7 @@ fn load(
     expect: &ImageIdentity,
     store: Option<&Store>,
     cancelled: &dyn Fn() -> bool,
-) -> Result<(Vec<u64>, u64, u64), ImageError> {
+) -> Result<Loaded, ImageError> {
     let f = open_for_read(path)?;
     let file_len = f.metadata()?.len();
     let mut s = Stream::start(f)?;
@@ -203,6 +214,22 @@ fn load(
             "unexpected chunk size".into(),
         ));
     }
+    let reservations = match h.reservations {
+        (0, _) => None,
+        (len, crc) => {
+            let mut bytes = Vec::with_capacity(reservation_blocks(len) * BLOCK);
+            for _ in 0..reservation_blocks(len) {
+                bytes.extend_from_slice(&s.read_block("in the reservations")?);
+            }
+            let damaged = |what: String| ImageError::Damaged("reservations", what);
+            if bytes[len..].iter().any(|&b| b != 0) || crc32c::crc32c(&bytes[..len]) != crc {
+                return Err(damaged("checksum mismatch".into()));
+            }
+            let parsed: KeptReservations = serde_json::from_slice(&bytes[..len])
+                .map_err(|e| damaged(format!("unreadable: {e}")))?;
+            Some(parsed)
+        }
+    };
     let total_chunks = expect.size.div_ceil(CHUNK_SIZE);
     if h.chunk_count > total_chunks {
         return Err(ImageError::Damaged(
@@ -293,7 +320,12 @@ fn load(
             format!("{file_len} bytes where the records end at {offset}"),
         ));
     }
-    Ok((loaded, offset, h.taken_unix))
+    Ok(Loaded {
+        chunks: loaded,
+        bytes: offset,
+        taken_unix: h.taken_unix,
+        reservations,
+    })
 }
 
 fn describe_mismatch(found: &ImageIdentity, expect: &ImageIdentity) -> String {
