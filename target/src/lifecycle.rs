@@ -415,8 +415,7 @@ fn adopt_kept(
     (k, r): (KeptVolume, kept::KeptRecord),
     target: &str,
     lun: u64,
-    size: u64,
-    block_size: u32,
+    (size, block_size, verify): (u64, u32, bool),
 ) -> Result<Volume, Unkept> {
     let image = |why: String| Unkept::Image(why);
     match (source, &r.state) {
@@ -526,20 +525,34 @@ fn adopt_kept(
         )));
     }
     // A writer that died of a fault may have written anywhere: its memory
-    // is not served. An image of this very generation (a stop dumped it
-    // before a later crash) holds what the memory held when the living
-    // process vouched for it; without one the LUN is NOT READY and the
-    // memory stays in the store.
-    if let Some(cause) = k.record.as_ref().ok().and_then(|c| c.fault) {
-        let why = format!("its writer died of {cause}: the memory may hold bytes nobody wrote");
-        return Err(if clean {
+    // is not served, unless every page still matches the checksum its
+    // writer kept (`--verify-kept-memory`, checked once the memory is
+    // mapped). An image of this very generation (a stop dumped it before a
+    // later crash) holds what the memory held when the living process
+    // vouched for it; without one the LUN is NOT READY and the memory stays
+    // in the store.
+    let fault = k.record.as_ref().ok().and_then(|c| c.fault);
+    let faulted = |why: String| {
+        if clean {
             image(why)
         } else {
             Unkept::NotReady(format!(
                 "{why}, and no image holds generation {generation} (accept-empty, then replace this \
                  log half in ZFS)"
             ))
-        });
+        }
+    };
+    if let Some(cause) = fault {
+        if !(verify && r.page_crcs) {
+            let unchecked = if verify {
+                " (its run kept no page checksums to check it against)"
+            } else {
+                " (--verify-kept-memory is off)"
+            };
+            return Err(faulted(format!(
+                "its writer died of {cause}: the memory may hold bytes nobody wrote{unchecked}"
+            )));
+        }
     }
     let inode = rustix::fs::fstat(&k.memory).map_or(0, |s| s.st_ino);
     if matches!(source, Source::Holder { .. }) && (r.memfd_inode == 0 || r.memfd_inode != inode) {
@@ -568,6 +581,9 @@ fn adopt_kept(
     };
     let store =
         Store::adopt(k.memory, size, r.memfd_bytes).map_err(|e| Unkept::NotReady(e.to_string()))?;
+    if verify {
+        check_page_crcs(&area, &store, fault, r.page_crcs, target, lun).map_err(faulted)?;
+    }
     // Older images are never loaded again (their generation is past);
     // removing them can wait, the take-over cannot (a 4 GiB image takes
     // seconds to unlink).
@@ -591,6 +607,7 @@ fn adopt_kept(
             block_size,
             identity,
             readiness: Readiness::NeedsAcceptance,
+            page_crcs: verify,
         },
         Arc::new(store),
         Some(p.clone()),
@@ -622,6 +639,68 @@ fn adopt_kept(
         None,
     );
     Ok(volume)
+}
+
+/// `--verify-kept-memory` on kept memory about to be served. After a
+/// `fault` of its writer: every page must match the checksum the writer
+/// kept (an error says how many do not); the fault mark is then cleared,
+/// since this process vouches for the memory from here on. Without one:
+/// pages the writer left mid-write get the checksum of what they hold, and
+/// a table its writer did not keep is computed afresh.
+fn check_page_crcs(
+    area: &RecordArea,
+    store: &Store,
+    fault: Option<kept::ExitCause>,
+    kept_current: bool,
+    target: &str,
+    lun: u64,
+) -> Result<(), String> {
+    let Some(crcs) = area.page_crcs(store) else {
+        if let Some(cause) = fault {
+            return Err(format!(
+                "its writer died of {cause} and its record area holds no page checksums"
+            ));
+        }
+        tracing::warn!(target, lun, "--verify-kept-memory: this kept memory has no room for page checksums (its run did not keep them); they are kept from the LUN's next start from its image (a stop and a start)");
+        return Ok(());
+    };
+    match fault {
+        Some(cause) => {
+            let c = crcs.check();
+            if c.differ > 0 {
+                return Err(format!(
+                    "its writer died of {cause}, and {} of its {} pages differ from their checksums \
+                     (the first at byte {}): the memory holds bytes nobody wrote",
+                    c.differ,
+                    c.pages,
+                    c.first_differ.unwrap_or(0)
+                ));
+            }
+            tracing::warn!(
+                target,
+                lun,
+                "its writer died of {cause}; every page matches its checksum ({} pages in {:.2} s, {} with a write under way when it died not checked): serving it",
+                c.pages,
+                c.took.as_secs_f64(),
+                c.in_flight
+            );
+            crcs.settle_abandoned();
+            area.clear_fault_mark();
+        }
+        None if kept_current => {
+            crcs.settle_abandoned();
+        }
+        None => {
+            let took = crcs.rebuild();
+            tracing::info!(
+                target,
+                lun,
+                "page checksums of the kept memory computed in {:.2} s",
+                took.as_secs_f64()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Build one target's volumes: map and lock the memory (or take the kept
@@ -660,7 +739,8 @@ pub fn open_volumes(
             let unkept = match (persistence, claimed) {
                 (Some(p), Some((source, Ok(claim)))) => {
                     let stored_as = claim.0.stored_as.clone();
-                    match adopt_kept(p, source, claim, &t.name, l.lun, l.size, l.block_size) {
+                    let shape = (l.size, l.block_size, cfg.verify_kept_memory);
+                    match adopt_kept(p, source, claim, &t.name, l.lun, shape) {
                         Ok(volume) => {
                             tracing::info!(target = %t.name, lun = l.lun, generation = volume.generation(), "LUN content kept in memory (not read from the image)");
                             volumes.push(volume);
@@ -701,6 +781,7 @@ pub fn open_volumes(
                         block_size: l.block_size,
                         identity: Identity::generate(),
                         readiness: Readiness::Ready,
+                        page_crcs: false,
                     },
                     store,
                 ),
@@ -708,7 +789,7 @@ pub fn open_volumes(
                     p,
                     &t.name,
                     l.lun,
-                    l.block_size,
+                    (l.block_size, cfg.verify_kept_memory),
                     store,
                     cancelled,
                     unkept.clone(),
@@ -765,7 +846,7 @@ fn recall(
     p: &Arc<Persistence>,
     target: &str,
     lun: u64,
-    block_size: u32,
+    (block_size, page_crcs): (u32, bool),
     store: Arc<Store>,
     cancelled: &AtomicBool,
     unkept: Option<Unkept>,
@@ -776,6 +857,7 @@ fn recall(
         block_size,
         identity,
         readiness,
+        page_crcs,
     };
     // Memory that may be the only current copy, or a state directory that
     // does not match it: NOT READY, and no new identity is recorded.
@@ -924,6 +1006,14 @@ fn recall(
                 r.chunks.iter().copied(),
                 r.reservations,
             );
+            if let Some(took) = volume.rebuild_page_crcs() {
+                tracing::info!(
+                    target,
+                    lun,
+                    "page checksums of the restored content computed in {:.2} s",
+                    took.as_secs_f64()
+                );
+            }
             Ok(volume)
         }
         // A stop came during the restore: the image stays the valid copy,

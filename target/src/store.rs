@@ -130,6 +130,9 @@ unsafe impl Sync for Store {}
 /// The mapping is addressed in aligned words of this many bytes.
 const WORD: usize = 8;
 
+/// The most [`Store::crc32c_small`] checksums in one call: a page.
+pub const SMALL_CRC_BYTES: usize = 4096;
+
 impl fmt::Debug for Store {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Store")
@@ -557,6 +560,25 @@ impl Store {
             done += n;
         }
         Ok(crc)
+    }
+
+    /// CRC32C of at most [`SMALL_CRC_BYTES`] bytes at `offset`, through a
+    /// buffer on the stack (the write path's page checksums: no allocation).
+    pub fn crc32c_small(&self, offset: u64, len: usize) -> Result<u32, StoreError> {
+        let mut buf = [0u8; SMALL_CRC_BYTES];
+        let piece = buf.get_mut(..len).ok_or(StoreError::OutOfRange {
+            offset,
+            len,
+            size: self.len as u64,
+        })?;
+        self.read(offset, piece)?;
+        Ok(crc32c::crc32c(piece))
+    }
+
+    /// The aligned 8-byte word `index` of the memory (counters and
+    /// checksums kept in it), `None` past its end.
+    pub fn word(&self, index: usize) -> Option<&AtomicU64> {
+        (index < self.len / WORD).then(|| &self.words(index, 1)[0])
     }
 
     /// One `pwritev` to `file` at `file_offset` of, for each part, its head

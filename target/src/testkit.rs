@@ -40,6 +40,7 @@ pub fn ram_volume(target_name: &str, lun: u64, size: u64) -> Volume {
             block_size: 512,
             identity: Identity::generate(),
             readiness: Readiness::Ready,
+            page_crcs: false,
         },
         store,
     )

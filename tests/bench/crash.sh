@@ -13,7 +13,10 @@
 # holder's restart delay and the exec), its first line to the LUN taken over
 # (the rules checked, the memory mapped and locked), to listening (READY).
 # The content is checked after the last round. Prints a table and writes
-# build/bench/crash.json.
+# build/bench/crash.json. SIGNAL=SEGV (default KILL) makes each end a fault,
+# and VERIFY=on runs the daemon with --verify-kept-memory, so each start
+# checks every page against its checksum before serving (the check's time
+# is in the table); without VERIFY=on a fault leaves the LUN NOT READY.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DIR=${1:-/var/tmp/ramslog-crash-bench}
@@ -21,6 +24,8 @@ SIZE=${2:-4G}
 PORT=${PORT:-3303}
 HUGEPAGES=${HUGEPAGES:-off}
 ROUNDS=${ROUNDS:-3}
+SIGNAL=${SIGNAL:-KILL}
+VERIFY=${VERIFY:-off}
 IQN=iqn.2026-11.org.ramslog:crash-bench
 
 cargo build -j2 --release -q -p ramslog-target -p ramslog-tests
@@ -56,7 +61,7 @@ wait_log() {
 : >"$LOG"
 "$HOLDER_BIN" "$DIR/holder" -- env FDSTORE=512 "$BIN" --size "$SIZE" \
   --listen "127.0.0.1:$PORT" --target-name "$IQN" --state-dir "$DIR/state" \
-  --image-dir "$DIR/images" --hugepages "$HUGEPAGES" >>"$LOG" 2>&1 &
+  --image-dir "$DIR/images" --hugepages "$HUGEPAGES" --verify-kept-memory "$VERIFY" >>"$LOG" 2>&1 &
 hpid=$!
 wait_log "listening on" 1
 "$FILL" --target "127.0.0.1:$PORT" --iqn "$IQN" --seed 7 >/dev/null
@@ -65,16 +70,16 @@ for round in $(seq 1 "$ROUNDS"); do
   pid=$(cat "$DIR/holder/pid")
   listening=$(grep -c "listening on" "$LOG")
   kills+=("$(date -u +%Y-%m-%dT%H:%M:%S.%NZ)")
-  kill -9 "$pid"
+  kill -"$SIGNAL" "$pid"
   wait_log "listening on" $((listening + 1))
 done
 "$FILL" --target "127.0.0.1:$PORT" --iqn "$IQN" --seed 7 --check
 kill -TERM "$(cat "$DIR/holder/pid")"; wait "$hpid"; hpid=
 
 mkdir -p build/bench
-python3 - "$SIZE" "$HUGEPAGES" "$LOG" "${kills[@]}" <<'PY' | tee build/bench/crash.json
+python3 - "$SIZE" "$HUGEPAGES" "$LOG" "$SIGNAL" "$VERIFY" "${kills[@]}" <<'PY' | tee build/bench/crash.json
 import datetime, json, re, statistics, sys
-size, huge, log, kills = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+size, huge, log, signal, verify, kills = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6:]
 ts = lambda s: datetime.datetime.fromisoformat(s[:26] + "+00:00").timestamp()
 lines = [(ts(m.group(1)), l) for l in open(log) for m in [re.match(r"(\S+)Z", l)] if m]
 def first(pattern, after):
@@ -84,10 +89,18 @@ for k in map(ts, kills):
     start = first(r"systemd's fd store kept LUN memory|ramslog_target", k)
     kept = first(r"LUN content kept in memory", k)
     listen = first(r"listening on", kept)
-    rounds.append({"kill_to_listening_s": listen - k, "kill_to_new_program_s": start - k,
-                   "take_over_s": kept - start, "to_listening_s": listen - kept})
+    r = {"kill_to_listening_s": listen - k, "kill_to_new_program_s": start - k,
+         "take_over_s": kept - start, "to_listening_s": listen - kept}
+    checked = [re.search(r"every page matches its checksum \((\d+) pages in ([\d.]+) s", l)
+               for t, l in lines if k <= t <= listen]
+    checked = [m for m in checked if m]
+    if checked:
+        r["pages_checked"] = int(checked[0].group(1))
+        r["check_s"] = float(checked[0].group(2))
+    rounds.append(r)
 r3 = lambda d: {f: round(v, 3) for f, v in d.items()}
 med = {f: statistics.median(r[f] for r in rounds) for f in rounds[0]}
-print(json.dumps({"size": size, "hugepages": huge, "median": r3(med),
+print(json.dumps({"size": size, "hugepages": huge, "signal": signal, "verify": verify,
+                  "median": r3(med),
                   "rounds": [r3(r) for r in rounds]}, indent=1))
 PY

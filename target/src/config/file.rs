@@ -51,6 +51,7 @@ pub(super) struct FileConfig {
     pub iser: Option<bool>,
     pub iser_spin: Option<u32>,
     pub kept_memory: Option<bool>,
+    pub verify_kept_memory: Option<bool>,
     pub discovery_chap: Option<Spanned<FileChap>>,
     pub metrics: Option<Spanned<String>>,
     pub metrics_allow: Option<Spanned<Vec<String>>>,

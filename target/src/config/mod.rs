@@ -234,6 +234,13 @@ pub struct RunArgs {
     /// store kept from an earlier run is released at start.
     #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
     pub kept_memory: Option<bool>,
+    /// Keep a checksum of every 4 KiB page of LUN memory, updated by each
+    /// write before its status (off, the default). After the daemon died
+    /// of a fault (panic, SIGSEGV), kept memory is served only if every
+    /// page still matches; without it such memory is never served. Costs a
+    /// CRC32C of each written page per command and 8 bytes per page.
+    #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
+    pub verify_kept_memory: Option<bool>,
     /// Serve Prometheus metrics over HTTP at /metrics. A bare port binds
     /// 127.0.0.1; give an address to expose them beyond this host.
     #[arg(long, value_name = "[ADDR:]PORT", value_parser = parse_metrics_addr)]
@@ -306,6 +313,8 @@ pub struct Config {
     pub iser_spin: u32,
     /// Hold LUN memory in systemd's fd store (`--kept-memory`).
     pub kept_memory: bool,
+    /// Keep page checksums of LUN memory (`--verify-kept-memory`).
+    pub verify_kept_memory: bool,
     /// Where the Prometheus endpoint listens; off when `None`.
     pub metrics: Option<SocketAddr>,
     /// The networks the endpoint answers; every source when empty.
@@ -576,6 +585,10 @@ impl Config {
 
         let iser = !args.no_iser && file.iser.unwrap_or(true);
         let kept_memory = args.kept_memory.or(file.kept_memory).unwrap_or(true);
+        let verify_kept_memory = args
+            .verify_kept_memory
+            .or(file.verify_kept_memory)
+            .unwrap_or(false);
         let iser_spin = args
             .iser_spin
             .or(file.iser_spin)
@@ -689,6 +702,7 @@ impl Config {
             iser,
             iser_spin,
             kept_memory,
+            verify_kept_memory,
             metrics,
             metrics_allow,
         };

@@ -698,8 +698,16 @@ impl ScsiTarget {
         };
         let at = Some((index, lu.volume.id()));
         let epoch = lu.abort_epoch.load(Ordering::Acquire);
+        // Data placed straight into the memory may land from here on.
+        let planned = |d| {
+            let p = plan(lun, at, d, epoch);
+            if let OutPlacement::Store { offset, .. } = p.out_placement {
+                lu.volume.will_write(offset, u64::from(p.data_out_len));
+            }
+            p
+        };
         if !lu.attention.load(Ordering::Acquire) && lu.volume.is_ready() {
-            return Ok(plan(lun, at, cdb::decode(cdb, lu.geo)?, epoch));
+            return Ok(planned(cdb::decode(cdb, lu.geo)?));
         }
         let mut st = lu.lock();
         let opcode = cdb.first().copied().unwrap_or(0xff);
@@ -719,7 +727,7 @@ impl ScsiTarget {
         if st.pr.conflicts(&st.port(nexus), d.op.access()) {
             return Err(SenseReason::ReservationConflict);
         }
-        Ok(plan(lun, at, d, epoch))
+        Ok(planned(d))
     }
 }
 

@@ -19,6 +19,7 @@ fn target_with(bs: u32, readiness: Readiness) -> ScsiTarget {
         block_size: bs,
         identity: Identity::generate(),
         readiness,
+        page_crcs: false,
     };
     ScsiTarget::new(vec![Arc::new(Volume::in_memory(cfg, store))])
 }
@@ -170,6 +171,7 @@ fn inquiry_data_changed_since_the_previous_run_is_told_after_power_on() {
             block_size: 512,
             identity: Identity::generate(),
             readiness: Readiness::Ready,
+            page_crcs: false,
         };
         let volume = Arc::new(Volume::in_memory(cfg, store));
         if let Some(b) = before {
@@ -417,6 +419,7 @@ fn report_luns_encoding() {
             block_size: 1024,
             identity: Identity::generate(),
             readiness: Readiness::Ready,
+            page_crcs: false,
         },
         Arc::new(Store::new(SIZE, HugePages::Off).unwrap()),
     ));

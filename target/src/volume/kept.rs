@@ -208,6 +208,10 @@ pub struct KeptRecord {
     /// identity left out); absent from a binary older than the check.
     #[serde(default)]
     pub inquiry: Option<u32>,
+    /// The writer kept the page checksums after the records current
+    /// (`--verify-kept-memory`): after a fault they can be checked.
+    #[serde(default)]
+    pub page_crcs: bool,
 }
 
 /// Why one slot holds no record.
@@ -362,9 +366,12 @@ pub struct RecordArea {
 }
 
 impl RecordArea {
-    /// An empty area: no record in force until the first write.
-    pub fn new(name: &str) -> Result<RecordArea, StoreError> {
-        let area = Store::named(name, AREA_BYTES as u64, HugePages::Off)?;
+    /// An empty area, with room after the records for `table_words` words
+    /// of page checksums ([`super::pages`]): no record in force until the
+    /// first write.
+    pub fn new(name: &str, table_words: usize) -> Result<RecordArea, StoreError> {
+        let table = (table_words * 8).next_multiple_of(4096);
+        let area = Store::named(name, (AREA_BYTES + table) as u64, HugePages::Off)?;
         area.mark_faults_at(FAULT_AT as u64)?;
         Ok(RecordArea {
             area,
@@ -376,7 +383,15 @@ impl RecordArea {
     /// seals LUN memory), with `current` the record read from it: the next
     /// record goes to the other slot, under the next sequence number.
     pub fn adopt(memory: OwnedFd, current: Current) -> Result<RecordArea, StoreError> {
-        let area = Store::adopt(memory, AREA_BYTES as u64, AREA_BYTES as u64)?;
+        let size = rustix::fs::fstat(&memory)
+            .map_err(|e| StoreError::NotKept(format!("cannot stat the record area: {e}")))?
+            .st_size as u64;
+        if size < AREA_BYTES as u64 || !size.is_multiple_of(4096) {
+            return Err(StoreError::NotKept(format!(
+                "the record area is {size} bytes, not {AREA_BYTES} and whole pages of checksums"
+            )));
+        }
+        let area = Store::adopt(memory, size, size)?;
         area.mark_faults_at(FAULT_AT as u64)?;
         Ok(RecordArea {
             area,
@@ -429,6 +444,12 @@ impl RecordArea {
             .read(0, &mut bytes)
             .map_err(|_| KeptError::AreaSize(AREA_BYTES))?;
         read_area(&bytes)
+    }
+
+    /// The page checksums of `data` kept after the records, if the area
+    /// has room for them.
+    pub fn page_crcs<'a>(&'a self, data: &'a Store) -> Option<super::pages::PageCrcs<'a>> {
+        super::pages::PageCrcs::new(data, &self.area, AREA_BYTES / 8)
     }
 
     /// The area's memfd, to hand on beside the LUN's.
@@ -595,6 +616,7 @@ mod tests {
             },
             reservations: KeptReservations::default(),
             inquiry: Some(0x1234_5678),
+            page_crcs: false,
         }
     }
 
@@ -760,7 +782,7 @@ mod tests {
 
     #[test]
     fn the_record_area_holds_what_was_written_last() {
-        let area = RecordArea::new("ramslog test LUN 0 record").unwrap();
+        let area = RecordArea::new("ramslog test LUN 0 record", 0).unwrap();
         assert_eq!(
             area.read(),
             Err(KeptError::NoValidSlot(SlotFault::Empty, SlotFault::Empty))
@@ -807,7 +829,7 @@ mod tests {
 
     #[test]
     fn a_handed_record_reads_as_its_area_does() {
-        let area = RecordArea::new("ramslog test LUN 1 record").unwrap();
+        let area = RecordArea::new("ramslog test LUN 1 record", 0).unwrap();
         area.write(&record(KeptState::Valid)).unwrap();
         assert_eq!(read_handed(area.memory()), area.read());
     }

@@ -16,6 +16,7 @@
 mod identity;
 pub mod image;
 pub mod kept;
+pub mod pages;
 pub mod state;
 
 use std::os::fd::BorrowedFd;
@@ -152,6 +153,9 @@ pub struct VolumeConfig {
     pub block_size: u32,
     pub identity: Identity,
     pub readiness: Readiness,
+    /// Keep a checksum of every 4 KiB page beside the memory
+    /// (`--verify-kept-memory`; see [`pages`]).
+    pub page_crcs: bool,
 }
 
 /// The state directory and image directory a daemon's volumes share.
@@ -287,6 +291,8 @@ pub struct Volume {
     /// is changes, always under the `meta` lock; `None` if its memory could
     /// not be had (logged), which a successor reads as "not servable".
     record: Option<RecordArea>,
+    /// The record area's page checksums are kept current.
+    page_crcs: bool,
 }
 
 impl std::fmt::Debug for Volume {
@@ -309,18 +315,28 @@ impl Volume {
         generation: u64,
     ) -> Volume {
         let record_name = format!("ramslog {} LUN {} record", cfg.target, cfg.lun);
-        let record = RecordArea::new(&record_name)
+        let table = if cfg.page_crcs {
+            pages::table_words(store.len())
+        } else {
+            0
+        };
+        let record = RecordArea::new(&record_name, table)
             .inspect_err(|e| {
                 tracing::error!(target = %cfg.target, lun = cfg.lun, "no kept-memory record ({e}): this memory can never be handed on")
             })
             .ok();
-        Volume::with_record(
+        let volume = Volume::with_record(
             cfg,
             store,
             persistence,
             generation,
             (record, KeptReservations::default(), None),
-        )
+        );
+        // New memory is zero.
+        if let Some(p) = volume.pages() {
+            p.zeroed();
+        }
+        volume
     }
 
     /// A volume over kept memory, writing its records on in the area its
@@ -335,6 +351,10 @@ impl Volume {
         (record, reservations, inquiry): (Option<RecordArea>, KeptReservations, Option<u32>),
     ) -> Volume {
         let ready = cfg.readiness == Readiness::Ready;
+        let page_crcs = cfg.page_crcs
+            && record
+                .as_ref()
+                .is_some_and(|r| r.page_crcs(&store).is_some());
         let volume = Volume {
             id: VolumeId(0),
             target: cfg.target,
@@ -365,6 +385,7 @@ impl Volume {
             persistence,
             imaging: Mutex::new(()),
             record,
+            page_crcs,
         };
         volume.write_record(&volume.meta());
         volume
@@ -398,6 +419,7 @@ impl Volume {
             written,
             reservations: m.reservations.clone(),
             inquiry: m.inquiry,
+            page_crcs: self.page_crcs,
         };
         if let Err(e) = area.write(&record) {
             tracing::error!(target = %self.target, lun = self.lun, "kept-memory record not written ({e}): no successor will serve this memory");
@@ -537,6 +559,34 @@ impl Volume {
         }
     }
 
+    /// The page checksums, when this run keeps them.
+    fn pages(&self) -> Option<pages::PageCrcs<'_>> {
+        if !self.page_crcs {
+            return None;
+        }
+        self.record.as_ref()?.page_crcs(&self.store)
+    }
+
+    /// Whether this run keeps page checksums (`--verify-kept-memory`).
+    pub fn keeps_page_crcs(&self) -> bool {
+        self.page_crcs
+    }
+
+    /// A write of `len` bytes at `offset` may start placing data: its pages
+    /// hold no known content until [`Self::commit_write`].
+    #[inline]
+    pub fn will_write(&self, offset: u64, len: u64) {
+        if let Some(p) = self.pages() {
+            p.begin(offset, len);
+        }
+    }
+
+    /// Record the checksum of every page as the memory is now (after a
+    /// restore filled it); how long it took, if this run keeps them.
+    pub fn rebuild_page_crcs(&self) -> Option<std::time::Duration> {
+        self.pages().map(|p| p.rebuild())
+    }
+
     /// The kept-memory record in force, read back from its memory.
     pub fn kept_record(&self) -> Option<Result<kept::Current, kept::KeptError>> {
         self.record.as_ref().map(RecordArea::read)
@@ -648,6 +698,10 @@ impl Volume {
     pub fn commit_write(&self, offset: u64, len: u64) -> Result<(), VolumeError> {
         if len == 0 {
             return Ok(());
+        }
+        // The bytes are in the memory, fenced or not.
+        if let Some(p) = self.pages() {
+            p.settle(offset, len);
         }
         // Fenced: no status, and above all no generation bump, which would
         // make the image the dump is writing (or has written) stale.
@@ -949,6 +1003,9 @@ impl Volume {
         }
         // Whatever a failed restore left behind goes.
         let _ = self.store.zero(0, self.store.len() as usize);
+        if let Some(p) = self.pages() {
+            p.zeroed();
+        }
         self.written.clear();
         self.dirty.store(false, Ordering::SeqCst);
         self.generation_open.store(false, Ordering::SeqCst);
@@ -1013,6 +1070,7 @@ mod tests {
             block_size: 512,
             identity,
             readiness: Readiness::Ready,
+            page_crcs: false,
         };
         (dir, Volume::new(cfg, store, Some(p), generation))
     }
@@ -1115,6 +1173,7 @@ mod tests {
                 block_size: 4096,
                 identity: Identity::generate(),
                 readiness: Readiness::NeedsAcceptance,
+                page_crcs: false,
             },
             Arc::new(Store::new(1 << 20, HugePages::Off).expect("store")),
             None,

@@ -867,6 +867,69 @@ async fn a_writer_that_died_of_a_fault_signal_is_not_served_from_memory() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// With `--verify-kept-memory`, the memory of a writer that died of a
+/// fault is served when every page matches the checksum kept beside it
+/// (and the checksums go on across a planned restart); a byte changed
+/// behind the daemon's back (a wild write into a page no command was
+/// writing) keeps it NOT READY, naming the pages that differ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_faulted_writer_is_served_only_when_every_page_matches_its_checksum() {
+    use rustix::process::Signal;
+    let dir = scratch_dir("kept", "verify");
+    let state = dir.join("state");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let launch = |port| {
+        let (options, _inherited) =
+            sup.launch(persistent(&state, port, &["--verify-kept-memory", "on"]));
+        TargetProcess::start_with(options)
+    };
+    let mut t = launch(None);
+    let port = t.port();
+    let naa = stored_naa(&sup);
+    let (small, large) = (random_bytes(512), random_bytes(64 << 10));
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 7, &small, false).await.expect("WRITE");
+        s.write(0, 4096, &large, false).await.expect("WRITE");
+    }
+    die_of(&mut t, Signal::SEGV);
+    let t = launch(Some(port));
+    assert!(
+        t.output().contains("every page matches its checksum") && is_ready(&t).await,
+        "{}",
+        t.output_tail(20)
+    );
+    restart(&state).unwrap_or_else(|e| panic!("{e}\n{}", t.output_tail(20)));
+    let s = open(&t, INITIATOR).await;
+    assert!(s.read(0, 7, 1, 512).await.expect("READ") == small);
+    assert!(s.read(0, 4096, 128, 512).await.expect("READ") == large);
+    s.write(0, 8, &small, false).await.expect("WRITE");
+    drop(s);
+    let mut t = t;
+    die_of(&mut t, Signal::SEGV);
+    let t = launch(Some(port));
+    assert!(
+        is_ready(&t).await,
+        "after the restart\n{}",
+        t.output_tail(20)
+    );
+    let mut t = t;
+
+    // A wild write into a page no command was writing.
+    let memory = sup.get(&format!("lun-{naa}")).expect("the LUN memory");
+    rustix::io::pwrite(&memory, &[0xa5], 3 << 20).expect("a byte behind its back");
+    die_of(&mut t, Signal::SEGV);
+    let t = launch(Some(port));
+    assert!(!is_ready(&t).await, "{}", t.output_tail(20));
+    let st = status_text(&state);
+    assert!(
+        st.contains("1 of its") && st.contains("differ from their checksums"),
+        "{st}"
+    );
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A restart whose new binary passes the check but cannot be executed (it
 /// vanished in between) changes nothing for the data: the daemon takes its
 /// LUNs back and serves on, `restart --wait` and `status` say why, writes
