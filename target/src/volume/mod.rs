@@ -1316,6 +1316,32 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
+    /// `status` says what the next dump writes. Restored content whose
+    /// image is current is not dumped again until something changes, so
+    /// that is nothing: not the whole restored LUN.
+    #[test]
+    #[should_panic(expected = "restored, unchanged: nothing to dump")]
+    fn restored_content_is_not_counted_for_the_next_dump_until_it_changes() {
+        let (dir, v) = persistent_volume("status-written");
+        let generation = v.generation();
+        v.set_restored(
+            Restored {
+                image: dir.join("images").join("restored.img"),
+                kept_from: None,
+                taken_unix: 0,
+                generation,
+            },
+            [0, 1],
+            None,
+        );
+        let restored = v.status().written_bytes;
+        v.commit_write(4096, 512).expect("a write");
+        let written = v.status().written_bytes;
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(written, 2 << 20, "written: the restored chunks and more");
+        assert_eq!(restored, 0, "restored, unchanged: nothing to dump");
+    }
+
     #[test]
     fn only_a_fenced_volume_is_marked_clean() {
         let (dir, v) = persistent_volume("unfenced-dump");
