@@ -65,7 +65,7 @@ pub struct LunStatus {
     /// process, and how that run ended.
     #[serde(default)]
     pub previous_writer: Option<PreviousWriter>,
-    /// What the next dump writes.
+    /// What the next dump writes (0 while the last clean image is current).
     #[serde(default)]
     pub written_bytes: u64,
     /// Commands, bytes, service times and errors since the daemon started.
