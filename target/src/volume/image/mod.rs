@@ -338,6 +338,36 @@ pub use restore::*;
 mod tests {
     use super::*;
 
+    /// A start-up stop dumps (removing every image of the identity) while
+    /// the take-over's background tidy removes the older ones: a file the
+    /// other removed first is gone, as wanted, not a failed dump.
+    #[test]
+    #[should_panic(expected = "a tidy failed on a file the other removed")]
+    fn two_tidies_racing_over_the_same_images_both_succeed() {
+        let dir = std::env::temp_dir().join(format!("ramslog-race-{}", std::process::id()));
+        let naa = [3u8; 8];
+        let mut failures = Vec::new();
+        for _ in 0..20 {
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("mkdir");
+            for g in 0..300 {
+                std::fs::write(dir.join(image_name(&naa, g)), b"x").expect("write");
+            }
+            let background = {
+                let dir = dir.clone();
+                std::thread::spawn(move || remove_older_images(&dir, &naa, u64::MAX))
+            };
+            let dump = remove_images(&dir, &naa, None);
+            let tidy = background.join().expect("the tidy thread");
+            failures.extend(dump.err().into_iter().chain(tidy.err()));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            failures.is_empty(),
+            "a tidy failed on a file the other removed: {failures:?}"
+        );
+    }
+
     /// Only this identity's older generations go: the current one, a later
     /// one (a dump under way beside the tidy) and other identities stay.
     #[test]
