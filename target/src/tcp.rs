@@ -158,6 +158,16 @@ async fn run_connection(
             continue;
         }
         if out.closing {
+            // A write that met a planned restart's fence before the
+            // termination was seen closes the connection too: the host must
+            // still learn when to come back.
+            if !noticed
+                && control.is_terminated()
+                && restart_notice(&mut conn, &control, &mut noticed)
+            {
+                out.closing = false;
+                continue;
+            }
             break Ok(());
         }
         if control.is_terminated() && !noticed {

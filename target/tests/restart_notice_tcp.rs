@@ -111,9 +111,6 @@ fn write_command(seq: (u32, u32)) -> Bhs {
     w
 }
 
-// Expected to fail until the TCP driver sends the notice after an engine's
-// own close: a regression test committed before its fix.
-#[should_panic(expected = "without the restart notice")]
 #[tokio::test(flavor = "current_thread")]
 async fn a_write_that_meets_a_restarts_fence_still_gets_the_notice() {
     for round in 0..ROUNDS {

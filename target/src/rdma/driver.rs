@@ -128,21 +128,16 @@ impl Driver<'_> {
                 }
                 _ => {}
             }
-            if let Some(since) = self.closing {
-                if self.sq_in_flight == 0 || now.duration_since(since) > CLOSE_GRACE {
-                    return Ok(());
-                }
-            }
-            if self.peer_gone {
-                return Ok(());
-            }
-            if control.is_terminated() && !noticed {
+            if control.is_terminated() && !noticed && !self.peer_gone {
                 // A planned restart's notice goes out (and is sent, within
-                // the close grace) before the connection ends.
-                if self.closing.is_some() || !control.take_restart_notice() {
+                // the close grace) before the connection ends: also when the
+                // engine closed first because a write met the restart's
+                // fence before the termination was seen.
+                if !control.take_restart_notice() {
                     return Ok(());
                 }
                 noticed = true;
+                self.closing = None;
                 self.conn.handle(
                     now,
                     Input::Restarting {
@@ -150,6 +145,14 @@ impl Driver<'_> {
                     },
                 );
                 continue;
+            }
+            if let Some(since) = self.closing {
+                if self.sq_in_flight == 0 || now.duration_since(since) > CLOSE_GRACE {
+                    return Ok(());
+                }
+            }
+            if self.peer_gone {
+                return Ok(());
             }
             if spin.poll_again(n) {
                 continue;
