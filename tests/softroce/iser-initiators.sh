@@ -240,7 +240,7 @@ fi
 # allowed initiator logs in every second for FLOOD_SECONDS, without CHAP on
 # one target and with CHAP on another, both at once. Locked plus pinned
 # memory, sampled every second from `status --json`, stays within the
-# baseline plus the LUN's registration plus the RDMA pending cap (8) times
+# baseline (the LUN locked and registered) plus the RDMA pending cap (8) times
 # one connection's login slots, plus the allowed session's own buffers.
 FLOOD_SECONDS=${FLOOD_SECONDS:-60}
 flood_target() { # port log socket [chap args...]
@@ -268,6 +268,11 @@ if [ "$fail" = 0 ]; then
   flood_target 3263 "$F2" /run/ramslog/flood-chap.sock \
     --chap-user slog-host --chap-secret-file /tmp/flood-chap || rc=$?
   FLOOD_CHAP_PID=$TARGET_STARTED
+  # The LUN is registered with the device once the target listens: the
+  # baseline counts it.
+  for f in "$F1" "$F2"; do
+    if [ "$rc" = 0 ]; then wait_for_log "$f" "LUN memory registered with the RDMA device" "" 30 || rc=1; fi
+  done
   if [ "$rc" != 0 ]; then echo "the flood targets did not start"; fail=1; else
     base1=$(locked_of /run/ramslog/flood.sock) base2=$(locked_of /run/ramslog/flood-chap.sock)
     "$ADMISSION" flood --target "$RXE_ADDR_A:3262" --iqn "$IQN" --name iqn.2026-11.org.ramslog:flood-allowed \
@@ -311,12 +316,11 @@ if [ "$fail" = 0 ]; then
     # them at once, counting evicted ones still tearing down. The allowed
     # session adds its full rings (320 x 10 KiB, 256 x 16 KiB) and its
     # 9 MiB of Data-In and bounce buffers, twice: one login's teardown may
-    # overlap the next. The LUN (64 MiB) is registered with the device at
-    # the first connection.
+    # overlap the next. The LUN's registration is in the baseline.
     login_slots=$(( (8 * 10 + 4 * 16) * 1024 ))
     session=$(( login_slots + (320 * 10 + 256 * 16) * 1024 + (9 << 20) ))
-    bound1=$(( base1 + (64 << 20) + 8 * login_slots + 2 * session ))
-    bound2=$(( base2 + (64 << 20) + 8 * login_slots + 2 * session ))
+    bound1=$(( base1 + 8 * login_slots + 2 * session ))
+    bound2=$(( base2 + 8 * login_slots + 2 * session ))
     echo "locked + pinned memory: no CHAP peak $max1 (baseline $base1, bound $bound1); CHAP peak $max2 (baseline $base2, bound $bound2)"
     if [ -z "$hung" ] && { [ "$r1" != 0 ] || [ "$r2" != 0 ]; }; then
       echo "an iSER flood kept the allowed initiator out"; fail=1

@@ -282,6 +282,7 @@ fn listen_loop(
     opts: IserOptions,
 ) {
     let mut devices = Vec::new();
+    register_listening_devices(&listeners, &mut devices, &portal);
     let mut last_check = Instant::now();
     loop {
         if last_check.elapsed() >= DEVICE_CHECK_INTERVAL {
@@ -292,7 +293,9 @@ fn listen_loop(
                 tracing::debug!("iSER: cannot list RDMA devices: {e}");
             }
             forget_removed_devices(&mut devices);
-            listen_again(&channel, &mut listeners);
+            if listen_again(&channel, &mut listeners) {
+                register_listening_devices(&listeners, &mut devices, &portal);
+            }
         }
         let event = match channel.get_event() {
             Ok(e) => e,
@@ -336,8 +339,10 @@ fn listen_loop(
     }
 }
 
-/// Listen again on addresses whose device was removed, once it is back.
-fn listen_again(channel: &EventChannel, listeners: &mut [Listener]) {
+/// Listen again on addresses whose device was removed, once it is back;
+/// true when one listens again.
+fn listen_again(channel: &EventChannel, listeners: &mut [Listener]) -> bool {
+    let mut again = false;
     for l in listeners.iter_mut().filter(|l| l.id.is_none()) {
         match listen_on(channel, l.addr) {
             Ok(id) => {
@@ -348,8 +353,32 @@ fn listen_again(channel: &EventChannel, listeners: &mut [Listener]) {
                 );
                 l.id = Some(id);
                 l.gone_since = None;
+                again = true;
             }
             Err(e) => tracing::debug!("iSER: not yet listening on {} again: {e}", l.addr),
+        }
+    }
+    again
+}
+
+/// Register the LUN memory with the device under each listener now rather
+/// than at its first connect request: after a planned restart the hosts come
+/// back after the notice's Time2Wait, and registration (pinning every page
+/// for the device) would otherwise sit in their login. A listener bound to
+/// a wildcard address has no device yet; a failure here is logged and the
+/// first connect request on that device tries again (and is refused if it
+/// fails again).
+fn register_listening_devices(
+    listeners: &[Listener],
+    devices: &mut Vec<Arc<DeviceResources>>,
+    portal: &Portal,
+) {
+    for id in listeners.iter().filter_map(|l| l.id.as_ref()) {
+        let Ok(dev) = id.device() else { continue };
+        if let Err(e) = device_resources(devices, dev, portal) {
+            tracing::warn!(
+                "iSER: cannot register the LUN memory with the device yet: {e}; trying again at the first connection"
+            );
         }
     }
 }
