@@ -40,8 +40,8 @@ fi
 # runs 1.7x the usual time.
 SUITE="600:selftest.sh
 900:lio-baseline.sh
-900:ramslog-open-iscsi.sh tcp
-900:ramslog-open-iscsi.sh iser
+1200:ramslog-open-iscsi.sh tcp
+1200:ramslog-open-iscsi.sh iser
 600:iser-device-removal.sh
 900:iser-initiators.sh
 600:bench-floor.sh
