@@ -1323,6 +1323,7 @@ mod abort_fencing;
 mod cmdsn;
 mod lifetimes;
 mod reinstatement;
+mod restart_notice;
 mod transfer_length;
 mod trust;
 
