@@ -191,7 +191,9 @@ pub enum Input<'a> {
     Served { served: Served, at_raw: u64 },
     /// The daemon is about to be replaced by a new program (a planned
     /// restart): tell the initiator of a normal session when to come back
-    /// (an Async Message, AsyncEvent 3, `time2wait` seconds), then close.
+    /// (an Async Message, AsyncEvent 3, `time2wait` seconds), then close:
+    /// over iSER once the host confirmed the notice (within the restart
+    /// drain), since its disconnect can overtake the notice.
     Restarting { time2wait: u16 },
     /// The transport is gone (the peer closed, an error, termination):
     /// release the session. The driver sends it once, last; more are

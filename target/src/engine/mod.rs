@@ -36,6 +36,7 @@ use ramslog_common::iscsi::{
     self, login_status, Bhs, LoginResponse, Opcode, RejectReason, Residual, RESERVED_TAG,
 };
 use ramslog_common::iser::CmPeer;
+use ramslog_common::serial;
 
 pub use io::{Action, ConnInfo, Event, Input, OutData, OutPdu, ReadDest, RemoteBuffers, Transport};
 pub use login::{LoginFailure, SessionKind};
@@ -67,10 +68,13 @@ enum Timer {
     /// Look again whether the transfers a held abort answer waits for
     /// are settled.
     Deferred = 5,
+    /// A restart's notice was not confirmed within the restart drain:
+    /// close without the receipt.
+    NoticeReceipt = 6,
 }
 
 #[derive(Default)]
-struct TimerTable([Option<Instant>; 6]);
+struct TimerTable([Option<Instant>; 7]);
 
 impl TimerTable {
     fn set(&mut self, t: Timer, at: Instant) {
@@ -113,6 +117,11 @@ enum Phase {
     /// none of their writes can land after this session's.
     Reinstating(Box<Reinstating>),
     FullFeature(Box<Session>),
+    /// The session ended for a planned restart and its host was told when
+    /// to come back (over iSER), with the notice's StatSN: nothing more is
+    /// processed, and the connection ends once a PDU of the host shows it
+    /// took the notice, or at the restart drain (see `restarting`).
+    Notified(u32),
     /// Sticky: nothing more is processed; queued PDUs can still be drained.
     Closed,
 }
@@ -237,7 +246,7 @@ impl Connection {
             Input::RdmaReadDone { tag, data } => self.rdma_read_done(now, tag, data),
             Input::Timeout => self.timeout(now),
             Input::Served { served, at_raw } => self.served(served, at_raw),
-            Input::Restarting { time2wait } => self.restarting(time2wait),
+            Input::Restarting { time2wait } => self.restarting(now, time2wait),
             Input::Closed => self.shutdown(),
         }
     }
@@ -246,17 +255,52 @@ impl Connection {
     /// connection is about to drop and when the new program will take its
     /// login. Without it open-iscsi waits the negotiated DefaultTime2Wait
     /// (2 s) before reconnecting. Nothing is answered after this.
-    fn restarting(&mut self, time2wait: u16) {
+    ///
+    /// Over TCP the close follows at once: the host's stack hands it the
+    /// notice before the end of the stream. Over iSER the drop is the
+    /// connection manager's disconnect, which travels apart from the
+    /// receive that holds the notice, and a Linux host that processes the
+    /// disconnect first ignores the notice (iscsid takes no PDU of a failed
+    /// connection). So a ping follows the notice and the connection waits
+    /// for the host's receipt: any PDU whose ExpStatSN is past the notice
+    /// (the answer to the ping at the latest), since a host takes PDUs in
+    /// order. It waits no longer than the restart drain, after which the
+    /// daemon closes every connection anyway.
+    fn restarting(&mut self, now: Instant, time2wait: u16) {
+        let mut awaiting = None;
         if let Phase::FullFeature(s) = &mut self.phase {
             if s.kind() == SessionKind::Normal {
                 let mut out = Out {
                     q: &mut self.actions,
                     statsn: &mut self.statsn,
                 };
-                s.announce_drop(&mut out, time2wait, RESTART_RECONNECT_WINDOW);
+                let notice = s.announce_drop(&mut out, time2wait, RESTART_RECONNECT_WINDOW);
+                if self.transport == Transport::Iser {
+                    s.send_ping(&mut out);
+                    awaiting = Some(notice);
+                }
             }
         }
-        self.fail_close();
+        let Some(notice) = awaiting else {
+            self.fail_close();
+            return;
+        };
+        self.end_session();
+        self.timers = TimerTable::default();
+        self.timers
+            .set(Timer::NoticeReceipt, now + self.portal.limits.restart_drain);
+        self.phase = Phase::Notified(notice);
+    }
+
+    /// A PDU's header after a restart's notice: close once it shows the
+    /// host took the notice.
+    fn notice_receipt(&mut self, bhs: &Bhs) {
+        if let Phase::Notified(notice) = self.phase {
+            if serial::gt(bhs.exp_statsn(), notice) {
+                tracing::debug!(peer = %self.info.peer, "the host took the restart notice; closing");
+                self.fail_close();
+            }
+        }
     }
 
     fn rdma_read_done(&mut self, now: Instant, tag: u32, data: &[u8]) {
@@ -320,7 +364,9 @@ impl Connection {
             // Login and text PDUs carry at most 8 KiB until negotiated otherwise.
             Phase::Login(_) | Phase::Reinstating(_) => 8192,
             Phase::FullFeature(s) => s.params.target_mrdsl,
-            Phase::Closed => 0,
+            // Only the header matters now: a PDU with data comes as
+            // `Input::Oversized`, which carries it.
+            Phase::Notified(_) | Phase::Closed => 0,
         }
     }
 
@@ -383,6 +429,12 @@ impl Connection {
     }
 
     fn data_digest_error(&mut self, now: Instant, bhs: &Bhs) {
+        match self.phase {
+            // The header is sound (its own digest passed).
+            Phase::Notified(_) => return self.notice_receipt(bhs),
+            Phase::Closed => return,
+            _ => {}
+        }
         tracing::warn!(peer = %self.info.peer, "data digest error on {:?}", bhs.opcode());
         self.touch(now);
         let keep = match &mut self.phase {
@@ -401,6 +453,12 @@ impl Connection {
     }
 
     fn oversized(&mut self, now: Instant, bhs: &Bhs) {
+        match self.phase {
+            // Nothing is processed any more: no error to report.
+            Phase::Notified(_) => return self.notice_receipt(bhs),
+            Phase::Closed => return,
+            _ => {}
+        }
         self.touch(now);
         tracing::warn!(peer = %self.info.peer, len = bhs.data_segment_len(), "data segment longer than MaxRecvDataSegmentLength");
         if let Phase::FullFeature(s) = &mut self.phase {
@@ -427,6 +485,7 @@ impl Connection {
         }
         match &mut self.phase {
             Phase::Closed => {}
+            Phase::Notified(_) => self.notice_receipt(bhs),
             Phase::Login(_) => self.login_pdu(now, bhs, data),
             Phase::Reinstating(_) => {
                 // Nothing may come before the login response.
@@ -480,6 +539,10 @@ impl Connection {
             self.timers.clear(Timer::DiscoveryIdle);
             self.discovery_idle(now);
         }
+        if self.timers.expired(Timer::NoticeReceipt, now) {
+            tracing::info!(peer = %self.info.peer, "the host did not confirm the restart notice within the restart drain; closing");
+            self.fail_close();
+        }
         if self.timers.expired(Timer::NopResponse, now) {
             tracing::warn!(peer = %self.info.peer, "initiator did not answer the NOP-In ping; closing the connection");
             self.timers.clear(Timer::NopResponse);
@@ -513,7 +576,7 @@ impl Connection {
         match std::mem::replace(&mut self.phase, Phase::Closed) {
             Phase::FullFeature(s) => s.end(),
             Phase::Reinstating(r) => Box::new(r.session).end(),
-            Phase::Login(_) | Phase::Closed => {}
+            Phase::Login(_) | Phase::Notified(_) | Phase::Closed => {}
         }
     }
 

@@ -436,13 +436,15 @@ impl Session {
 
     /// Tell the initiator that every connection is about to drop and that
     /// it may log in again after `time2wait` seconds, within `time2retain`
-    /// (an Async Message, AsyncEvent 3).
-    pub fn announce_drop(&mut self, out: &mut Out, time2wait: u16, time2retain: u16) {
+    /// (an Async Message, AsyncEvent 3). Returns the message's StatSN.
+    pub fn announce_drop(&mut self, out: &mut Out, time2wait: u16, time2retain: u16) -> u32 {
         let mut b = Bhs::async_dropping_all_connections(time2wait, time2retain);
-        b.set_statsn(out.take_statsn());
+        let statsn = out.take_statsn();
+        b.set_statsn(statsn);
         self.stamp(&mut b);
         let pdu = self.pdu(b, OutData::None);
         out.push(pdu);
+        statsn
     }
 
     pub fn send_ping(&mut self, out: &mut Out) {

@@ -57,9 +57,6 @@ fn nop_answer(h: &mut Harness, ttt: u32, exp_statsn: u32) -> Vec<Rsp> {
 }
 
 #[test]
-// Expected to fail until the engine awaits the host's receipt of the
-// notice over iSER: a regression test committed before its fix.
-#[should_panic(expected = "over iSER the notice is followed by a ping")]
 fn over_iser_the_connection_ends_once_the_host_took_the_notice() {
     let mut h = iser_logged_in();
     let (statsn, ping) = restart(&mut h);
@@ -87,9 +84,6 @@ fn over_iser_the_connection_ends_once_the_host_took_the_notice() {
 }
 
 #[test]
-// Expected to fail until the engine awaits the host's receipt of the
-// notice over iSER: a regression test committed before its fix.
-#[should_panic(expected = "over iSER the notice is followed by a ping")]
 fn over_iser_a_host_that_never_confirms_is_let_go_at_the_restart_drain() {
     let mut h = iser_logged_in();
     let (_, ping) = restart(&mut h);
