@@ -32,6 +32,12 @@ pub fn conn_info() -> ConnInfo {
 /// A RAM volume of `size` bytes in 512-byte blocks, ready, with a fresh
 /// identity: LUN `lun` of `target_name`.
 pub fn ram_volume(target_name: &str, lun: u64, size: u64) -> Volume {
+    ram_volume_with(target_name, lun, size, false)
+}
+
+/// [`ram_volume`], keeping page checksums (`--verify-kept-memory`) when
+/// `page_crcs` is set.
+pub fn ram_volume_with(target_name: &str, lun: u64, size: u64, page_crcs: bool) -> Volume {
     let store = Arc::new(Store::new(size, HugePages::Off).expect("RAM for the test LUN"));
     Volume::in_memory(
         VolumeConfig {
@@ -40,7 +46,7 @@ pub fn ram_volume(target_name: &str, lun: u64, size: u64) -> Volume {
             block_size: 512,
             identity: Identity::generate(),
             readiness: Readiness::Ready,
-            page_crcs: false,
+            page_crcs,
         },
         store,
     )
@@ -58,6 +64,7 @@ pub struct RamPortal {
     mutual_chap: Option<ChapSecret>,
     discovery_chap: Option<ChapSecret>,
     service_times: bool,
+    page_crcs: bool,
 }
 
 impl RamPortal {
@@ -72,6 +79,7 @@ impl RamPortal {
             mutual_chap: None,
             discovery_chap: None,
             service_times: false,
+            page_crcs: false,
         }
     }
 
@@ -113,11 +121,19 @@ impl RamPortal {
         self
     }
 
+    /// Keep page checksums of the LUN, as the daemon does with
+    /// `--verify-kept-memory`.
+    pub fn page_crcs(mut self) -> RamPortal {
+        self.page_crcs = true;
+        self
+    }
+
     pub fn build(self) -> Arc<Portal> {
-        let volumes = Arc::new(Volumes::new(vec![ram_volume(
+        let volumes = Arc::new(Volumes::new(vec![ram_volume_with(
             &self.target_name,
             0,
             self.size,
+            self.page_crcs,
         )]));
         let target = TargetDef {
             name: self.target_name,

@@ -1322,6 +1322,7 @@ fn iser_linux_full_feature_data_stays_within_128_bytes() {
 mod abort_fencing;
 mod cmdsn;
 mod lifetimes;
+mod page_settle;
 mod reinstatement;
 mod restart_notice;
 mod transfer_length;

@@ -583,6 +583,12 @@ impl Volume {
         }
     }
 
+    /// Pages a write is counted in now (`--verify-kept-memory`; 0
+    /// without it): see [`pages::PageCrcs::counted_in`].
+    pub fn pages_being_written(&self) -> u64 {
+        self.pages().map_or(0, |p| p.counted_in())
+    }
+
     /// Record the checksum of every page as the memory is now (after a
     /// restore filled it); how long it took, if this run keeps them.
     pub fn rebuild_page_crcs(&self) -> Option<std::time::Duration> {

@@ -930,6 +930,64 @@ async fn a_faulted_writer_is_served_only_when_every_page_matches_its_checksum() 
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// With `--verify-kept-memory`, a write the target refused after planning
+/// it (its Expected Data Transfer Length does not match its blocks) must
+/// not leave its page unchecked: a wild write there later, then a fault,
+/// and the memory is NOT READY, never served with the stray byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "served READY")]
+async fn a_refused_write_leaves_its_page_checked_after_a_fault() {
+    use rustix::process::Signal;
+    let dir = scratch_dir("kept", "verify-refused");
+    let state = dir.join("state");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let launch = |port| {
+        let (options, _inherited) =
+            sup.launch(persistent(&state, port, &["--verify-kept-memory", "on"]));
+        TargetProcess::start_with(options)
+    };
+    let mut t = launch(None);
+    let port = t.port();
+    let naa = stored_naa(&sup);
+    // The refused write's page: LBA 6144 (3 MiB).
+    const PAGE_AT: u64 = 3 << 20;
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 0, &random_bytes(4096), false)
+            .await
+            .expect("WRITE");
+        let cdb = ramslog_common::cdb::write10(PAGE_AT / 512, 8, false).expect("CDB");
+        let r = s
+            .command(0, &cdb, Some(&[0x11; 2048]), 0)
+            .await
+            .expect("the refused WRITE's answer");
+        assert_eq!(
+            (r.status, sense(&r)),
+            (
+                status::CHECK_CONDITION,
+                (sense_key::ILLEGAL_REQUEST, 0x0e, 0x03)
+            ),
+            "an EDTL of half the blocks is refused whole"
+        );
+    }
+    let memory = sup.get(&format!("lun-{naa}")).expect("the LUN memory");
+    rustix::io::pwrite(&memory, &[0xa5], PAGE_AT + 100).expect("a byte behind its back");
+    die_of(&mut t, Signal::SEGV);
+    let t = launch(Some(port));
+    assert!(
+        !is_ready(&t).await,
+        "kept memory with a stray byte in the refused write's page was served READY\n{}",
+        t.output_tail(20)
+    );
+    let st = status_text(&state);
+    assert!(
+        st.contains("1 of its") && st.contains("differ from their checksums"),
+        "{st}"
+    );
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A restart whose new binary passes the check but cannot be executed (it
 /// vanished in between) changes nothing for the data: the daemon takes its
 /// LUNs back and serves on, `restart --wait` and `status` say why, writes
