@@ -173,6 +173,10 @@ pub struct TargetOptions {
     /// default each ephemeral target gets its own socket; only one test may
     /// set this.
     pub default_control_socket: bool,
+    /// `--verify-kept-memory on` (the default here): the daemon keeps page
+    /// checksums, and at a clean stop reports any page a write left
+    /// counted in, which [`TargetProcess::stop`] fails on.
+    pub page_checksums: bool,
 }
 
 impl Default for TargetOptions {
@@ -189,6 +193,7 @@ impl Default for TargetOptions {
             wrapper: Vec::new(),
             binary: None,
             default_control_socket: false,
+            page_checksums: true,
         }
     }
 }
@@ -278,8 +283,11 @@ impl TargetProcess {
             .arg("--listen")
             .arg(addr.to_string())
             .arg("--target-name")
-            .arg(&opts.target_name)
-            .args(&opts.extra_args)
+            .arg(&opts.target_name);
+        if opts.page_checksums {
+            cmd.args(["--verify-kept-memory", "on"]);
+        }
+        cmd.args(&opts.extra_args)
             .stdin(Stdio::null())
             .stdout(Stdio::from(log2))
             .stderr(Stdio::from(log));
@@ -403,7 +411,10 @@ impl TargetProcess {
         self.try_exit_status().is_none()
     }
 
-    /// SIGTERM, wait up to 5 s, then SIGKILL; returns the exit status. Idempotent.
+    /// SIGTERM, wait up to `STOP_GRACE` (60 s), then SIGKILL; returns the exit status.
+    /// Idempotent.
+    /// Panics (unless the test is already failing) if the daemon reported a
+    /// page a write left counted in (see [`TargetOptions::page_checksums`]).
     pub fn stop(&mut self) -> ExitStatus {
         if let Some(s) = self.try_exit_status() {
             return s;
@@ -412,11 +423,25 @@ impl TargetProcess {
         let deadline = Instant::now() + STOP_GRACE;
         while Instant::now() < deadline {
             if let Some(s) = self.try_exit_status() {
+                self.assert_no_page_left_counted_in();
                 return s;
             }
             thread::sleep(Duration::from_millis(20));
         }
         self.kill()
+    }
+
+    /// Every write counted itself out of the page checksums: the daemon
+    /// checks at a clean stop, once every connection is gone.
+    fn assert_no_page_left_counted_in(&self) {
+        const DEFECT: &str = "pages still counted in after every connection ended";
+        if !thread::panicking() && self.output().contains(DEFECT) {
+            panic!(
+                "the daemon's page checksums were left counted in ({}):\n{}",
+                self.log_path.display(),
+                self.output_tail(30)
+            );
+        }
     }
 
     /// SIGKILL at once: a crash or a power cut, with no dump. Idempotent.

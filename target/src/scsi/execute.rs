@@ -104,7 +104,7 @@ impl ScsiTarget {
             Op::WriteVerify { lba, blocks } => {
                 let n = whole_blocks(data_out, blocks, bs);
                 let _g = lu.exclusion.hold(lba, (n / bs) as u64);
-                lu.volume.will_write(lu.offset(lba), n as u64);
+                let _placing = lu.volume.will_write(lu.offset(lba), n as u64);
                 lu.volume
                     .store()
                     .write(lu.offset(lba), &data_out[..n])
@@ -151,7 +151,7 @@ impl ScsiTarget {
                 let _g = lu.exclusion.hold(lba, blocks);
                 let start = lu.offset(lba);
                 let total = blocks * bs as u64;
-                lu.volume.will_write(start, total);
+                let _placing = lu.volume.will_write(start, total);
                 let pattern = if ndob {
                     None
                 } else {
@@ -203,7 +203,7 @@ impl ScsiTarget {
                 if let Some(j) = first_diff(&cur, verify) {
                     return Err(SenseReason::Miscompare { offset: j as u32 }.into());
                 }
-                lu.volume.will_write(lu.offset(lba), n as u64);
+                let _placing = lu.volume.will_write(lu.offset(lba), n as u64);
                 lu.volume
                     .store()
                     .write(lu.offset(lba), write)

@@ -41,7 +41,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ramslog_common::scsi_wire::FieldPointer;
 
 use crate::metrics::{CommandKind, LunMetrics};
-use crate::volume::{Identity, Readiness, Volume, VolumeError, VolumeId};
+use crate::volume::{Identity, PlacingWrite, Readiness, Volume, VolumeError, VolumeId};
 use pr::PrState;
 use ranges::RangeExclusion;
 use vocab::{opc, Geometry, Op};
@@ -681,6 +681,18 @@ impl ScsiTarget {
             .is_some_and(|e| e.aborted_at > plan.abort_epoch)
     }
 
+    /// A prepared command is about to place its data straight into the
+    /// volume's memory (see [`Volume::will_write`]): the guard goes with
+    /// the command and is dropped when it ends, however it ends.
+    pub fn will_place(&self, plan: &Plan) -> PlacingWrite {
+        match (plan.out_placement, self.lu_of(plan)) {
+            (OutPlacement::Store { offset, .. }, Some(lu)) => {
+                lu.volume.will_write(offset, u64::from(plan.data_out_len))
+            }
+            _ => PlacingWrite::NONE,
+        }
+    }
+
     /// Phase 1: decode and validate; see the module docs.
     /// `lu_index` is [`Self::lu_index`] of `lun`.
     #[inline]
@@ -698,14 +710,7 @@ impl ScsiTarget {
         };
         let at = Some((index, lu.volume.id()));
         let epoch = lu.abort_epoch.load(Ordering::Acquire);
-        // Data placed straight into the memory may land from here on.
-        let planned = |d| {
-            let p = plan(lun, at, d, epoch);
-            if let OutPlacement::Store { offset, .. } = p.out_placement {
-                lu.volume.will_write(offset, u64::from(p.data_out_len));
-            }
-            p
-        };
+        let planned = |d| plan(lun, at, d, epoch);
         if !lu.attention.load(Ordering::Acquire) && lu.volume.is_ready() {
             return Ok(planned(cdb::decode(cdb, lu.geo)?));
         }

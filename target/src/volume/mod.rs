@@ -17,6 +17,7 @@ mod identity;
 pub mod image;
 pub mod kept;
 pub mod pages;
+mod placing;
 pub mod state;
 
 use std::os::fd::BorrowedFd;
@@ -31,6 +32,7 @@ use kept::{KeptRecord, KeptReservations, KeptState, RecordArea, Written};
 use state::StateDir;
 
 pub use identity::{naa_hex, Identity};
+pub use placing::PlacingWrite;
 
 /// Why a volume refused a write. Each front end says it in its own protocol
 /// (SCSI sense, an NVMe status) or, for [`VolumeError::Fenced`], not at all.
@@ -574,21 +576,6 @@ impl Volume {
         self.page_crcs
     }
 
-    /// A write of `len` bytes at `offset` may start placing data: its pages
-    /// hold no known content until [`Self::commit_write`].
-    #[inline]
-    pub fn will_write(&self, offset: u64, len: u64) {
-        if let Some(p) = self.pages() {
-            p.begin(offset, len);
-        }
-    }
-
-    /// Pages a write is counted in now (`--verify-kept-memory`; 0
-    /// without it): see [`pages::PageCrcs::counted_in`].
-    pub fn pages_being_written(&self) -> u64 {
-        self.pages().map_or(0, |p| p.counted_in())
-    }
-
     /// Record the checksum of every page as the memory is now (after a
     /// restore filled it); how long it took, if this run keeps them.
     pub fn rebuild_page_crcs(&self) -> Option<std::time::Duration> {
@@ -707,7 +694,8 @@ impl Volume {
     /// Called for every medium-changing command after its bytes are in
     /// place and before its status is sent: marks the chunks, and the first
     /// time in a run, makes the new generation durable. An error means the
-    /// command must not be acknowledged.
+    /// command must not be acknowledged. The page checksums are not this
+    /// call's: the command's [`PlacingWrite`] settles them when dropped.
     ///
     /// Ordering with [`Self::fence`]: the chunk bits are set (SeqCst) before
     /// `fenced` is read (SeqCst), and the fence sets `fenced` before the dump
@@ -716,10 +704,6 @@ impl Volume {
     pub fn commit_write(&self, offset: u64, len: u64) -> Result<(), VolumeError> {
         if len == 0 {
             return Ok(());
-        }
-        // The bytes are in the memory, fenced or not.
-        if let Some(p) = self.pages() {
-            p.settle(offset, len);
         }
         // Fenced: no status, and above all no generation bump, which would
         // make the image the dump is writing (or has written) stale.

@@ -6,14 +6,13 @@
 //!
 //! Each page has one 64-bit word: the number of writes under way to it in
 //! the high half, the checksum of its content in the low half. A write
-//! counts itself in before its data may land ([`PageCrcs::begin`]), and on
-//! completion, before its status, counts itself out; the last one out
-//! computes the checksum ([`PageCrcs::settle`]). A page with writes under
-//! way when the process died holds no known content (none of those writes
-//! was acknowledged, so old, new or torn bytes are all allowed): it is not
-//! checked. A write planned but never completed (aborted, its connection
-//! gone) leaves its pages uncounted until their next write or the next
-//! start: they are then not checked either.
+//! counts itself in before its data may land ([`PageCrcs::begin`]), and
+//! out exactly once, however it ends (completed, before its status;
+//! refused, aborted, its connection gone: `super::PlacingWrite` does it
+//! when dropped); the last one out computes the checksum
+//! ([`PageCrcs::settle`]). A page with writes under way when the process
+//! died holds no known content (none of those writes was acknowledged, so
+//! old, new or torn bytes are all allowed): it is not checked.
 //!
 //! What it catches: a wild CPU write into a page no command was writing.
 //! What it does not: a wild write into a page whose checksum is computed

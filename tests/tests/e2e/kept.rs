@@ -804,7 +804,15 @@ async fn a_writer_that_died_of_a_fault_signal_is_not_served_from_memory() {
     let dir = scratch_dir("kept", "fault");
     let state = dir.join("state");
     let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
-    let mut t = start(&sup, &state, None);
+    // Without page checksums (with them, memory that checks is served).
+    let start = |port| {
+        let options = ramslog_tests::TargetOptions {
+            page_checksums: false,
+            ..persistent(&state, port, &[])
+        };
+        TargetProcess::start_with(sup.launch(options).0)
+    };
+    let mut t = start(None);
     let port = t.port();
     let naa = stored_naa(&sup);
     let data = random_bytes(4096);
@@ -815,7 +823,7 @@ async fn a_writer_that_died_of_a_fault_signal_is_not_served_from_memory() {
     die_of(&mut t, Signal::SEGV);
     assert!(t.output().contains("fatal signal"), "{}", t.output_tail(10));
     for start_after in ["the SIGSEGV", "a start after it"] {
-        let mut t = start(&sup, &state, Some(port));
+        let mut t = start(Some(port));
         assert!(
             !is_ready(&t).await,
             "{start_after}: served the memory of a faulted writer\n{}",
@@ -834,7 +842,7 @@ async fn a_writer_that_died_of_a_fault_signal_is_not_served_from_memory() {
     // accept-empty starts the LUN afresh; a stop dumps this generation,
     // the next start takes the kept memory, and a SIGBUS before any write
     // leaves the image as current as the memory: it is restored.
-    let t = start(&sup, &state, Some(port));
+    let t = start(Some(port));
     let out = cli(&["accept-empty", t.target_name(), "0"], &state);
     assert!(out.status.success(), "{out:?}");
     {
@@ -843,14 +851,14 @@ async fn a_writer_that_died_of_a_fault_signal_is_not_served_from_memory() {
     }
     let mut t = t;
     assert!(t.stop().success(), "{}", t.output_tail(20));
-    let mut t = start(&sup, &state, Some(port));
+    let mut t = start(Some(port));
     assert!(
         t.output().contains("LUN content kept in memory"),
         "{}",
         t.output_tail(20)
     );
     die_of(&mut t, Signal::BUS);
-    let t = start(&sup, &state, Some(port));
+    let t = start(Some(port));
     assert!(
         t.output().contains("SIGBUS") && t.output().contains("restoring LUN content"),
         "{}",
@@ -879,8 +887,7 @@ async fn a_faulted_writer_is_served_only_when_every_page_matches_its_checksum() 
     let state = dir.join("state");
     let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
     let launch = |port| {
-        let (options, _inherited) =
-            sup.launch(persistent(&state, port, &["--verify-kept-memory", "on"]));
+        let (options, _inherited) = sup.launch(persistent(&state, port, &[]));
         TargetProcess::start_with(options)
     };
     let mut t = launch(None);
@@ -935,15 +942,13 @@ async fn a_faulted_writer_is_served_only_when_every_page_matches_its_checksum() 
 /// not leave its page unchecked: a wild write there later, then a fault,
 /// and the memory is NOT READY, never served with the stray byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[should_panic(expected = "served READY")]
 async fn a_refused_write_leaves_its_page_checked_after_a_fault() {
     use rustix::process::Signal;
     let dir = scratch_dir("kept", "verify-refused");
     let state = dir.join("state");
     let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
     let launch = |port| {
-        let (options, _inherited) =
-            sup.launch(persistent(&state, port, &["--verify-kept-memory", "on"]));
+        let (options, _inherited) = sup.launch(persistent(&state, port, &[]));
         TargetProcess::start_with(options)
     };
     let mut t = launch(None);

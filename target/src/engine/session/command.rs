@@ -162,6 +162,8 @@ impl Session {
             failure: None,
             in_window: !bhs.immediate(),
             counting: self.counting,
+            // Before the first byte may land (the immediate data below).
+            _placing: scsi.will_place(&plan),
         };
         if unsol_end == data.len() as u32 {
             task.unsolicited = None;

@@ -27,7 +27,7 @@ use crate::admission::SessionControl;
 use crate::metrics::{self, CommandKind, Served, SessionMetrics};
 use crate::portal::{OpenSessionError, OpenedSession, Portal, SessionKey};
 use crate::scsi::{Nexus, NexusId, Plan, ScsiTarget, Transfers};
-use crate::volume::VolumeId;
+use crate::volume::{PlacingWrite, VolumeId};
 use aborts::Deferred;
 pub use aborts::ABORT_CUT_OFF;
 
@@ -139,6 +139,9 @@ struct Task {
     /// A non-immediate command: it holds a slot of the command window.
     in_window: bool,
     counting: Counting,
+    /// The page checksums' claim of a write into the LUN: dropped with the
+    /// task, however it ends (`volume::PlacingWrite`).
+    _placing: PlacingWrite,
 }
 
 /// How the command whose status is being produced is counted. Every entry
