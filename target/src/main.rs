@@ -244,6 +244,17 @@ fn mark_kept_memory_on_faults() {
     }
 }
 
+/// Test builds only: with `RAMSLOG_TEST_ABORT_ON_HANGUP` set, a SIGHUP
+/// aborts the process where it stands (`std::process::abort`, the path of
+/// glibc's heap-corruption checks and of Rust's allocation failure), which
+/// `kill -ABRT` from outside does not take.
+#[cfg(debug_assertions)]
+fn abort_on_hangup_if_asked() {
+    if std::env::var_os("RAMSLOG_TEST_ABORT_ON_HANGUP").is_some() {
+        std::process::abort();
+    }
+}
+
 async fn status(s: SocketArgs, json: bool) -> Result<(), String> {
     match control::request(&s.path()?, &Request::Status).await? {
         Reply::Status(st) if json => {
@@ -616,6 +627,8 @@ async fn run(
     let mut stops =
         handover::StopSignals::open().map_err(|e| format!("cannot read the stop signals: {e}"))?;
     let hangup_ignored = || {
+        #[cfg(debug_assertions)]
+        abort_on_hangup_if_asked();
         tracing::warn!(
             "SIGHUP ignored: nothing to reload; stop with SIGTERM or `ramslog-target stop`"
         )

@@ -875,6 +875,70 @@ async fn a_writer_that_died_of_a_fault_signal_is_not_served_from_memory() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Every signal that means the writer may have stored anywhere marks the
+/// kept memory, like SIGSEGV: SIGABRT (glibc's heap-corruption checks and
+/// Rust's allocation failure call abort(3) in the process itself: the
+/// test build's SIGHUP trigger does that), SIGFPE and SIGSYS. The next
+/// start does not serve the memory and names the signal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "served the memory")]
+async fn an_abort_fpe_or_sys_is_a_fault_and_its_memory_is_not_served() {
+    use rustix::process::Signal;
+    use std::os::unix::process::ExitStatusExt;
+    let dir = scratch_dir("kept", "abort");
+    let state = dir.join("state");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let start = |port| {
+        let options = ramslog_tests::TargetOptions {
+            page_checksums: false,
+            env: vec![("RAMSLOG_TEST_ABORT_ON_HANGUP".into(), "1".into())],
+            ..persistent(&state, port, &[])
+        };
+        TargetProcess::start_with(sup.launch(options).0)
+    };
+    let mut port = None;
+    for (name, signal) in [
+        ("SIGABRT", Signal::ABORT),
+        ("SIGFPE", Signal::FPE),
+        ("SIGSYS", Signal::SYS),
+    ] {
+        let mut t = start(port);
+        port = Some(t.port());
+        if is_ready(&t).await {
+            let s = open(&t, INITIATOR).await;
+            s.write(0, 64, &random_bytes(4096), false)
+                .await
+                .expect("WRITE");
+        } else {
+            let out = cli(&["accept-empty", t.target_name(), "0"], &state);
+            assert!(out.status.success(), "{out:?}");
+        }
+        if signal == Signal::ABORT {
+            ramslog_tests::send_signal(t.pid(), Signal::HUP);
+        } else {
+            ramslog_tests::send_signal(t.pid(), signal);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(s) = t.try_exit_status() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "{name} did not end the daemon");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(status.signal(), Some(signal.as_raw()), "{name}: {status:?}");
+        let t = start(port);
+        assert!(
+            !is_ready(&t).await,
+            "after {name}: served the memory of a faulted writer\n{}",
+            t.output_tail(20)
+        );
+        let st = status_text(&state);
+        assert!(st.contains(name), "after {name}: {st}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// With `--verify-kept-memory`, the memory of a writer that died of a
 /// fault is served when every page matches the checksum kept beside it
 /// (and the checksums go on across a planned restart); a byte changed
