@@ -238,8 +238,8 @@ fn mark_kept_memory_on_faults() {
     }));
     if let Err(e) = ramslog_target::store::install_fault_handlers() {
         tracing::warn!(
-            "cannot install the fault-signal handlers ({e}): a crash by SIGSEGV, SIGBUS or \
-             SIGILL is judged as a kill -9"
+            "cannot install the fault-signal handlers ({e}): a crash by SIGSEGV, SIGBUS, \
+             SIGILL, SIGABRT, SIGFPE or SIGSYS is judged as a kill -9"
         );
     }
 }

@@ -760,11 +760,20 @@ pub fn mark_faults(cause: u64) {
 
 /// The fault signals that mark the kept memory before the process dies:
 /// after one of them, memory this process wrote may have been written
-/// anywhere.
-const FAULT_SIGNALS: [libc::c_int; 3] = [libc::SIGSEGV, libc::SIGBUS, libc::SIGILL];
+/// anywhere. SIGABRT is glibc's heap-corruption checks and Rust's
+/// allocation failure (abort(3)); SIGFPE an arithmetic trap; SIGSYS a
+/// system call a seccomp filter trapped.
+pub const FAULT_SIGNALS: [libc::c_int; 6] = [
+    libc::SIGSEGV,
+    libc::SIGBUS,
+    libc::SIGILL,
+    libc::SIGABRT,
+    libc::SIGFPE,
+    libc::SIGSYS,
+];
 
-/// Install handlers that mark every living store's fault mark on SIGSEGV,
-/// SIGBUS and SIGILL, then let the signal kill the process as before (a
+/// Install handlers that mark every living store's fault mark on each of
+/// [`FAULT_SIGNALS`], then let the signal kill the process as before (a
 /// core dump never holds the LUN memory: it is `MADV_DONTDUMP`). Call once,
 /// after the Rust runtime set up each thread's alternate signal stack: the
 /// handler runs on it, so a stack overflow is marked too.
@@ -798,9 +807,11 @@ extern "C" fn on_fault_signal(
         let _ = libc::write(2, SAID.as_ptr().cast(), SAID.len());
         // The handler reset itself to the default action on entry. A fault
         // returns to the faulting instruction and meets it; a signal sent
-        // with kill(2) (si_code <= 0) does not come back, so send it again:
-        // it is delivered, fatally, once this handler returns.
-        if info.is_null() || (*info).si_code <= 0 {
+        // with kill(2) or raise(3) (si_code <= 0, abort(3) among them) does
+        // not come back, nor does a seccomp trap (the trapped call returns),
+        // so send it again: it is delivered, fatally, once this handler
+        // returns.
+        if info.is_null() || (*info).si_code <= 0 || signal == libc::SIGSYS {
             libc::raise(signal);
         }
     }

@@ -87,7 +87,7 @@ pub struct Owner {
 pub enum ExitCause {
     /// A Rust panic (the panic hook marked it; the log has its message).
     Panic,
-    /// A fault signal (SIGSEGV, SIGBUS, SIGILL) caught by the handler.
+    /// A fault signal (`store::FAULT_SIGNALS`) caught by the handler.
     Signal(i32),
     /// A mark whose cause word is not one this binary writes.
     Unknown(u64),
@@ -102,6 +102,9 @@ impl std::fmt::Display for ExitCause {
                     libc::SIGSEGV => "SIGSEGV",
                     libc::SIGBUS => "SIGBUS",
                     libc::SIGILL => "SIGILL",
+                    libc::SIGABRT => "SIGABRT",
+                    libc::SIGFPE => "SIGFPE",
+                    libc::SIGSYS => "SIGSYS",
                     _ => "a fault signal",
                 };
                 write!(f, "{name} (signal {s})")
