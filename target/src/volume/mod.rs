@@ -1217,6 +1217,39 @@ mod tests {
         );
     }
 
+    /// A PERSISTENT RESERVE OUT of the old identity that lands while
+    /// accept-empty runs, after the volume dropped the old reservations
+    /// from its record and before the LU cleared its own (the caller's
+    /// `announce`), is refused: taken, it would write the old device's
+    /// registrations into the new identity's record, and a crash would
+    /// serve them under the new identity.
+    #[test]
+    #[should_panic(expected = "old registration")]
+    fn a_reservation_change_racing_accept_empty_is_refused() {
+        let (dir, v) = persistent_volume("accept-pr-race");
+        v.keep_reservations(reservations(false, 0xaa))
+            .expect("a registration of the old device");
+        not_ready(&v);
+        let mut racing = None;
+        let r = v.accept_empty(Identity::generate(), || {
+            // The PR OUT: under the LU's lock, from the LU's old state.
+            racing = Some(v.keep_reservations(reservations(false, 0xbb)));
+        });
+        let record = kept(&v);
+        let _ = std::fs::remove_dir_all(dir);
+        r.expect("accept-empty");
+        assert!(
+            record.reservations.registrations.is_empty(),
+            "the new identity's record carries an old registration: {:?}",
+            record.reservations
+        );
+        assert_eq!(
+            racing,
+            Some(Err(VolumeError::NotReady)),
+            "the racing PR OUT"
+        );
+    }
+
     /// The empty device is READY only once its empty image is durable: if
     /// that image cannot be written, the LUN stays NOT READY and says why.
     #[test]
