@@ -639,7 +639,8 @@ impl ScsiTarget {
         lu.volume.accept_empty(new, || {
             let mut st = lu.lock();
             // A new, empty device: the old identity's reservations go too
-            // (the volume dropped them from its record already).
+            // (the volume dropped them from its record already, and
+            // refuses every change to them until this is done).
             st.pr = PrState::default();
             st.raise_all(sense::ua::INQUIRY_DATA_CHANGED);
             st.raise_all(sense::ua::REPORTED_LUNS_CHANGED);
