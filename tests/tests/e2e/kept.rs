@@ -1057,6 +1057,56 @@ async fn a_refused_write_leaves_its_page_checked_after_a_fault() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A start whose image is missing (a disk not mounted yet, a file moved)
+/// is NOT READY, but its empty memory is not content: it must not go into
+/// the store, where every later start (a crash, `systemctl restart`) would
+/// find it "discarded" and stay NOT READY after the admin put the image
+/// back. Put back, the image decides again and the LUN is READY with every
+/// byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "put back")]
+async fn a_missing_image_put_back_serves_again_after_a_crash() {
+    let dir = scratch_dir("kept", "image-back");
+    let state = dir.join("state");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    // Before a reboot: the image is all there is (no store holds memory).
+    let t = TargetProcess::start_with(persistent(&state, None, &[]));
+    let port = t.port();
+    let data = random_bytes(8192);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 100, &data, false).await.expect("WRITE");
+    }
+    let mut t = t;
+    assert!(t.stop().success(), "{}", t.output_tail(20));
+    let images = state.join("images");
+    let moved = dir.join("moved-images");
+    std::fs::rename(&images, &moved).expect("move the images away");
+    std::fs::create_dir(&images).expect("an empty image directory");
+    let mut t = start(&sup, &state, Some(port));
+    assert!(!is_ready(&t).await, "READY without its image");
+    assert!(
+        status_text(&state).contains("is missing"),
+        "{}",
+        status_text(&state)
+    );
+    t.kill();
+    std::fs::remove_dir(&images).expect("remove the empty directory");
+    std::fs::rename(&moved, &images).expect("put the images back");
+    let t = start(&sup, &state, Some(port));
+    assert!(
+        is_ready(&t).await,
+        "NOT READY after the image was put back\n{}\n{}",
+        status_text(&state),
+        t.output_tail(20)
+    );
+    let s = open(&t, INITIATOR).await;
+    assert!(s.read(0, 100, 16, 512).await.expect("READ") == data);
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A restart whose new binary passes the check but cannot be executed (it
 /// vanished in between) changes nothing for the data: the daemon takes its
 /// LUNs back and serves on, `restart --wait` and `status` say why, writes
