@@ -798,12 +798,14 @@ pub fn open_volumes(
                     unkept.clone(),
                 )?,
             };
-            // Memory refused for a doubt a later start may not have stays
-            // in the store: this NOT READY volume's does not go beside it.
-            if persistence.is_some()
-                && !matches!(unkept, Some(Unkept::NotReady(_)))
-                && !cancelled.load(Ordering::Acquire)
-            {
+            // Only content goes into the store. A NOT READY volume's memory
+            // holds none: memory refused for a doubt a later start may not
+            // have stays in the store without it beside, and the empty
+            // memory of a LUN whose image is missing or unreadable stays
+            // out, so that the next start (a crash, a restart) asks the
+            // image again instead of finding "discarded". accept-empty
+            // stores the memory once it is the new device's content.
+            if persistence.is_some() && volume.is_ready() && !cancelled.load(Ordering::Acquire) {
                 volume.hold_in_fd_store(known_naa.as_deref());
             }
             volumes.push(volume);

@@ -1064,7 +1064,6 @@ async fn a_refused_write_leaves_its_page_checked_after_a_fault() {
 /// back. Put back, the image decides again and the LUN is READY with every
 /// byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[should_panic(expected = "put back")]
 async fn a_missing_image_put_back_serves_again_after_a_crash() {
     let dir = scratch_dir("kept", "image-back");
     let state = dir.join("state");
