@@ -1543,6 +1543,77 @@ async fn a_start_after_a_crash_waits_for_the_state_directory_lock() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The straggler is the last writer itself, stopped (SIGSTOP) with the
+/// lock: a start with the store waits, a SIGTERM reaches it while it
+/// waits, then the old writer is killed and the lock is free. The rules
+/// must be judged on what holds once the lock is had (the writer is gone):
+/// the memory is taken over and dumped, the exit is clean, and a start
+/// without the store (systemd 252 empties it on that exit) has every byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "every byte")]
+async fn a_stop_while_waiting_for_a_stopped_writer_keeps_the_content() {
+    use rustix::process::Signal;
+    let dir = scratch_dir("kept", "lock-writer");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let state = dir.join("state");
+    let mut old = start(&sup, &state, None);
+    let port = old.port();
+    stored_naa(&sup);
+    let data = random_bytes(4096);
+    {
+        let s = open(&old, INITIATOR).await;
+        s.write(0, 800, &data, false).await.expect("WRITE");
+    }
+    ramslog_tests::send_signal(old.pid(), Signal::STOP);
+    let (options, _inherited) = sup.launch(persistent(&state, Some(port), &[]));
+    let mut t = TargetProcess::spawn_with(options);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !t.output().contains("waiting for it") {
+        assert!(
+            t.is_running() && Instant::now() < deadline,
+            "the start did not wait for the lock\n{}",
+            t.output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ramslog_tests::send_signal(t.pid(), Signal::TERM);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !t
+        .output()
+        .contains("stopping once the state directory's lock is had")
+    {
+        assert!(
+            t.is_running() && Instant::now() < deadline,
+            "the waiting start did not take the SIGTERM\n{}",
+            t.output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    old.kill();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let exit = loop {
+        if let Some(st) = t.try_exit_status() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "{}", t.output_tail(20));
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(exit.success(), "{exit:?}\n{}", t.output_tail(20));
+    let said = t.output();
+    sup.clear();
+    let t = start(&sup, &state, Some(port));
+    assert!(
+        is_ready(&t).await,
+        "the content is lost: every byte was to be dumped\n{}\n{said}",
+        status_text(&state)
+    );
+    let s = open(&t, INITIATOR).await;
+    assert!(s.read(0, 800, 8, 512).await.expect("READ") == data);
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Whether process `pid` holds the stop signals blocked: `main` has begun
 /// (before it, in the dynamic loader and Rust's runtime set-up, a signal's
 /// default action still applies: docs/restarts.md says what that costs).
