@@ -68,8 +68,14 @@ enum Source {
     /// handed over under `token` by this pid before the exec.
     Restart { token: u64 },
     /// systemd's fd store, after the daemon ended (a crash, a `systemctl
-    /// restart`): `writer` says whether the last writer is proven gone.
-    Holder { writer: Result<(), String> },
+    /// restart`): `writer` says whether the last writer is proven gone,
+    /// judged from the stored `writers` pidfds and the unit's cgroup once
+    /// this start holds the state directory's lock (before it, a writer
+    /// that still holds the lock is of course still running).
+    Holder {
+        writers: Vec<OwnedFd>,
+        writer: Result<(), String>,
+    },
 }
 
 /// The LUN memory a planned restart handed over or systemd's fd store kept,
@@ -102,12 +108,18 @@ impl Unkept {
 }
 
 impl KeptMemory {
-    /// Read every record again from its memory. A start reads them before
+    /// Judge again, once the state directory's lock is this start's, every
+    /// fact the take-over rules use that may have changed while it waited:
+    /// whether the last writer is gone (it may have held the lock, stopped,
+    /// and been killed since), and each record. A start reads them before
     /// it holds the state directory's lock; by the time it does, another
     /// process may have served this memory and moved its record on (two
     /// successors given the same memory: the first's writes bumped the
     /// generation), and the take-over must judge the record as it is now.
-    fn read_records_again(&mut self) {
+    fn read_again_under_the_lock(&mut self) {
+        if let Source::Holder { writers, writer } = &mut self.source {
+            *writer = writers_gone(writers).and_then(|()| cgroup_alone());
+        }
         for v in &mut self.volumes {
             if let Some(fd) = &v.record_memory {
                 v.record = kept::read_handed(fd.as_fd()).map_err(|e| e.to_string());
@@ -188,7 +200,8 @@ impl KeptMemory {
         }
         Some(KeptMemory {
             source: Source::Holder {
-                writer: writers_gone(&writers).and_then(|()| cgroup_alone()),
+                writer: Err("not judged before the state directory's lock is had".into()),
+                writers,
             },
             volumes,
             refused: rdma_refusal(&rdma_descriptors),
@@ -456,7 +469,7 @@ fn adopt_kept(
                 )));
             }
         }
-        Source::Holder { writer } => {
+        Source::Holder { writer, .. } => {
             if let Err(why) = writer {
                 return Err(Unkept::NotReady(why.clone()));
             }
@@ -715,11 +728,11 @@ pub fn open_volumes(
 ) -> Result<Opened, String> {
     // The caller holds the state directory's lock now.
     if let Some(k) = kept.as_mut() {
-        k.read_records_again();
+        k.read_again_under_the_lock();
     }
     let writers_gone = match &kept {
         Some(KeptMemory {
-            source: Source::Holder { writer },
+            source: Source::Holder { writer, .. },
             ..
         }) => writer.is_ok(),
         _ => true,
