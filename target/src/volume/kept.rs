@@ -633,6 +633,46 @@ mod tests {
         read_area(area).unwrap()
     }
 
+    /// The written-chunk bitmap takes two hex digits per 8 MiB of LUN, so
+    /// from about 440 GiB it no longer fits a slot beside the rest of the
+    /// record. Such a record must still be written (without it no
+    /// successor serves the memory, and a restart without a dump would lose
+    /// the content): as every chunk written, which makes the next dump
+    /// carry the whole LUN, never less.
+    #[test]
+    #[should_panic(expected = "600 GiB")]
+    fn a_600_gib_record_fits_its_slot_with_every_chunk_counted() {
+        const CHUNK: u64 = 1 << 20;
+        let lun = 600u64 << 30;
+        let chunks = lun / CHUNK;
+        let mut r = record(KeptState::HandedOver {
+            token: 9,
+            ready: true,
+        });
+        (r.lun_bytes, r.memfd_bytes) = (lun, lun);
+        r.written = Written::from_chunks(CHUNK, chunks, |c| c % 3 == 0);
+        let bytes = encode_slot(&r, 1)
+            .unwrap_or_else(|e| panic!("a 600 GiB record does not fit its slot: {e}"));
+        let mut area = vec![0u8; AREA_BYTES];
+        area[..bytes.len()].copy_from_slice(&bytes);
+        let read = read_area(&area).expect("the record in force").record;
+        assert_eq!(read.written, Written::All);
+        assert_eq!(
+            read.written.chunks(CHUNK, chunks).map(|c| c.len() as u64),
+            Some(chunks),
+            "every chunk counts as written"
+        );
+        // A LUN whose bitmap fits keeps it.
+        let small = record(KeptState::Valid);
+        let bytes = encode_slot(&small, 1).expect("a 16 GiB record");
+        area.fill(0);
+        area[..bytes.len()].copy_from_slice(&bytes);
+        assert_eq!(
+            read_area(&area).expect("in force").record.written,
+            small.written
+        );
+    }
+
     #[test]
     fn the_newest_record_is_in_force_and_writes_alternate_slots() {
         let mut area = vec![0u8; AREA_BYTES];
