@@ -433,7 +433,18 @@ impl RecordArea {
     pub fn write(&self, record: &KeptRecord) -> Result<(), KeptError> {
         let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
         let (slot, sequence) = next_write(current.as_ref());
-        let written = encode_slot(record, sequence).and_then(|bytes| {
+        let encoded = encode_slot(record, sequence);
+        // Test builds: a handed-over record that cannot be written (as one
+        // too large for its slot), for the restart's failure path.
+        #[cfg(debug_assertions)]
+        let encoded = encoded.and_then(|bytes| {
+            let handed = matches!(record.state, KeptState::HandedOver { .. });
+            match std::env::var_os("RAMSLOG_TEST_HANDED_OVER_RECORD_FAILS") {
+                Some(_) if handed => Err(KeptError::TooLarge(SLOT_BYTES + 1)),
+                _ => Ok(bytes),
+            }
+        });
+        let written = encoded.and_then(|bytes| {
             self.area
                 .write((slot * SLOT_BYTES) as u64, &bytes)
                 .map_err(|_| KeptError::TooLarge(bytes.len()))

@@ -1106,6 +1106,43 @@ async fn a_missing_image_put_back_serves_again_after_a_crash() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A planned restart under a holder does not dump: the memory, handed
+/// over with its record, is the only current copy. When a LUN's record
+/// cannot be written as handed over (test builds fail it on request, as a
+/// record too large for its slot would), that LUN is dumped first and the
+/// new program restores it: READY with every byte, never NOT READY for a
+/// memory without a record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "handed over without its record")]
+async fn a_lun_whose_record_cannot_be_handed_over_is_dumped_first() {
+    let dir = scratch_dir("kept", "handover-record");
+    let state = dir.join("state");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let options = ramslog_tests::TargetOptions {
+        env: vec![("RAMSLOG_TEST_HANDED_OVER_RECORD_FAILS".into(), "1".into())],
+        ..persistent(&state, None, &[])
+    };
+    let t = TargetProcess::start_with(sup.launch(options).0);
+    stored_naa(&sup);
+    let data = random_bytes(8192);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 300, &data, false).await.expect("WRITE");
+    }
+    let said = restart(&state).unwrap_or_else(|e| panic!("{e}\n{}", t.output_tail(20)));
+    assert!(
+        is_ready(&t).await,
+        "NOT READY: the LUN was handed over without its record ({said})\n{}\n{}",
+        status_text(&state),
+        t.output_tail(20)
+    );
+    let s = open(&t, INITIATOR).await;
+    assert!(s.read(0, 300, 16, 512).await.expect("READ") == data);
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A restart whose new binary passes the check but cannot be executed (it
 /// vanished in between) changes nothing for the data: the daemon takes its
 /// LUNs back and serves on, `restart --wait` and `status` say why, writes
