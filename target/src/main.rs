@@ -1118,15 +1118,34 @@ async fn hand_over(
     let mut crossing: Vec<std::os::fd::BorrowedFd<'_>> = Vec::new();
     for v in portal.volumes.iter() {
         match v.hand_over(token) {
-            Some((memory, record)) => {
+            Ok(Some((memory, record))) => {
                 handed
                     .volumes
                     .push((memory.as_raw_fd(), record.as_raw_fd()));
                 crossing.extend([memory, record]);
             }
-            None => {
+            Ok(None) => {
                 tracing::warn!(target = %v.target(), lun = v.lun(), "not READY: its memory is not handed over; the new program starts it from its image")
             }
+            // Its memory cannot go on: its image must be current before the
+            // exec (a restart under the fd store did not dump), or there is
+            // no restart.
+            // (Blocking: the runtime is multi-threaded.)
+            Err(e) => match tokio::task::block_in_place(|| v.dump(false)) {
+                Ok(msg) => tracing::warn!(
+                    target = %v.target(), lun = v.lun(),
+                    "its memory cannot be handed over ({e}): dumped instead ({msg}); the new program restores it"
+                ),
+                Err(dump) => {
+                    let why = format!(
+                        "restart: {} LUN {}: its memory cannot be handed over ({e}) and its dump failed ({dump})",
+                        v.target(),
+                        v.lun()
+                    );
+                    reply.answer(Err(why.clone())).await;
+                    return why;
+                }
+            },
         }
     }
     for fd in listener_fds {

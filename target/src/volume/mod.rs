@@ -49,6 +49,15 @@ pub enum VolumeError {
     NotReady,
 }
 
+/// Why a READY volume's memory cannot be handed over in a planned restart.
+#[derive(Debug, thiserror::Error)]
+pub enum HandOverError {
+    #[error("it has no kept-memory record")]
+    NoRecord,
+    #[error("its kept-memory record was not written: {0}")]
+    Record(#[from] kept::KeptError),
+}
+
 /// A volume's place in the daemon's [`Volumes`]: what the I/O path names
 /// memory by (with an offset and a length the front end already checked),
 /// and what drivers index their per-volume resources (RDMA registrations)
@@ -398,12 +407,14 @@ impl Volume {
     /// Write the kept-memory record from `m` (its lock held, so records are
     /// written in the order of the changes they describe).
     fn write_record(&self, m: &Meta) {
-        self.write_record_with(m, Written::All);
+        // A failure is logged: the area then holds no record in force,
+        // which no successor serves.
+        let _ = self.write_record_with(m, Written::All);
     }
 
-    fn write_record_with(&self, m: &Meta, written: Written) {
+    fn write_record_with(&self, m: &Meta, written: Written) -> Result<(), HandOverError> {
         let Some(area) = &self.record else {
-            return;
+            return Err(HandOverError::NoRecord);
         };
         let record = KeptRecord {
             format: kept::FORMAT,
@@ -425,9 +436,10 @@ impl Volume {
             inquiry: m.inquiry,
             page_crcs: self.page_crcs,
         };
-        if let Err(e) = area.write(&record) {
+        area.write(&record).map_err(|e| {
             tracing::error!(target = %self.target, lun = self.lun, "kept-memory record not written ({e}): no successor will serve this memory");
-        }
+            HandOverError::Record(e)
+        })
     }
 
     /// Record what the memory is now.
@@ -441,22 +453,28 @@ impl Volume {
     /// and return its memfd and its record's, for the successor. `None`
     /// (and nothing recorded) for a volume that is not fenced, not READY or
     /// has no record: the successor takes those from their images, as a
-    /// start after a stop does.
-    pub fn hand_over(&self, token: u64) -> Option<(BorrowedFd<'_>, BorrowedFd<'_>)> {
-        let area = self.record.as_ref()?;
+    /// start after a stop does. An error for a READY volume whose memory
+    /// cannot go on (no record area, or its record not written): the caller
+    /// must make its image current or give the restart up; [`Self::take_back`]
+    /// writes the record again.
+    pub fn hand_over(
+        &self,
+        token: u64,
+    ) -> Result<Option<(BorrowedFd<'_>, BorrowedFd<'_>)>, HandOverError> {
         let mut m = self.meta();
         if !self.fenced.load(Ordering::SeqCst) || m.readiness != Readiness::Ready {
-            return None;
+            return Ok(None);
         }
+        let area = self.record.as_ref().ok_or(HandOverError::NoRecord)?;
         m.kept = KeptState::HandedOver { token, ready: true };
         let written = Written::from_chunks(CHUNK_SIZE, self.written.chunks(), |c| {
             self.written.is_marked(c)
         });
-        self.write_record_with(&m, written);
+        self.write_record_with(&m, written)?;
         // This living process hands the memory on: whatever panic it
         // survived before, it vouches for the content, as a dump would.
         area.clear_fault_mark();
-        Some((self.store.memory(), area.memory()))
+        Ok(Some((self.store.memory(), area.memory())))
     }
 
     /// The persistent reservations the record carries (those a predecessor
