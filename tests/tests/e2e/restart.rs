@@ -277,3 +277,65 @@ async fn an_ephemeral_target_refuses_a_restart() {
         .expect("still serving");
     drop(s);
 }
+
+/// `restart --wait` (the unit's `ExecReload=`) must not wait out its bound
+/// for a daemon that is gone: systemd does nothing about a dead main process
+/// while ExecReload runs, so a reload whose new program died at once would
+/// keep the half down that long. It fails as soon as the daemon's process
+/// ends, naming it.
+#[test]
+#[should_panic(expected = "still waiting")]
+fn a_restart_wait_fails_at_once_when_the_daemon_dies() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch("dies");
+    let state = dir.join("state");
+    std::fs::create_dir_all(dir.join("bin")).expect("mkdir");
+    let bin = dir.join("bin/ramslog-target");
+    std::fs::copy(target_binary(), &bin).expect("copy the binary");
+    let mut t = TargetProcess::start_with(ramslog_tests::TargetOptions {
+        binary: Some(bin.clone()),
+        ..persistent(&state, None, &[])
+    });
+    // The new binary passes the check, then dies as soon as it runs.
+    let dying = bin.with_extension("new");
+    std::fs::write(
+        &dying,
+        format!(
+            "#!/bin/bash\ncase \"$*\" in *--handover-check*) exec {} \"$@\";; esac\nexit 3\n",
+            target_binary().display()
+        ),
+    )
+    .expect("write");
+    std::fs::set_permissions(&dying, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::rename(&dying, &bin).expect("rename over the binary");
+    let mut wait = std::process::Command::new(target_binary())
+        .args(["restart", "--wait", "--state-dir"])
+        .arg(&state)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("restart --wait");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = wait.try_wait().expect("wait") {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = wait.kill();
+            let _ = wait.wait();
+            panic!(
+                "restart --wait still waiting 20 s after the daemon died ({:?})\n{}",
+                t.try_exit_status(),
+                t.output_tail(10)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = wait.wait_with_output().expect("output");
+    let said = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!status.success(), "{said}");
+    assert!(said.contains("ended"), "{said}");
+    assert!(t.try_exit_status().is_some(), "the daemon is gone");
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
