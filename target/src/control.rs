@@ -173,6 +173,10 @@ pub struct Status {
     /// fence (the new program could not be executed): it serves on.
     #[serde(default)]
     pub failed_restart: Option<FailedRestart>,
+    /// Image bytes this program has written since it started (a dump's
+    /// progress, which `restart --wait` watches).
+    #[serde(default)]
+    pub bytes_dumped: u64,
 }
 
 /// A planned restart that failed after the fence: the new program could
@@ -423,6 +427,7 @@ impl Control {
             portal,
             process: ProcessMemory::now(),
             incarnation: crate::volume::kept::this_process().incarnation,
+            bytes_dumped: crate::volume::image::bytes_dumped(),
             failed_stop: self
                 .portal
                 .volumes
@@ -664,6 +669,37 @@ async fn write_reply(
 
 /// Client side: send one request to a running daemon.
 pub async fn request(path: &Path, req: &Request) -> Result<Reply, String> {
+    request_on(connect(path).await?, req).await
+}
+
+/// [`request`], and a pidfd of the daemon that answered it, taken from the
+/// connection (SO_PEERCRED) before the request is sent: it says when that
+/// process ends, whatever programs it executes meanwhile (a planned
+/// restart keeps the pid).
+pub async fn request_with_pidfd(
+    path: &Path,
+    req: &Request,
+) -> Result<(Reply, std::os::fd::OwnedFd), String> {
+    let stream = connect(path).await?;
+    let pid = rustix::net::sockopt::socket_peercred(&stream)
+        .map_err(|e| {
+            format!(
+                "cannot tell which process answers at {}: {e}",
+                path.display()
+            )
+        })?
+        .pid;
+    let pidfd =
+        rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).map_err(|e| {
+            format!(
+                "cannot watch the daemon's process {}: {e}",
+                pid.as_raw_nonzero()
+            )
+        })?;
+    Ok((request_on(stream, req).await?, pidfd))
+}
+
+async fn connect(path: &Path) -> Result<UnixStream, String> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         match crate::private_dir::check_socket_dir(dir) {
             // A missing directory is a daemon that is not running: the
@@ -672,12 +708,15 @@ pub async fn request(path: &Path, req: &Request) -> Result<Reply, String> {
             Err(e) => return Err(format!("refusing to use {}: {e}", path.display())),
         }
     }
-    let stream = UnixStream::connect(path).await.map_err(|e| {
+    UnixStream::connect(path).await.map_err(|e| {
         format!(
             "cannot reach ramslog-target at {} ({e}); is it running? Point at it with --state-dir or --control-socket",
             path.display()
         )
-    })?;
+    })
+}
+
+async fn request_on(stream: UnixStream, req: &Request) -> Result<Reply, String> {
     let (rd, mut wr) = stream.into_split();
     let mut line = serde_json::to_string(req).map_err(|e| e.to_string())?;
     line.push('\n');

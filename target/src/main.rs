@@ -430,7 +430,10 @@ async fn stop(s: SocketArgs) -> Result<(), String> {
     }
 }
 
-/// How long `restart --wait` waits for the new program to answer.
+/// How long `restart --wait` waits for the new program to answer while
+/// nothing moves: the daemon's process lives but no image byte is written
+/// and no new program answers (a dump of a large LUN takes as long as it
+/// takes, and each byte it writes is progress).
 const RESTART_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
 
 async fn restart(s: SocketArgs, wait: bool) -> Result<(), String> {
@@ -449,8 +452,22 @@ async fn restart(s: SocketArgs, wait: bool) -> Result<(), String> {
             .await
         }
     };
-    let before = incarnation(ask(Request::Status).await)
-        .ok_or_else(|| format!("the daemon at {} does not answer status", path.display()))?;
+    // The daemon's process, watched from its first answer: the pid stays
+    // across the restart's exec, so its end is the restart's failure.
+    let (before, daemon) = match tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        control::request_with_pidfd(&path, &Request::Status),
+    )
+    .await
+    {
+        Ok(Ok((Reply::Status(st), pidfd))) => (st, pidfd),
+        _ => {
+            return Err(format!(
+                "the daemon at {} does not answer status",
+                path.display()
+            ))
+        }
+    };
     let started = std::time::Instant::now();
     match control::request(&path, &Request::Restart).await? {
         Reply::Restarting(msg) => print_stdout(&format!("restarting: {msg}\n"))?,
@@ -460,11 +477,23 @@ async fn restart(s: SocketArgs, wait: bool) -> Result<(), String> {
     if !wait {
         return Ok(());
     }
-    while started.elapsed() < RESTART_WAIT {
+    let mut progress = (std::time::Instant::now(), before.bytes_dumped);
+    while progress.0.elapsed() < RESTART_WAIT {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        if ramslog_target::volume::kept::pidfd_ended(&daemon) {
+            return Err(format!(
+                "the daemon ended during the restart (its new program did not come up): see its \
+                 log (journalctl -u ramslog-target); its next start takes the LUN memory from the \
+                 fd store or the images ({:.2} s after the request)",
+                started.elapsed().as_secs_f64()
+            ));
+        }
         let Some(now) = incarnation(ask(Request::Status).await) else {
             continue;
         };
+        if now.bytes_dumped != progress.1 {
+            progress = (std::time::Instant::now(), now.bytes_dumped);
+        }
         if now.incarnation == before.incarnation {
             match &now.failed_restart {
                 Some(f) if now.failed_restart != before.failed_restart => {
@@ -489,7 +518,8 @@ async fn restart(s: SocketArgs, wait: bool) -> Result<(), String> {
         ));
     }
     Err(format!(
-        "no new program answered at {} within {RESTART_WAIT:?}; see the daemon's log",
+        "no new program answered at {} and nothing was dumped for {RESTART_WAIT:?}; see the \
+         daemon's log",
         path.display()
     ))
 }
