@@ -57,8 +57,17 @@ pub(super) async fn write_until_cut(
             let mut lba4k = (lane * 7919 + round * 104_729) % BLOCKS;
             loop {
                 let data = block(lba4k, round);
-                if s.write(0, lba4k * 8, &data, false).await.is_err() {
-                    return acked;
+                match s.write(0, lba4k * 8, &data, false).await {
+                    Ok(()) => {}
+                    // The restart (or the crash) cut the connection: this
+                    // write got no status, so it may or may not be there.
+                    Err(ramslog_initiator::Error::Closed | ramslog_initiator::Error::Io(_)) => {
+                        return acked
+                    }
+                    // A status (CHECK CONDITION, BUSY, TASK SET FULL), a
+                    // Reject or a protocol error is an answer the host
+                    // would act on: a restart or a crash must give none.
+                    Err(e) => panic!("lane {lane}: write at block {lba4k} answered with {e}"),
                 }
                 acked.push((lba4k, data));
                 progress.fetch_add(1, Ordering::Relaxed);
