@@ -4,7 +4,12 @@
 //! (`FDSTOREREMOVE=1`), answers barriers (`BARRIER=1`: it closes the pipe
 //! end it was given once everything before is processed) and starts the
 //! next daemon with the held descriptors as systemd does: from 3 on, named
-//! in `LISTEN_FDNAMES`, with `LISTEN_PID` that daemon's pid. A test can
+//! in `LISTEN_FDNAMES`, with `LISTEN_PID` that daemon's pid. Like
+//! systemd, it watches each descriptor stored without `FDPOLL=0` and drops
+//! it once it reports POLLHUP or POLLERR; and the daemon's `writer` pidfd
+//! must come with `FDPOLL=0` (systemd would drop it when its process ends,
+//! the very moment a successor needs it): a push without it fails the next
+//! launch. A test can
 //! also put in what systemd never would (a second memfd under a name, a
 //! pidfd of a live process), to reproduce the bad orders.
 
@@ -24,11 +29,25 @@ use crate::TargetOptions;
 #[derive(Default)]
 struct Held {
     stored: Vec<(String, OwnedFd)>,
+    /// The stored descriptors systemd would watch (pushed without
+    /// `FDPOLL=0`), by their raw numbers here.
+    polled: Vec<std::os::fd::RawFd>,
+    /// What the daemon sent that systemd would not keep as it meant.
+    violations: Vec<String>,
     /// Every notification's text, in order (the descriptors left out).
     messages: Vec<String>,
     /// Hold barriers unanswered (the daemon waits in its barrier).
     hold_barriers: bool,
     held_barriers: Vec<OwnedFd>,
+}
+
+impl Held {
+    /// Watch no number whose descriptor is no longer held (a number is
+    /// reused by the next descriptor opened).
+    fn forget_closed(&mut self) {
+        let live: Vec<_> = self.stored.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+        self.polled.retain(|fd| live.contains(fd));
+    }
 }
 
 pub struct FdStoreSupervisor {
@@ -49,8 +68,14 @@ impl FdStoreSupervisor {
         FdStoreSupervisor { path, held }
     }
 
+    /// What it holds, after dropping the watched descriptors that report
+    /// POLLHUP or POLLERR, as systemd does.
     fn held(&self) -> std::sync::MutexGuard<'_, Held> {
-        self.held.lock().unwrap_or_else(|p| p.into_inner())
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let Held { stored, polled, .. } = &mut *held;
+        stored.retain(|(_, fd)| !(polled.contains(&fd.as_raw_fd()) && hung_up(fd)));
+        held.forget_closed();
+        held
     }
 
     /// The notification socket's path (what `$NOTIFY_SOCKET` names).
@@ -148,6 +173,11 @@ impl FdStoreSupervisor {
     /// passing what it holds now.
     pub fn start(&self) -> Start {
         let held = self.held();
+        assert!(
+            held.violations.is_empty(),
+            "the daemon broke the fd-store protocol: {:?}",
+            held.violations
+        );
         // Copies above the numbers they get in the daemon, inheritable.
         let inherited: Vec<OwnedFd> = held
             .stored
@@ -193,6 +223,22 @@ pub struct Start {
     pub inherited: Vec<OwnedFd>,
 }
 
+/// The name the daemon stores its own pidfd under.
+const WRITER_NAME: &str = "writer";
+
+/// Whether `fd` reports POLLHUP or POLLERR now (what systemd watches).
+fn hung_up(fd: &OwnedFd) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let mut fds = [PollFd::new(fd, PollFlags::empty())];
+    let zero = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    poll(&mut fds, Some(&zero))
+        .map(|n| n > 0 && fds[0].revents().intersects(PollFlags::HUP | PollFlags::ERR))
+        .unwrap_or(false)
+}
+
 /// Receive notifications until the socket fails (the test ended).
 fn serve(socket: UnixDatagram, held: Arc<Mutex<Held>>) {
     let mut buf = vec![0u8; 4096];
@@ -216,6 +262,7 @@ fn serve(socket: UnixDatagram, held: Arc<Mutex<Held>>) {
         }
         let text = String::from_utf8_lossy(&buf[..msg.bytes]).into_owned();
         let mut held = held.lock().unwrap_or_else(|p| p.into_inner());
+        held.forget_closed();
         held.messages.push(text.clone());
         let field = |key: &str| {
             text.lines()
@@ -224,6 +271,15 @@ fn serve(socket: UnixDatagram, held: Arc<Mutex<Held>>) {
         };
         let name = field("FDNAME").unwrap_or_else(|| "stored".into());
         if field("FDSTORE").as_deref() == Some("1") {
+            let poll = field("FDPOLL").as_deref() != Some("0");
+            if poll && name == WRITER_NAME {
+                held.violations.push(format!(
+                    "{WRITER_NAME} stored without FDPOLL=0: systemd drops it when its process ends"
+                ));
+            }
+            if poll {
+                held.polled.extend(fds.iter().map(|fd| fd.as_raw_fd()));
+            }
             held.stored
                 .extend(fds.into_iter().map(|fd| (name.clone(), fd)));
         } else if field("FDSTOREREMOVE").as_deref() == Some("1") {
