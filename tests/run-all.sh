@@ -107,7 +107,11 @@ tier "build" cargo build -j2 --workspace --all-targets
 # they go first, so nextest's summary is the tier's closing line.
 unit_tests() {
   cargo test -j2 --doc --workspace
-  cargo nextest run -j2 --workspace --no-fail-fast
+  # .config/nextest.toml: a hung test ends after 5 minutes; CI also writes
+  # each test's duration to build/nextest/ci/junit.xml.
+  local profile=default
+  [ "${CI:-}" = true ] && profile=ci
+  cargo nextest run -j2 --workspace --no-fail-fast --profile "$profile"
 }
 tier "tests: unit, integration, conformance" unit_tests
 tier "cache: keys, SIGKILL, size bound (a fake recipe)" tests/cache-test.sh

@@ -69,7 +69,8 @@ zfs_run() {
 deb=$REPO/$("$REPO/target/debian/build-deb.sh" 2>"$REPO/build/softroce/build-deb.log") ||
   { tail -20 "$REPO/build/softroce/build-deb.log"; echo "softroce: building the .deb failed" >&2; exit 1; }
 upgrade=$REPO/build/deb/ramslog-upgrade-lab.deb
-"$HERE/systemd.sh" --upgrade-package "$deb" "$upgrade"
+"$HERE/systemd.sh" --upgrade-package "$deb" "$upgrade" ||
+  { echo "softroce: building the upgrade package for systemd.sh failed" >&2; exit 1; }
 systemd_result=$REPO/build/softroce/systemd-run.rc
 rm -f "$systemd_result"
 systemd_run() {

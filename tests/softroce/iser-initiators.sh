@@ -41,12 +41,17 @@ LOG=$RESULTS/ramslog-target-iser-initiators.log
 STALL_PID= CAP_PID= FLOOD_PID= FLOOD_CHAP_PID=
 cleanup() {
   # Every daemon a step started, in case a failure left the step early:
-  # one holding the RDMA device would block its removal.
-  local p
+  # one holding the RDMA device would block its removal. One that does not
+  # stop fails the script (the exit status a trap sets is the script's).
+  local p stuck=
   for p in "$TARGET_PID" "$STALL_PID" "$CAP_PID" "$FLOOD_PID" "$FLOOD_CHAP_PID"; do
-    if [ -n "$p" ] && kill -0 "$p" 2>/dev/null; then stop_pid "$p" || true; fi
+    if [ -n "$p" ] && kill -0 "$p" 2>/dev/null && ! stop_pid "$p"; then
+      echo "cleanup: a target (pid $p) did not stop" >&2
+      stuck=yes
+    fi
   done
   rxe_down
+  [ -z "$stuck" ] || exit 1
 }
 
 step "network: rxe on a veth pair"
@@ -253,8 +258,10 @@ flood_target() { # port log socket [chap args...]
 }
 # Memory no one may make the daemon pin: mlock'ed (the LUN) plus pinned by
 # RDMA registrations (the LUN once more, and every connection's buffers).
+# Nothing (not 0) when status cannot be read: a failed sample must not
+# pass for a small one.
 locked_of() { timeout 10 "$TARGET_BIN" status --json --control-socket "$1" 2>/dev/null |
-  python3 -c 'import json,sys; p=json.load(sys.stdin)["process"]; print(p["locked_bytes"] + p["pinned_bytes"])' 2>/dev/null || echo 0; }
+  python3 -c 'import json,sys; p=json.load(sys.stdin)["process"]; print(p["locked_bytes"] + p["pinned_bytes"])' 2>/dev/null || true; }
 if [ "$fail" = 0 ]; then
   step "iSER floods from 3 addresses x 16 for $FLOOD_SECONDS s: the allowed initiator logs in every second"
   for n in 11 12 13; do ip addr add "10.99.0.$n/24" dev rsl-a; done
@@ -275,6 +282,11 @@ if [ "$fail" = 0 ]; then
   done
   if [ "$rc" != 0 ]; then echo "the flood targets did not start"; fail=1; else
     base1=$(locked_of /run/ramslog/flood.sock) base2=$(locked_of /run/ramslog/flood-chap.sock)
+    if [ -z "$base1" ] || [ -z "$base2" ]; then
+      echo "the flood targets' status could not be read before the flood"; fail=1
+      base1=0 base2=0
+    fi
+    samples1=0 samples2=0
     "$ADMISSION" flood --target "$RXE_ADDR_A:3262" --iqn "$IQN" --name iqn.2026-11.org.ramslog:flood-allowed \
       --from 10.99.0.11,10.99.0.12,10.99.0.13 --per-source 16 --seconds "$FLOOD_SECONDS" >/tmp/flood1.log 2>&1 &
     P1=$!
@@ -301,8 +313,8 @@ if [ "$fail" = 0 ]; then
         break
       fi
       l1=$(locked_of /run/ramslog/flood.sock) l2=$(locked_of /run/ramslog/flood-chap.sock)
-      [ "$l1" -gt "$max1" ] && max1=$l1
-      [ "$l2" -gt "$max2" ] && max2=$l2
+      if [ -n "$l1" ]; then samples1=$((samples1 + 1)); [ "$l1" -gt "$max1" ] && max1=$l1; fi
+      if [ -n "$l2" ]; then samples2=$((samples2 + 1)); [ "$l2" -gt "$max2" ] && max2=$l2; fi
       sleep 1
     done
     # Not a bare `wait`: under set -e a failed client would end the script
@@ -321,7 +333,13 @@ if [ "$fail" = 0 ]; then
     session=$(( login_slots + (320 * 10 + 256 * 16) * 1024 + (9 << 20) ))
     bound1=$(( base1 + 8 * login_slots + 2 * session ))
     bound2=$(( base2 + 8 * login_slots + 2 * session ))
-    echo "locked + pinned memory: no CHAP peak $max1 (baseline $base1, bound $bound1); CHAP peak $max2 (baseline $base2, bound $bound2)"
+    echo "locked + pinned memory: no CHAP peak $max1 (baseline $base1, bound $bound1, $samples1 samples); CHAP peak $max2 (baseline $base2, bound $bound2, $samples2 samples)"
+    # The bound is checked against samples really read: at least one every
+    # ten seconds of the flood from each target (a sample costs two program
+    # starts, which take a second or more under emulation).
+    if [ "$samples1" -lt $((FLOOD_SECONDS / 10)) ] || [ "$samples2" -lt $((FLOOD_SECONDS / 10)) ]; then
+      echo "too few memory samples were read during the flood"; fail=1
+    fi
     if [ -z "$hung" ] && { [ "$r1" != 0 ] || [ "$r2" != 0 ]; }; then
       echo "an iSER flood kept the allowed initiator out"; fail=1
     fi
