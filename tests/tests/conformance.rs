@@ -21,7 +21,8 @@
 //! - `RAMSLOG_CONFORMANCE_EXTRA_ARGS="-S"`: more iscsi-test-cu options.
 //! - `RAMSLOG_CONFORMANCE_SUITE_TIMEOUT` / `RAMSLOG_CONFORMANCE_ALL_TIMEOUT`: seconds
 //!   (default 300 / 1800).
-//! - `CI=true`: a missing `iscsi-test-cu` is a failure instead of a skip.
+//!
+//! A missing `iscsi-test-cu` fails the test (nothing would have been checked).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -99,6 +100,14 @@ impl Entry {
     }
     fn at(&self) -> String {
         format!("{}:{}", self.file, self.line)
+    }
+    /// A skips.txt entry's skip message: the quoted text its reason starts
+    /// with (what libiscsi prints after `[SKIPPED]`).
+    fn skip_message(&self) -> Option<&str> {
+        let rest = self.reason.strip_prefix('"')?;
+        rest.split_once('"')
+            .map(|(m, _)| m)
+            .filter(|m| !m.is_empty())
     }
 }
 
@@ -192,12 +201,13 @@ fn counts<'a>(it: impl Iterator<Item = &'a TestResult>) -> (usize, usize, usize)
 
 #[test]
 fn iscsi_test_cu_conformance() {
+    // Missing, nothing would be checked: a failure everywhere (the test
+    // command, tests/run-all.sh, installs it).
     let Some(bin) = find_in_path("iscsi-test-cu") else {
-        if std::env::var("CI").is_ok_and(|v| v == "true") {
-            panic!("iscsi-test-cu is not installed but CI=true: apt-get install libiscsi-bin");
-        }
-        println!("SKIPPED conformance: iscsi-test-cu not installed (apt-get install libiscsi-bin)");
-        return;
+        panic!(
+            "iscsi-test-cu is not installed, so no conformance test ran: apt-get install \
+             libiscsi-bin (tests/run-all.sh installs it)"
+        );
     };
 
     let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
@@ -257,6 +267,14 @@ fn iscsi_test_cu_conformance() {
         &mut problems,
     );
     for e in &sk {
+        if e.skip_message().is_none() {
+            problems.push(format!(
+                "{}: {} has no quoted skip message (format: `Suite.Test  \"libiscsi's skip \
+                 message\"  reason`)",
+                e.at(),
+                e.pattern
+            ));
+        }
         if e.pattern.ends_with(".*") {
             problems.push(format!(
                 "{}: wildcards are not allowed in skips.txt; list each test",
@@ -551,9 +569,25 @@ fn iscsi_test_cu_conformance() {
             "not-applicable"
         } else if let Some(e) = sk_entry {
             // libiscsi passes a test it skips: a listed skip must skip in
-            // every run, or the list no longer says what ran.
-            if skipping.len() == rs.len() {
+            // every run, or the list no longer says what ran, and for the
+            // reason listed (its message), or it is another skip.
+            let expected = e.skip_message().unwrap_or_default();
+            let other_reason: Vec<String> = rs
+                .iter()
+                .filter(|(_, r)| {
+                    r.outcome == Outcome::Skip && !r.messages.iter().any(|m| m.contains(expected))
+                })
+                .map(|(run, r)| format!("[{run}] {}", r.messages.join("; ")))
+                .collect();
+            if skipping.len() == rs.len() && other_reason.is_empty() {
                 "skip"
+            } else if skipping.len() == rs.len() {
+                unexpected.push(format!(
+                    "{key} ({}): skipped, but not with the listed message \"{expected}\": {}",
+                    e.at(),
+                    other_reason.join(" / ")
+                ));
+                "skip-other-reason"
             } else {
                 let ran: Vec<&str> = rs
                     .iter()
