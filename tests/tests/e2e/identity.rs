@@ -358,7 +358,16 @@ async fn another_user_is_refused_by_the_control_socket() {
         );
     }
     // A stop is answered only once the daemon has stopped, and logged when
-    // it begins: a refused one left no trace and the daemon still serves.
+    // it begins: a refused one left no trace but its refusal (one per
+    // request) and the daemon still serves.
+    assert_eq!(
+        t.output()
+            .matches("control socket: refusing a client of another user")
+            .count(),
+        2,
+        "each refusal is logged\n{}",
+        t.output_tail(10)
+    );
     assert!(
         !t.output().contains("stop requested"),
         "another user's stop began a shutdown: {}",

@@ -260,7 +260,10 @@ async fn bad_orders_in_the_store_are_not_ready_until_put_right() {
     sup.put(&memory, real_memory.as_fd());
     check(true, "one memory again").await;
 
-    // Not the memory the record names (an unsealed one of the same size).
+    // Not the memory the record names (an unsealed one of the same size):
+    // the record's inode rule refuses it before its seals are looked at
+    // (Store::adopt's seal and size checks are store.rs's unit test
+    // adopted_memory_is_the_predecessors_and_nothing_else).
     sup.remove(&memory);
     sup.put(&memory, other.as_fd());
     check(false, "memfd inode").await;
@@ -268,7 +271,8 @@ async fn bad_orders_in_the_store_are_not_ready_until_put_right() {
     sup.put(&memory, real_memory.as_fd());
     check(true, "the recorded memory again").await;
 
-    // A memory of another size (sealed, as the daemon seals its own).
+    // A memory of another size, sealed as the daemon seals its own: again
+    // not the recorded inode, whatever its size.
     let smaller = rustix::fs::memfd_create(
         "ramslog smaller",
         rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,

@@ -249,6 +249,13 @@ async fn a_restart_the_new_binary_cannot_take_is_refused_and_changes_nothing() {
     s.write(0, 900, &data, false)
         .await
         .expect("WRITE after the refusals");
+    // Both refusals are in the log, and no fence is.
+    assert_eq!(
+        t.output().matches("restart refused, still serving").count(),
+        2,
+        "{}",
+        t.output_tail(20)
+    );
     assert!(!t.output().contains("fenced"), "{}", t.output_tail(20));
 
     std::fs::remove_file(&bin).expect("rm");

@@ -3,6 +3,8 @@
 //! peer can take the places of the initiators on the ACL.
 
 use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ramslog_initiator::{Connection, LoginParams, Session};
@@ -50,20 +52,44 @@ fn target_with_acl(extra: &[&str]) -> TargetProcess {
 
 /// The reproduction: 16 discovery sessions from each of 17 addresses
 /// (127.0.0.2-18) held open, then a normal login of the initiator on the
-/// ACL from another address.
+/// ACL from another address. The discovery pool must really be full when
+/// it logs in (16 sessions open, the cap given here), or the test shows
+/// nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn discovery_sessions_from_17_addresses_do_not_lock_out_the_allowed_initiator() {
-    let t = target_with_acl(&[]);
+    const POOL: usize = 16;
+    let t = target_with_acl(&[
+        "--max-discovery-sessions",
+        &POOL.to_string(),
+        "--max-discovery-sessions-per-host",
+        "2",
+    ]);
+    let open = Arc::new(AtomicUsize::new(0));
     let mut held = 0;
     for n in 2..=18u8 {
         for _ in 0..16 {
             if let Some(c) = discovery_session(&t, host(n)).await {
                 held += 1;
-                tokio::spawn(answer_pings(c));
+                let open = open.clone();
+                open.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    answer_pings(c).await;
+                    open.fetch_sub(1, Ordering::SeqCst);
+                });
             }
         }
     }
-    println!("{held} discovery sessions held");
+    // The sessions the target evicted end as it closes them.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while open.load(Ordering::SeqCst) != POOL {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the discovery pool is not full: {} of {POOL} sessions open after {held} logins",
+            open.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    println!("{held} discovery logins, {POOL} sessions open");
     let login = Session::login(t.addr(), LoginParams::normal(ALLOWED, t.target_name()));
     let s = tokio::time::timeout(Duration::from_secs(10), login)
         .await

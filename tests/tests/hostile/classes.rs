@@ -374,5 +374,20 @@ async fn names_that_steer_a_terminal_are_refused() {
     let mut c = Connection::connect(t.addr()).await.expect("connect");
     let p = LoginParams::normal("iqn.2026-11.evil:\u{1b}]0;pwned\u{7}", t.target_name());
     assert!(c.login(&p).await.is_err(), "login refused");
+    // The refusal is logged (the name escaped), and no raw escape is.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !t.output().contains("login refused: not an iSCSI name") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the refusal was not logged\n{}",
+            t.output_tail(10)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        t.output().contains("\\u{1b}]0;pwned"),
+        "the name is not in the log, escaped\n{}",
+        t.output_tail(10)
+    );
     assert!(!t.output().contains('\u{1b}'), "the escape reached the log");
 }

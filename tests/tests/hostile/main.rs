@@ -113,8 +113,6 @@ pub fn random_bytes(n: usize) -> Vec<u8> {
     (0..n).map(|_| rng.gen::<u8>()).collect()
 }
 
-pub const SHORT: Duration = Duration::from_millis(500);
-
 pub fn sense(r: &ramslog_initiator::ScsiResult) -> (u8, u8, u8) {
     let s = r
         .sense

@@ -328,7 +328,16 @@ async fn connection_dropped_mid_r2t_changes_nothing_outside_the_write() {
     let d = data_out(&b, &r2t, 0, 0, false);
     c.send_pdu(&d, &[], &[0xdd; 8192]).await.expect("send half");
     drop(c);
-    tokio::time::sleep(SHORT).await;
+    // Checked once the target has ended that session (the bystanders' stay).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !t.output().contains("session ended") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the target never ended the dropped connection's session\n{}",
+            t.output_tail(10)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
     by.still_fine().await;
     above.still_fine().await;
 }
