@@ -354,3 +354,79 @@ fn a_restart_wait_fails_at_once_when_the_daemon_dies() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A `stop` on the control socket while a restart is under way (here: its
+/// handover check, which a slow new binary makes last) must not be lost:
+/// the daemon ends with its content dumped, whether the stop is answered
+/// at once or taken by the program the restart executes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "still serving")]
+async fn a_control_stop_during_a_restart_is_not_lost() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch("stop-in-restart");
+    let state = dir.join("state");
+    std::fs::create_dir_all(dir.join("bin")).expect("mkdir");
+    let bin = dir.join("bin/ramslog-target");
+    std::fs::copy(target_binary(), &bin).expect("copy the binary");
+    let mut t = TargetProcess::start_with(ramslog_tests::TargetOptions {
+        binary: Some(bin.clone()),
+        ..persistent(&state, None, &[])
+    });
+    let port = t.port();
+    let data = random_bytes(4096);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 640, &data, false).await.expect("WRITE");
+    }
+    // A new binary whose handover check takes a while, saying when it began.
+    let checking = dir.join("checking");
+    let slow = bin.with_extension("new");
+    std::fs::write(
+        &slow,
+        format!(
+            "#!/bin/bash\ncase \"$*\" in *--handover-check*) touch {}; sleep 2;; esac\nexec {} \"$@\"\n",
+            checking.display(),
+            target_binary().display()
+        ),
+    )
+    .expect("write");
+    std::fs::set_permissions(&slow, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::rename(&slow, &bin).expect("rename over the binary");
+    let restarting = {
+        let state = state.clone();
+        std::thread::spawn(move || cli(&["restart", "--wait"], &state))
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !checking.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "no handover check began\n{}",
+            t.output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let stop = cli(&["stop"], &state);
+    let said =
+        String::from_utf8_lossy(&stop.stdout).into_owned() + &String::from_utf8_lossy(&stop.stderr);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let exit = loop {
+        if let Some(st) = t.try_exit_status() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let st = status_text(&state);
+            t.kill();
+            panic!("the stop ({said}) was lost: the daemon is still serving\n{st}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(exit.success(), "{exit:?} ({said})\n{}", t.output_tail(20));
+    let _ = restarting.join();
+    // The content was dumped: a start without any kept memory is READY.
+    let t = TargetProcess::start_with(persistent(&state, Some(port), &[]));
+    let s = open(&t, INITIATOR).await;
+    assert!(s.read(0, 640, 8, 512).await.expect("READ") == data);
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
