@@ -223,6 +223,9 @@ pub struct Control {
     pub failed_restart: Arc<Mutex<Option<FailedRestart>>>,
     /// The administrative operation under way.
     pub under_way: UnderWay,
+    /// A stop was asked for on this socket: a restart that begins from
+    /// then on gives way to it.
+    pub stop_requested: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The one administrative operation that changes what the LUNs hold or
@@ -326,6 +329,28 @@ impl Control {
 
     /// Ask the daemon to stop and wait for the dump's outcome.
     async fn stop(&self) -> Reply {
+        self.stop_requested
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        if self.under_way.now() == Some("restart") {
+            // The serving loop is handing over and reads no request before
+            // the exec. A SIGTERM is blocked in every thread and stays
+            // pending across the exec (or for this program, if the exec
+            // fails): the program that reads it takes the memory over,
+            // dumps it and exits.
+            let pid = rustix::process::getpid();
+            return match rustix::process::kill_process(pid, rustix::process::Signal::TERM) {
+                Ok(()) => Reply::Error(
+                    "a restart is under way: this stop is passed on to the program it starts, \
+                     which takes the LUN memory over, dumps it and exits; `ramslog-target stop` \
+                     again waits for that"
+                        .into(),
+                ),
+                Err(e) => Reply::Error(format!(
+                    "a restart is under way and this stop could not be passed on ({e}): stop \
+                     again once it is done"
+                )),
+            };
+        }
         self.stop.notify_one();
         let mut rx = self.stopped.clone();
         let outcome = rx.wait_for(Option::is_some).await.map(|v| v.clone());

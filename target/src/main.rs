@@ -822,6 +822,7 @@ async fn run(
     let (restart_tx, mut restart_rx) = tokio::sync::mpsc::channel::<RestartReply>(1);
     let control_failed_restart = Arc::new(std::sync::Mutex::new(None));
     let under_way = control::UnderWay::default();
+    let stop_requested = Arc::new(std::sync::atomic::AtomicBool::new(false));
     {
         let control = Arc::new(Control {
             portal: portal.clone(),
@@ -832,6 +833,7 @@ async fn run(
             unclaimed: unclaimed.clone(),
             failed_restart: control_failed_restart.clone(),
             under_way: under_way.clone(),
+            stop_requested: stop_requested.clone(),
         });
         let path = &cfg.control_socket;
         control::serve(path.clone(), control)
@@ -924,6 +926,15 @@ async fn run(
                             continue;
                         }
                     };
+                    // A stop asked for before the restart began comes first
+                    // (one asked for later goes to the new program as a
+                    // SIGTERM: Control::stop).
+                    if stop_requested.load(Ordering::SeqCst) {
+                        reply.answer(Err("a stop was requested: the restart is refused".into())).await;
+                        drop(restarting);
+                        tracing::info!("stop requested on the control socket");
+                        break None;
+                    }
                     // Checked while still serving: a refusal changes nothing.
                     let unclaimed_now = control::lock(&unclaimed).iter().map(|u| format!("naa.{}", u.naa)).collect::<Vec<_>>();
                     let checked = if persistence.is_none() {
