@@ -247,7 +247,9 @@ fi
 # memory, sampled every second from `status --json`, stays within the
 # baseline (the LUN locked and registered) plus the RDMA pending cap (8) times
 # one connection's login slots, plus the allowed session's own buffers.
-FLOOD_SECONDS=${FLOOD_SECONDS:-60}
+# Three discovery lifetimes (--discovery-lifetime 5) and more than three
+# NOP-In interval-and-timeouts (2 + 2 s): every pool turns over several times.
+FLOOD_SECONDS=${FLOOD_SECONDS:-15}
 flood_target() { # port log socket [chap args...]
   local port=$1 log=$2 sock=$3
   shift 3
@@ -335,9 +337,9 @@ if [ "$fail" = 0 ]; then
     bound2=$(( base2 + 8 * login_slots + 2 * session ))
     echo "locked + pinned memory: no CHAP peak $max1 (baseline $base1, bound $bound1, $samples1 samples); CHAP peak $max2 (baseline $base2, bound $bound2, $samples2 samples)"
     # The bound is checked against samples really read: at least one every
-    # ten seconds of the flood from each target (a sample costs two program
+    # five seconds of the flood from each target (a sample costs two program
     # starts, which take a second or more under emulation).
-    if [ "$samples1" -lt $((FLOOD_SECONDS / 10)) ] || [ "$samples2" -lt $((FLOOD_SECONDS / 10)) ]; then
+    if [ "$samples1" -lt $((FLOOD_SECONDS / 5)) ] || [ "$samples2" -lt $((FLOOD_SECONDS / 5)) ]; then
       echo "too few memory samples were read during the flood"; fail=1
     fi
     if [ -z "$hung" ] && { [ "$r1" != 0 ] || [ "$r2" != 0 ]; }; then
