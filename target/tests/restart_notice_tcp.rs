@@ -113,6 +113,9 @@ fn write_command(seq: (u32, u32)) -> Bhs {
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_write_that_meets_a_restarts_fence_still_gets_the_notice() {
+    // Rounds in which the driver took the write first: its bytes landed in
+    // the LUN and met the fence (no status). The race this test is about.
+    let mut met_the_fence = 0;
     for round in 0..ROUNDS {
         let portal = testkit::RamPortal::new(IQN).size(1 << 20).build();
         let listener =
@@ -162,5 +165,16 @@ async fn a_write_that_meets_a_restarts_fence_still_gets_the_notice() {
             after.and_then(|b| b.opcode())
         );
         server.abort();
+        let volume = portal.volumes.iter().next().expect("the LUN");
+        let mut lba0 = [0u8; 4096];
+        volume.store().read(0, &mut lba0).expect("read the LUN");
+        if lba0 == [0x5a; 4096] {
+            met_the_fence += 1;
+        }
     }
+    println!("{met_the_fence} of {ROUNDS} rounds: the write met the fence");
+    assert!(
+        met_the_fence >= 1,
+        "in no round did the driver take the write before the termination: the race was not run"
+    );
 }
