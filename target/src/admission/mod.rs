@@ -469,6 +469,8 @@ struct GateState {
     next_permit: u64,
     /// Shutdown began: nothing is admitted any more.
     closed: bool,
+    /// Connections waiting in `reserve_login_slots` for slots to be freed.
+    slot_waiters: usize,
 }
 
 impl GateState {
@@ -595,6 +597,13 @@ impl ConnectionGate {
 
     pub fn counters(&self) -> &Arc<PortalCounters> {
         &self.counters
+    }
+
+    /// Connections waiting for login slots now (what the tests synchronise
+    /// on instead of sleeping).
+    #[cfg(test)]
+    pub(crate) fn slot_waiters(&self) -> usize {
+        self.state().slot_waiters
     }
 
     fn state(&self) -> MutexGuard<'_, GateState> {
@@ -935,12 +944,14 @@ impl Permit {
                 drop(st);
                 return Err(self.gate.refused(Refusal::RdmaLoginSlots(cap)));
             }
+            st.slot_waiters += 1;
             st = self
                 .gate
                 .slots_freed
                 .wait_timeout(st, left)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+            st.slot_waiters -= 1;
         }
     }
 }

@@ -350,6 +350,20 @@ fn a_new_login_survives_a_reconnecting_rdma_discovery_flood() {
     );
 }
 
+/// Until a connection waits in `reserve_login_slots` (it counts itself
+/// under the gate's lock and waits on the condition variable, which lets
+/// the lock go: whatever changes the slots from here on wakes it).
+fn until_a_slot_waiter(gate: &ConnectionGate) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gate.slot_waiters() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "no connection waits for login slots"
+        );
+        std::thread::yield_now();
+    }
+}
+
 #[test]
 fn evicted_rdma_connections_hold_their_login_slots_until_they_are_gone() {
     let gate = Arc::new(ConnectionGate::new(limits()));
@@ -375,7 +389,7 @@ fn evicted_rdma_connections_hold_their_login_slots_until_they_are_gone() {
         let got = d.reserve_login_slots(Duration::from_secs(10));
         (got, d)
     });
-    std::thread::sleep(Duration::from_millis(20));
+    until_a_slot_waiter(&gate);
     drop(a);
     let (got, _d) = waiter.join().expect("waiter");
     assert_eq!(got, Ok(()));
@@ -401,7 +415,7 @@ fn a_connection_waiting_for_login_slots_ends_when_evicted() {
     let (c, _cc) = connect(&gate, "192.0.2.3", Link::Rdma);
     let started = Instant::now();
     let waiter = std::thread::spawn(move || c.reserve_login_slots(Duration::from_secs(10)));
-    std::thread::sleep(Duration::from_millis(20));
+    until_a_slot_waiter(&gate);
     // d evicts b, the oldest in the pool; e evicts the waiting c, which
     // gives up at once rather than at the end of its patience.
     let (_d, _dc) = connect(&gate, "192.0.2.4", Link::Rdma);
