@@ -1293,6 +1293,20 @@ async fn a_stop_during_a_restart_is_honoured_by_the_new_program() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(exit.success(), "{exit:?}\n{}", t.output_tail(20));
+    // The race this test is about: the new program started, then read the
+    // stop that crossed the exec.
+    let log = t.output();
+    let started = log
+        .find("started by a restart")
+        .unwrap_or_else(|| panic!("the new program never started\n{}", t.output_tail(20)));
+    let stopping = log
+        .rfind("SIGTERM")
+        .unwrap_or_else(|| panic!("no SIGTERM was read\n{}", t.output_tail(20)));
+    assert!(
+        started < stopping,
+        "the SIGTERM was read before the exec, not by the new program\n{}",
+        t.output_tail(20)
+    );
     sup.clear();
     let t = start(&sup, &state, Some(port));
     assert!(is_ready(&t).await, "{}", status_text(&state));
