@@ -1667,48 +1667,49 @@ async fn a_stop_while_waiting_for_a_stopped_writer_keeps_the_content() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Whether process `pid` holds the stop signals blocked: `main` has begun
-/// (before it, in the dynamic loader and Rust's runtime set-up, a signal's
-/// default action still applies: docs/restarts.md says what that costs).
-fn stop_signals_blocked(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("SigBlk:"))
-                .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
-        })
-        // SIGTERM is signal 15: bit 14.
-        .is_some_and(|mask| mask & (1 << 14) != 0)
-}
-
-/// SIGTERM at every moment of a start-up, after a kill -9 (the memory in
-/// the store is the only copy) and after a planned restart (the handover
-/// or the new program's start): whatever the step, the daemon exits 0
-/// having saved the content, and a start with the store dropped (systemd
-/// 252 empties it at a stop) is READY with every acknowledged write. The
-/// delays sweep the start-up from the first lines of `main` (a stop before
-/// the stop signals are read stays pending) to serving; each round first
-/// writes a block of its own.
+/// SIGTERM at every step of a start-up, after a kill -9 (the memory in
+/// the store is the only copy) and after a planned restart (the new
+/// program's start): whatever the step, the daemon exits 0 having saved the
+/// content, and a start with the store dropped (systemd 252 empties it at a
+/// stop) is READY with every acknowledged write. The test build stops the
+/// daemon at the step named in its pause file (`pause_here_for_tests`):
+/// the SIGTERM is sent while it is stopped there, so each round signals at
+/// the step it names, not after a delay that falls anywhere. Each round
+/// first writes a block of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_at_any_moment_of_a_start_up_keeps_the_content() {
-    const DELAYS_MS: [u64; 6] = [0, 5, 15, 40, 100, 250];
+    // In start-up order: the stop signals read, the state directory's lock
+    // had, the kept memory taken over, the memory in the store, listening.
+    const STEPS: [&str; 5] = ["signals", "locked", "kept", "stored", "listening"];
     let dir = scratch_dir("kept", "stop-anywhere");
     let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
     let state = dir.join("state");
-    let mut t = start(&sup, &state, None);
+    let pause_file = dir.join("pause-at");
+    let launch = |port| {
+        let options = ramslog_tests::TargetOptions {
+            env: vec![(
+                "RAMSLOG_TEST_PAUSE_FILE".into(),
+                pause_file.display().to_string(),
+            )],
+            ..persistent(&state, port, &[])
+        };
+        sup.launch(options)
+    };
+    // What the supervisor passes stays open until each daemon has started.
+    let (options, _passed) = launch(None);
+    let mut t = TargetProcess::start_with(options);
     let port = t.port();
     stored_naa(&sup);
     let mut expected = HashMap::new();
     let mut round = 0u64;
     for after_restart in [false, true] {
-        for delay in DELAYS_MS {
+        for step in STEPS {
             let how = if after_restart {
                 "a restart"
             } else {
                 "a kill -9"
             };
-            let when = format!("SIGTERM {delay} ms into the start after {how}");
+            let when = format!("SIGTERM at step {step} of the start after {how}");
             {
                 let s = open(&t, INITIATOR).await;
                 let data = random_bytes(4096);
@@ -1718,6 +1719,7 @@ async fn a_stop_at_any_moment_of_a_start_up_keeps_the_content() {
                 expected.insert(round, data);
             }
             round += 1;
+            std::fs::write(&pause_file, step).expect("the pause file");
             if after_restart {
                 // Returns once the handover has begun; the exec follows.
                 let out = cli(&["restart"], &state);
@@ -1726,18 +1728,25 @@ async fn a_stop_at_any_moment_of_a_start_up_keeps_the_content() {
                     "restart before {when}: {}",
                     String::from_utf8_lossy(&out.stderr)
                 );
-            } else {
-                t.kill();
-                let (options, _inherited) = sup.launch(persistent(&state, Some(port), &[]));
-                t = TargetProcess::spawn_with(options);
-                let deadline = Instant::now() + Duration::from_secs(10);
-                while !stop_signals_blocked(t.pid()) {
-                    assert!(Instant::now() < deadline, "the stop signals never blocked");
-                    std::thread::yield_now();
-                }
             }
-            tokio::time::sleep(Duration::from_millis(delay)).await;
+            let mut _passed = Vec::new();
+            if !after_restart {
+                t.kill();
+                let (options, passed) = launch(Some(port));
+                _passed = passed;
+                t = TargetProcess::spawn_with(options);
+            }
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while process_state(t.pid()) != Some('T') {
+                assert!(
+                    Instant::now() < deadline && t.is_running(),
+                    "the start never paused at {step}\n{}",
+                    t.output_tail(20)
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
             ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::TERM);
+            ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::CONT);
             let deadline = Instant::now() + Duration::from_secs(60);
             let exit = loop {
                 if let Some(st) = t.try_exit_status() {
@@ -1747,9 +1756,15 @@ async fn a_stop_at_any_moment_of_a_start_up_keeps_the_content() {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             };
             assert!(exit.success(), "{when}: {exit:?}\n{}", t.output_tail(30));
+            assert!(
+                t.output().contains(&format!("step=\"{step}\"")),
+                "{when}: the daemon did not say it paused there\n{}",
+                t.output_tail(30)
+            );
             // A stop and a start: the store is empty, the image decides.
             sup.clear();
-            t = start(&sup, &state, Some(port));
+            let (options, _passed) = launch(Some(port));
+            t = TargetProcess::start_with(options);
             assert!(
                 is_ready(&t).await,
                 "after {when}: {}\n{}",
