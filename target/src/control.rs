@@ -17,7 +17,7 @@ use crate::lifecycle::UnclaimedKept;
 use crate::metrics::{LimitHit, LoginRefusal, LunIo, ProcessMemory};
 use crate::portal::Portal;
 use crate::volume::state::FailedStop;
-use crate::volume::{naa_hex, Identity, Readiness};
+use crate::volume::{naa_hex, Identity, Readiness, Remedy};
 
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "kebab-case")]
@@ -53,6 +53,10 @@ pub struct LunStatus {
     /// Why the LUN is NOT READY.
     #[serde(default)]
     pub not_ready_reason: Option<String>,
+    /// What to do about it (never advice that throws away content that
+    /// may still be had).
+    #[serde(default)]
+    pub not_ready_advice: Option<String>,
     #[serde(default)]
     pub generation: u64,
     /// The image the content was restored from at start.
@@ -382,6 +386,12 @@ impl Control {
                             naa: naa_hex(&st.identity.naa),
                             serial: st.identity.serial,
                             ready: st.readiness == Readiness::Ready,
+                            not_ready_advice: (st.readiness != Readiness::Ready).then(|| {
+                                st.remedy
+                                    .unwrap_or(Remedy::AcceptEmpty)
+                                    .advice()
+                                    .to_string()
+                            }),
                             not_ready_reason: st.not_ready_reason,
                             generation: st.generation,
                             restored_from: st.restored.as_ref().map(|r| match r.kept_from {

@@ -17,7 +17,7 @@ use crate::store::Store;
 use crate::volume::image::{self, ImageError, ImageIdentity};
 use crate::volume::kept::{self, KeptState, RecordArea, MEMORY_PREFIX, RECORD_PREFIX};
 use crate::volume::state::{Recall, StateDir};
-use crate::volume::{naa_hex, now_unix, CHUNK_SIZE};
+use crate::volume::{naa_hex, now_unix, Remedy, CHUNK_SIZE};
 use crate::volume::{
     Identity, KeptFrom, Persistence, Readiness, Restored, Volume, VolumeConfig, Volumes,
 };
@@ -900,11 +900,14 @@ fn recall(
             generation,
         );
         let reason = format!("kept memory not served: {reason}");
+        let remedy = Remedy::KeptMemoryHeld;
         tracing::warn!(
-            target, lun,
-            "{reason}. It answers NOT READY (manual intervention required) until `ramslog-target accept-empty {target} {lun}`"
+            target,
+            lun,
+            "{reason}. It answers NOT READY (manual intervention required): {}",
+            remedy.advice()
         );
-        volume.set_not_ready(reason);
+        volume.set_not_ready(reason, remedy);
         return Ok(volume);
     }
     let recalled = p.state().recall(target, lun).map_err(|e| e.to_string())?;
@@ -939,7 +942,7 @@ fn recall(
     let path = p
         .image_dir
         .join(image::image_name(&identity.naa, generation));
-    let refuse = |volume: Volume, reason: String| {
+    let refuse = |volume: Volume, reason: String, remedy: Remedy| {
         let reason = match &unkept {
             Some(Unkept::Image(why)) => format!("{reason}; kept memory not used: {why}"),
             _ => reason,
@@ -947,9 +950,9 @@ fn recall(
         tracing::warn!(
             target, lun, naa = %naa_hex(&identity.naa), generation,
             "LUN content not restored: {reason}. It answers NOT READY (manual intervention \
-             required) until `ramslog-target accept-empty {target} {lun}`"
+             required): {}", remedy.advice()
         );
-        volume.set_not_ready(reason);
+        volume.set_not_ready(reason, remedy);
         volume
     };
     let volume = Volume::new(
@@ -964,6 +967,7 @@ fn recall(
             format!(
                 "generation {generation} has no clean image (the daemon was killed, crashed or lost power without a clean stop)"
             ),
+            Remedy::AcceptEmpty,
         ));
     }
     if !path.exists() {
@@ -973,6 +977,7 @@ fn recall(
                 "the image of generation {generation}, {}, is missing",
                 path.display()
             ),
+            Remedy::ImageBack,
         ));
     }
     let expect = ImageIdentity {
@@ -1003,6 +1008,7 @@ fn recall(
                         "image {} refused: its persistent reservations are not valid: {why}",
                         path.display()
                     ),
+                    Remedy::AcceptEmpty,
                 ));
             }
             tracing::info!(
@@ -1042,13 +1048,22 @@ fn recall(
             let reason =
                 "a stop came during its restore; its image stays the valid copy".to_string();
             tracing::info!(target, lun, "{reason}");
-            volume.set_not_ready(reason);
+            volume.set_not_ready(reason, Remedy::StartAgain);
             Ok(volume)
         }
-        Err(e) => Ok(refuse(
-            volume,
-            format!("image {} refused: {e}", path.display()),
-        )),
+        // An image that cannot be read may be had again; one that reads
+        // wrong is lost.
+        Err(e) => {
+            let remedy = match e {
+                ImageError::Io(_) => Remedy::ImageBack,
+                _ => Remedy::AcceptEmpty,
+            };
+            Ok(refuse(
+                volume,
+                format!("image {} refused: {e}", path.display()),
+                remedy,
+            ))
+        }
     }
 }
 

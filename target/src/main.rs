@@ -288,8 +288,11 @@ async fn status(s: SocketArgs, json: bool) -> Result<(), String> {
                         "ready".to_string()
                     } else {
                         format!(
-                            "NOT READY: {}; run accept-empty",
-                            l.not_ready_reason.as_deref().unwrap_or("content lost")
+                            "NOT READY: {}; {}",
+                            l.not_ready_reason.as_deref().unwrap_or("content lost"),
+                            l.not_ready_advice.as_deref().unwrap_or(
+                                "run accept-empty once ZFS no longer uses this half, then zpool replace"
+                            )
                         )
                     };
                     out += &format!(

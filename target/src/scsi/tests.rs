@@ -1192,7 +1192,10 @@ fn ua_queue_and_detach() {
     let (t, a) = setup(512);
     // A reset supersedes queued UAs and they stay bounded.
     for _ in 0..40 {
-        t.lu(0).expect("LU").volume().set_not_ready("lost".into());
+        t.lu(0)
+            .expect("LU")
+            .volume()
+            .set_not_ready("lost".into(), crate::volume::Remedy::AcceptEmpty);
         t.accept_empty(0, Identity::generate())
             .expect("accept-empty");
     }
@@ -1357,7 +1360,10 @@ fn accept_empty_aborts_the_old_identitys_writes() {
     let plan = t
         .prepare(n, 0, t.lu_index(0), &rw10(0x2a, 0, 1))
         .expect("a write, under way");
-    t.lu(0).expect("LU").volume().set_not_ready("lost".into());
+    t.lu(0)
+        .expect("LU")
+        .volume()
+        .set_not_ready("lost".into(), crate::volume::Remedy::AcceptEmpty);
     t.accept_empty(0, Identity::generate())
         .expect("accept-empty");
     assert!(

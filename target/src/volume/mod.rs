@@ -244,11 +244,51 @@ impl WrittenChunks {
     }
 }
 
+/// What the admin does about a NOT READY volume, as `status` advises it:
+/// never advice that throws away content that may still be had.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Remedy {
+    /// The content is gone for good (no clean image after a crash, a
+    /// failed dump, a damaged image, memory discarded or written by a
+    /// faulted process): accept the empty device, then replace the log half.
+    AcceptEmpty,
+    /// Kept memory is held back for a doubt the reason names, and stays in
+    /// systemd's fd store: put that right and restart.
+    KeptMemoryHeld,
+    /// The image is missing or cannot be read: put it back and restart.
+    ImageBack,
+    /// A stop came during the restore: the image is intact.
+    StartAgain,
+}
+
+impl Remedy {
+    /// The advice `status` prints after the reason.
+    pub fn advice(self) -> &'static str {
+        match self {
+            Remedy::AcceptEmpty => {
+                "its content is lost: once ZFS no longer uses this half, run accept-empty, then \
+                 zpool replace"
+            }
+            Remedy::KeptMemoryHeld => {
+                "its memory is kept in systemd's fd store: put right what the reason names and \
+                 restart the daemon (accept-empty would discard that memory)"
+            }
+            Remedy::ImageBack => {
+                "put the image back (or make it readable) and restart the daemon (accept-empty \
+                 would make this a new, empty device)"
+            }
+            Remedy::StartAgain => "start the daemon again: its image is intact",
+        }
+    }
+}
+
 struct Meta {
     identity: Identity,
     readiness: Readiness,
-    /// Why the volume is NOT READY, for `status` and the log.
+    /// Why the volume is NOT READY, for `status` and the log, and what to
+    /// do about it.
     not_ready_reason: Option<String>,
+    remedy: Option<Remedy>,
     restored: Option<Restored>,
     /// This run's generation, once bumped (or the restored one until then).
     generation: u64,
@@ -269,6 +309,7 @@ pub struct VolumeStatus {
     pub identity: Identity,
     pub readiness: Readiness,
     pub not_ready_reason: Option<String>,
+    pub remedy: Option<Remedy>,
     pub restored: Option<Restored>,
     pub generation: u64,
     /// Bytes the next dump writes: the written chunks × chunk size once
@@ -383,6 +424,7 @@ impl Volume {
                 identity: cfg.identity,
                 readiness: cfg.readiness,
                 not_ready_reason: None,
+                remedy: None,
                 restored: None,
                 generation,
                 pending_generation: None,
@@ -662,6 +704,7 @@ impl Volume {
             identity: m.identity.clone(),
             readiness: m.readiness,
             not_ready_reason: m.not_ready_reason.clone(),
+            remedy: m.remedy,
             restored: m.restored.clone(),
             generation: m.generation,
             written_bytes: if self.changed() {
@@ -679,18 +722,24 @@ impl Volume {
         self.dirty.load(Ordering::SeqCst) || self.generation_open.load(Ordering::SeqCst)
     }
 
-    /// NOT READY from now on, with the reason kept for `status`.
-    pub fn set_not_ready(&self, reason: String) {
-        let mut m = self.meta();
+    /// NOT READY from now on, with the reason and the remedy kept for
+    /// `status`.
+    pub fn set_not_ready(&self, reason: String, remedy: Remedy) {
+        self.not_ready(&mut self.meta(), reason, remedy);
+    }
+
+    /// [`Self::set_not_ready`], the meta lock held.
+    fn not_ready(&self, m: &mut Meta, reason: String, remedy: Remedy) {
         // Lowered before anything else: the memory is not to be served.
         self.set_kept(
-            &mut m,
+            m,
             KeptState::Discarded {
                 reason: reason.clone(),
             },
         );
         m.readiness = Readiness::NeedsAcceptance;
         m.not_ready_reason = Some(reason);
+        m.remedy = Some(remedy);
         self.ready.store(false, Ordering::Release);
     }
 
@@ -715,6 +764,7 @@ impl Volume {
         self.set_kept(&mut m, KeptState::Valid);
         m.readiness = Readiness::Ready;
         m.not_ready_reason = None;
+        m.remedy = None;
         self.ready.store(true, Ordering::Release);
     }
 
@@ -790,15 +840,7 @@ impl Volume {
                 );
                 tracing::error!(target = %self.target, lun = self.lun, "{reason}");
                 m.pending_generation = None;
-                self.set_kept(
-                    &mut m,
-                    KeptState::Discarded {
-                        reason: reason.clone(),
-                    },
-                );
-                m.readiness = Readiness::NeedsAcceptance;
-                m.not_ready_reason = Some(reason);
-                self.ready.store(false, Ordering::Release);
+                self.not_ready(&mut m, reason, Remedy::AcceptEmpty);
                 Err(VolumeError::NotReady)
             }
         }
@@ -1047,13 +1089,16 @@ impl Volume {
                     "accept-empty gave it a new identity but could not write its empty image ({e}); run accept-empty again"
                 );
                 tracing::error!(target, lun, "{reason}");
-                self.meta().not_ready_reason = Some(reason.clone());
+                let mut m = self.meta();
+                m.not_ready_reason = Some(reason.clone());
+                m.remedy = Some(Remedy::AcceptEmpty);
                 return Err(reason);
             }
         }
         let mut m = self.meta();
         m.readiness = Readiness::Ready;
         m.not_ready_reason = None;
+        m.remedy = None;
         self.ready.store(true, Ordering::Release);
         Ok(())
     }
@@ -1136,7 +1181,7 @@ mod tests {
     }
 
     fn not_ready(v: &Volume) {
-        v.set_not_ready("the test lost its content".into());
+        v.set_not_ready("the test lost its content".into(), Remedy::AcceptEmpty);
     }
 
     /// The record in force, as a successor would read it from memory.

@@ -245,6 +245,7 @@ async fn bad_orders_in_the_store_are_not_ready_until_put_right() {
         rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).expect("pidfd_open");
     sup.put("writer", pidfd.as_fd());
     check(false, "is still running").await;
+    check(false, "accept-empty would discard that memory").await;
     check(false, "is still running").await;
     straggler.kill().expect("kill the straggler");
     straggler.wait().expect("reap");
@@ -1088,10 +1089,11 @@ async fn a_missing_image_put_back_serves_again_after_a_crash() {
     std::fs::create_dir(&images).expect("an empty image directory");
     let mut t = start(&sup, &state, Some(port));
     assert!(!is_ready(&t).await, "READY without its image");
+    // The advice keeps the content: put the image back, not accept-empty.
+    let st = status_text(&state);
     assert!(
-        status_text(&state).contains("is missing"),
-        "{}",
-        status_text(&state)
+        st.contains("is missing") && st.contains("put the image back"),
+        "{st}"
     );
     t.kill();
     std::fs::remove_dir(&images).expect("remove the empty directory");

@@ -744,10 +744,10 @@ fn a_unit_attention_is_not_lost_to_task_set_full() {
     }
     // Another session's admin action raises two unit attentions.
     let scsi = h.conn.portal().targets[0].scsi.clone();
-    scsi.lu(0)
-        .expect("LUN 0")
-        .volume()
-        .set_not_ready("the test lost its content".into());
+    scsi.lu(0).expect("LUN 0").volume().set_not_ready(
+        "the test lost its content".into(),
+        crate::volume::Remedy::AcceptEmpty,
+    );
     scsi.accept_empty(0, crate::volume::Identity::generate())
         .expect("accept-empty");
     let (mut seen, mut full) = (Vec::new(), 0);
