@@ -218,11 +218,30 @@ for pages in normal huge; do
   restart_mark=$(dmesg | wc -l)
   notices_before=$(grep -c "Target dropping all connections" /tmp/iscsid.log || true)
   name=restarts-$TRANSPORT-$pages
+  # Each restart finds the host logged in (the i-th session in this
+  # target's log): after the held target's start, whose restore on a loaded
+  # host can outlast open-iscsi's first reconnect attempts, and after each
+  # restart's re-login. A restart with no session has no one to tell, and
+  # the notices would count nothing. The writes start once the first is in.
+  fio_pid=
+  host_logged_in() { # the Nth session
+    local waited=0
+    until (($(grep -c "session started" "$LOG" || true) >= $1)); do
+      ((waited < 600)) || {
+        [ -z "$fio_pid" ] || kill "$fio_pid"
+        cat "$LOG"; echo "the host did not log in before restart $1 ($pages pages)"; exit 1
+      }
+      sleep 0.2
+      waited=$((waited + 1))
+    done
+  }
+  host_logged_in 1
   FIO_SYNC_FLAGS="--direct=1 --sync=1 --offset=256m --size=128m" \
     fio_sync_qd1 "$name" "$disk" "$RESTART_SECS" "$RESULTS" >/tmp/fio-restarts.txt 2>&1 &
   fio_pid=$!
   sleep 3
   for i in $(seq 1 "$RESTARTS"); do
+    host_logged_in "$i"
     "$BIN" restart --wait --state-dir "$STATE" ||
       { kill "$fio_pid"; cat "$LOG"; echo "planned restart $i ($pages pages) failed"; exit 1; }
     sleep 2

@@ -835,6 +835,14 @@ zfs_fio zfs-restarts 60 >/tmp/fio-restarts.txt 2>&1 &
 fio_pid=$!
 sleep 5
 for i in $(seq 1 10); do
+  # Each restart finds the host logged in to box B again (its i-th session):
+  # a restart with no session has no one to tell.
+  waited=0
+  until (($(grep -c "session started" "${BOX_LOG[b]}" || true) >= i)); do
+    ((waited < 600)) || { kill "$fio_pid"; fail "the host did not log in to box B before restart $i"; }
+    sleep 0.2
+    waited=$((waited + 1))
+  done
   "$BIN" restart --wait --state-dir /tmp/ramslog-b || { kill "$fio_pid"; fail "restart $i of box B failed"; }
   sleep 3
 done
