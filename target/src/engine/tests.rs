@@ -951,14 +951,13 @@ fn waiting_commands_are_bounded_by_the_window() {
 // ---- iSER ------------------------------------------------------------------
 
 /// The volume of the test portal's LUN 0.
+fn lun_volume(h: &Harness) -> &Arc<crate::volume::Volume> {
+    h.conn.portal().volumes.iter().next().expect("a volume")
+}
+
+/// [`lun_volume`]'s place.
 fn first_volume(h: &Harness) -> crate::volume::VolumeId {
-    h.conn
-        .portal()
-        .volumes
-        .iter()
-        .next()
-        .expect("a volume")
-        .id()
+    lun_volume(h).id()
 }
 
 fn iser_buf(va: u64) -> Option<ramslog_common::iser::RemoteBuffer> {

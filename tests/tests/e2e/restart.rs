@@ -301,28 +301,21 @@ async fn an_ephemeral_target_refuses_a_restart() {
 /// ends, naming it.
 #[test]
 fn a_restart_wait_fails_at_once_when_the_daemon_dies() {
-    use std::os::unix::fs::PermissionsExt;
     let dir = scratch("dies");
     let state = dir.join("state");
-    std::fs::create_dir_all(dir.join("bin")).expect("mkdir");
-    let bin = dir.join("bin/ramslog-target");
-    std::fs::copy(target_binary(), &bin).expect("copy the binary");
+    let bin = binary_copy(&dir.join("bin"));
     let mut t = TargetProcess::start_with(ramslog_tests::TargetOptions {
         binary: Some(bin.clone()),
         ..persistent(&state, None, &[])
     });
     // The new binary passes the check, then dies as soon as it runs.
-    let dying = bin.with_extension("new");
-    std::fs::write(
-        &dying,
-        format!(
+    replace_with_script(
+        &bin,
+        &format!(
             "#!/bin/bash\ncase \"$*\" in *--handover-check*) exec {} \"$@\";; esac\nexit 3\n",
             target_binary().display()
         ),
-    )
-    .expect("write");
-    std::fs::set_permissions(&dying, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    std::fs::rename(&dying, &bin).expect("rename over the binary");
+    );
     let mut wait = std::process::Command::new(target_binary())
         .args(["restart", "--wait", "--state-dir"])
         .arg(&state)
@@ -361,12 +354,9 @@ fn a_restart_wait_fails_at_once_when_the_daemon_dies() {
 /// at once or taken by the program the restart executes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_control_stop_during_a_restart_is_not_lost() {
-    use std::os::unix::fs::PermissionsExt;
     let dir = scratch("stop-in-restart");
     let state = dir.join("state");
-    std::fs::create_dir_all(dir.join("bin")).expect("mkdir");
-    let bin = dir.join("bin/ramslog-target");
-    std::fs::copy(target_binary(), &bin).expect("copy the binary");
+    let bin = binary_copy(&dir.join("bin"));
     let mut t = TargetProcess::start_with(ramslog_tests::TargetOptions {
         binary: Some(bin.clone()),
         ..persistent(&state, None, &[])
@@ -379,18 +369,14 @@ async fn a_control_stop_during_a_restart_is_not_lost() {
     }
     // A new binary whose handover check takes a while, saying when it began.
     let checking = dir.join("checking");
-    let slow = bin.with_extension("new");
-    std::fs::write(
-        &slow,
-        format!(
+    replace_with_script(
+        &bin,
+        &format!(
             "#!/bin/bash\ncase \"$*\" in *--handover-check*) touch {}; sleep 2;; esac\nexec {} \"$@\"\n",
             checking.display(),
             target_binary().display()
         ),
-    )
-    .expect("write");
-    std::fs::set_permissions(&slow, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    std::fs::rename(&slow, &bin).expect("rename over the binary");
+    );
     let restarting = {
         let state = state.clone();
         std::thread::spawn(move || cli(&["restart", "--wait"], &state))

@@ -11,13 +11,7 @@ const LUN_BYTES: u64 = 1 << 20;
 
 /// The LUN's pages a write is counted in now.
 fn counted_in(h: &Harness) -> u64 {
-    h.conn
-        .portal()
-        .volumes
-        .iter()
-        .next()
-        .expect("a volume")
-        .pages_being_written()
+    lun_volume(h).pages_being_written()
 }
 
 fn tcp_session() -> Harness {
