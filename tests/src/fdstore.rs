@@ -9,7 +9,9 @@
 //! it once it reports POLLHUP or POLLERR; and the daemon's `writer` pidfd
 //! must come with `FDPOLL=0` (systemd would drop it when its process ends,
 //! the very moment a successor needs it): a push without it fails the next
-//! launch. A test can
+//! launch. Like systemd, it keeps one copy of a file pushed again (the
+//! same file, here by its device and inode; systemd suppresses the
+//! duplicate). A test can
 //! also put in what systemd never would (a second memfd under a name, a
 //! pidfd of a live process), to reproduce the bad orders.
 
@@ -226,6 +228,23 @@ pub struct Start {
 /// The name the daemon stores its own pidfd under.
 const WRITER_NAME: &str = "writer";
 
+/// Whether `a` and `b` are the same memfd (what systemd's duplicate check
+/// finds for LUN memory pushed twice). Only memfds are compared: each has
+/// an inode of its own, while pidfds share one on older kernels.
+fn same_file(a: &OwnedFd, b: &OwnedFd) -> bool {
+    let memfd = |fd: &OwnedFd| {
+        std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+            .is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:"))
+    };
+    if !(memfd(a) && memfd(b)) {
+        return false;
+    }
+    match (rustix::fs::fstat(a), rustix::fs::fstat(b)) {
+        (Ok(x), Ok(y)) => (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino),
+        _ => false,
+    }
+}
+
 /// Whether `fd` reports POLLHUP or POLLERR now (what systemd watches).
 fn hung_up(fd: &OwnedFd) -> bool {
     use rustix::event::{poll, PollFd, PollFlags};
@@ -277,6 +296,11 @@ fn serve(socket: UnixDatagram, held: Arc<Mutex<Held>>) {
                     "{WRITER_NAME} stored without FDPOLL=0: systemd drops it when its process ends"
                 ));
             }
+            // One copy of a file already held, whatever its name.
+            let fds: Vec<OwnedFd> = fds
+                .into_iter()
+                .filter(|fd| !held.stored.iter().any(|(_, h)| same_file(h, fd)))
+                .collect();
             if poll {
                 held.polled.extend(fds.iter().map(|fd| fd.as_raw_fd()));
             }

@@ -1148,6 +1148,55 @@ async fn a_lun_whose_record_cannot_be_handed_over_is_dumped_first() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Memory a planned restart hands over must be in the fd store afterwards,
+/// whatever the program before did: from a run with kept memory off (the
+/// config file turns it on for the new program), a crash after the
+/// restart keeps every write, and until the store holds it `status` does
+/// not say it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "lost")]
+async fn memory_handed_over_from_a_run_without_kept_memory_is_kept_after_a_crash() {
+    let dir = scratch_dir("kept", "off-to-on");
+    let state = dir.join("state");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let config = dir.join("ramslog.toml");
+    std::fs::write(&config, "kept_memory = false\n").expect("config");
+    let config_arg = config.display().to_string();
+    let launch = |port| {
+        let (options, passed) = sup.launch(persistent(&state, port, &["--config", &config_arg]));
+        (TargetProcess::start_with(options), passed)
+    };
+    let (mut t, _passed) = launch(None);
+    let port = t.port();
+    let (first, second) = (random_bytes(4096), random_bytes(4096));
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 100, &first, false).await.expect("WRITE");
+    }
+    assert!(status_text(&state).contains("--kept-memory=off"));
+    std::fs::write(&config, "kept_memory = true\n").expect("config");
+    restart(&state).unwrap_or_else(|e| panic!("{e}\n{}", t.output_tail(20)));
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 200, &second, false).await.expect("WRITE");
+    }
+    let said = status_text(&state);
+    t.kill();
+    let (t, _passed) = launch(Some(port));
+    assert!(
+        is_ready(&t).await,
+        "the content is lost: the memory handed over was not in the store (status said: {said})\n{}",
+        t.output_tail(20)
+    );
+    let s = open(&t, INITIATOR).await;
+    assert!(s.read(0, 100, 8, 512).await.expect("READ") == first);
+    assert!(s.read(0, 200, 8, 512).await.expect("READ") == second);
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A restart whose new binary passes the check but cannot be executed (it
 /// vanished in between) changes nothing for the data: the daemon takes its
 /// LUNs back and serves on, `restart --wait` and `status` say why, writes
