@@ -102,6 +102,29 @@ pub struct PreviousWriter {
     pub ended: String,
 }
 
+/// Where a crash leaves the LUN memory, for `status`: by what systemd
+/// confirmed it holds, LUN by LUN, not by whether there is a store.
+fn kept_memory_line(volumes: &crate::volume::Volumes) -> String {
+    let mode = crate::notify::kept_memory_mode();
+    if !crate::notify::has_holder() {
+        return mode.into();
+    }
+    let missing: Vec<String> = volumes
+        .iter()
+        .filter(|v| v.is_ready() && v.persistence().is_some() && !v.in_fd_store())
+        .map(|v| format!("{} LUN {}", v.target(), v.lun()))
+        .collect();
+    if missing.is_empty() {
+        mode.into()
+    } else {
+        format!(
+            "held in systemd's fd store, except the memory of {} (not confirmed there): a crash \
+             loses what no image has of it; a restart dumps first",
+            missing.join(", ")
+        )
+    }
+}
+
 /// [`LunStatus::next_start`] for a LUN that is `ready` (or not), in a
 /// daemon with or without a state directory and an fd store holding its
 /// memory.
@@ -410,7 +433,7 @@ impl Control {
                             next_start: next_start(
                                 v.persistence().is_some(),
                                 st.readiness == Readiness::Ready,
-                                crate::notify::has_holder(),
+                                v.in_fd_store(),
                             )
                             .into(),
                             persistent_reservations: PrStatus {
@@ -470,7 +493,7 @@ impl Control {
                 .find_map(|v| v.persistence())
                 .and_then(|p| p.state().failed_stop().cloned()),
             unclaimed_kept: lock(&self.unclaimed).clone(),
-            kept_memory: crate::notify::kept_memory_mode().into(),
+            kept_memory: kept_memory_line(&self.portal.volumes),
             failed_restart: lock(&self.failed_restart).clone(),
         }
     }

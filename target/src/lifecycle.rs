@@ -738,6 +738,9 @@ pub fn open_volumes(
         _ => true,
     };
     let mut volumes = Vec::new();
+    // Pushed into the fd store by this start (their places in `volumes`):
+    // held once the barrier after the writer's pidfd returns.
+    let mut pushed: Vec<usize> = Vec::new();
     for t in &cfg.targets {
         for l in &t.luns {
             let known_naa = persistence.and_then(|p| {
@@ -757,6 +760,16 @@ pub fn open_volumes(
                         Ok(volume) => {
                             tracing::info!(target = %t.name, lun = l.lun, generation = volume.generation(), "LUN content kept in memory (not read from the image)");
                             pause_here_for_tests("kept");
+                            match source {
+                                // The store passed it: it holds it still.
+                                Source::Holder { .. } => volume.confirm_in_fd_store(),
+                                // Handed over: the store may lack it.
+                                Source::Restart { .. } => {
+                                    if volume.keep_in_fd_store() {
+                                        pushed.push(volumes.len());
+                                    }
+                                }
+                            }
                             volumes.push(volume);
                             continue;
                         }
@@ -819,8 +832,12 @@ pub fn open_volumes(
             // out, so that the next start (a crash, a restart) asks the
             // image again instead of finding "discarded". accept-empty
             // stores the memory once it is the new device's content.
-            if persistence.is_some() && volume.is_ready() && !cancelled.load(Ordering::Acquire) {
-                volume.hold_in_fd_store(known_naa.as_deref());
+            if persistence.is_some()
+                && volume.is_ready()
+                && !cancelled.load(Ordering::Acquire)
+                && volume.hold_in_fd_store(known_naa.as_deref())
+            {
+                pushed.push(volumes.len());
             }
             volumes.push(volume);
         }
@@ -842,7 +859,13 @@ pub fn open_volumes(
             );
         }
         match notify::store_writer(writers_gone) {
-            Ok(_) => tracing::info!("LUN memory held in systemd's fd store"),
+            Ok(true) => {
+                for &i in &pushed {
+                    volumes[i].confirm_in_fd_store();
+                }
+                tracing::info!("LUN memory held in systemd's fd store");
+            }
+            Ok(false) => {}
             Err(e) => tracing::warn!(
                 "cannot confirm the fd store holds the LUN memory ({e}): a crash will lose what no image has"
             ),

@@ -995,7 +995,18 @@ async fn run(
             None => Ending::Stop,
             Some(_) => {
                 let need = 2 * portal.volumes.len() + 1;
-                match notify::store_holds(need) {
+                let unconfirmed = portal
+                    .volumes
+                    .iter()
+                    .find(|v| v.is_ready() && !v.in_fd_store())
+                    .map(|v| format!("{} LUN {}", v.target(), v.lun()));
+                let held = notify::store_holds(need).and_then(|()| match unconfirmed {
+                    Some(lun) => Err(format!(
+                        "the fd store is not confirmed to hold the memory of {lun}"
+                    )),
+                    None => Ok(()),
+                });
+                match held {
                     Ok(()) => Ending::Restart { dump: false },
                     Err(why) => {
                         tracing::info!("restart: dumping first ({why})");

@@ -13,6 +13,7 @@
 //! image is loaded only if it is the current, clean generation of this very
 //! identity and every byte of it verifies.
 
+mod fd_store;
 mod identity;
 pub mod image;
 pub mod kept;
@@ -347,6 +348,10 @@ pub struct Volume {
     record: Option<RecordArea>,
     /// The record area's page checksums are kept current.
     page_crcs: bool,
+    /// Its memory and record are in systemd's fd store: confirmed by a
+    /// barrier after this run pushed them, or passed back by the store at
+    /// this start (`fd_store`).
+    in_fd_store: AtomicBool,
 }
 
 impl std::fmt::Debug for Volume {
@@ -419,6 +424,7 @@ impl Volume {
             dirty: AtomicBool::new(false),
             generation_open: AtomicBool::new(false),
             fenced: AtomicBool::new(false),
+            in_fd_store: AtomicBool::new(false),
             ready: AtomicBool::new(ready),
             meta: Mutex::new(Meta {
                 identity: cfg.identity,
@@ -593,43 +599,6 @@ impl Volume {
             self.set_kept(&mut m, KeptState::Valid);
         }
         self.fenced.store(false, Ordering::SeqCst);
-    }
-
-    /// Put this volume's memory and its record into systemd's fd store
-    /// (when there is one) under its NAA, instead of any held under
-    /// `replacing` or its own NAA before, so that a crash keeps them for
-    /// the next start. Memory that was kept is there already.
-    pub fn hold_in_fd_store(&self, replacing: Option<&str>) {
-        let naa = {
-            let m = self.meta();
-            if !notify::has_holder() || m.restored.as_ref().is_some_and(|r| r.kept_from.is_some()) {
-                return;
-            }
-            naa_hex(&m.identity.naa)
-        };
-        let result = (|| -> std::io::Result<()> {
-            for old in replacing.into_iter().chain([naa.as_str()]) {
-                notify::remove(&format!("{}{old}", kept::MEMORY_PREFIX))?;
-                notify::remove(&format!("{}{old}", kept::RECORD_PREFIX))?;
-            }
-            let Some(record) = &self.record else {
-                return Ok(());
-            };
-            notify::store(
-                &format!("{}{naa}", kept::MEMORY_PREFIX),
-                self.store.memory(),
-                true,
-            )?;
-            notify::store(
-                &format!("{}{naa}", kept::RECORD_PREFIX),
-                record.memory(),
-                true,
-            )?;
-            Ok(())
-        })();
-        if let Err(e) = result {
-            tracing::warn!(target = %self.target, lun = self.lun, "cannot put the LUN memory into the fd store ({e}): a crash will lose what no image has");
-        }
     }
 
     /// The page checksums, when this run keeps them.
@@ -1060,14 +1029,15 @@ impl Volume {
             old
         };
         // The memory is the new identity's from here on, in the fd store too.
-        if self.persistence.is_some() {
-            self.hold_in_fd_store(Some(&naa_hex(&old.naa)));
-            if let Err(e) = notify::barrier(notify::BARRIER_WAIT) {
-                tracing::warn!(
+        if self.persistence.is_some() && self.hold_in_fd_store(Some(&naa_hex(&old.naa))) {
+            match notify::barrier(notify::BARRIER_WAIT) {
+                Ok(true) => self.confirm_in_fd_store(),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(
                     target,
                     lun,
                     "cannot confirm the fd store holds the new identity's memory: {e}"
-                );
+                ),
             }
         }
         // Whatever a failed restore left behind goes.
