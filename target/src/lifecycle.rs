@@ -96,13 +96,19 @@ enum Unkept {
     Image(String),
     /// NOT READY whatever the image says: the memory may be the only
     /// current copy, or the state directory is not the one it belongs to.
+    /// It stays in the store for a start that finds the doubt gone.
     NotReady(String),
+    /// NOT READY, and no start will serve the memory: it was this LUN's
+    /// content but can no longer be trusted (discarded while serving, or
+    /// written by a process that died of a fault, with no image of its
+    /// generation). accept-empty is the way back.
+    Lost(String),
 }
 
 impl Unkept {
     fn reason(&self) -> &str {
         match self {
-            Unkept::Image(r) | Unkept::NotReady(r) => r,
+            Unkept::Image(r) | Unkept::NotReady(r) | Unkept::Lost(r) => r,
         }
     }
 }
@@ -446,9 +452,7 @@ fn adopt_kept(
         }
         (Source::Holder { .. }, KeptState::Valid | KeptState::HandedOver { ready: true, .. }) => {}
         (Source::Holder { .. }, KeptState::Discarded { reason }) => {
-            return Err(Unkept::NotReady(format!(
-                "its memory was discarded: {reason}"
-            )))
+            return Err(Unkept::Lost(format!("its memory was discarded: {reason}")))
         }
         (Source::Holder { .. }, other) => {
             return Err(image(format!(
@@ -549,10 +553,7 @@ fn adopt_kept(
         if clean {
             image(why)
         } else {
-            Unkept::NotReady(format!(
-                "{why}, and no image holds generation {generation} (accept-empty, then replace this \
-                 log half in ZFS)"
-            ))
+            Unkept::Lost(format!("{why}, and no image holds generation {generation}"))
         }
     };
     if let Some(cause) = fault {
@@ -904,7 +905,12 @@ fn recall(
     };
     // Memory that may be the only current copy, or a state directory that
     // does not match it: NOT READY, and no new identity is recorded.
-    if let Some(Unkept::NotReady(reason)) = &unkept {
+    let held = match &unkept {
+        Some(Unkept::NotReady(reason)) => Some((reason, Remedy::KeptMemoryHeld)),
+        Some(Unkept::Lost(reason)) => Some((reason, Remedy::AcceptEmpty)),
+        _ => None,
+    };
+    if let Some((reason, remedy)) = held {
         let identity = {
             let mut state = p.state();
             match state
@@ -923,7 +929,6 @@ fn recall(
             generation,
         );
         let reason = format!("kept memory not served: {reason}");
-        let remedy = Remedy::KeptMemoryHeld;
         tracing::warn!(
             target,
             lun,
