@@ -150,6 +150,9 @@ pub struct TargetOptions {
     pub target_name: String,
     /// `--size` (e.g. `256M`).
     pub size: String,
+    /// `--config FILE` instead of `--size` and `--target-name` (the file
+    /// names the targets and LUNs; `target_name` should be its first).
+    pub config: Option<PathBuf>,
     /// `--ephemeral`; when false a fresh temporary state directory is passed via
     /// `--state-dir` and removed on drop (unless `RAMSLOG_KEEP_STATE` is set).
     pub ephemeral: bool,
@@ -184,6 +187,7 @@ impl Default for TargetOptions {
         TargetOptions {
             target_name: DEFAULT_TARGET_NAME.to_string(),
             size: "256M".to_string(),
+            config: None,
             ephemeral: true,
             state_dir: None,
             port: None,
@@ -278,12 +282,15 @@ impl TargetProcess {
             cmd.arg("--state-dir").arg(&dir);
             state_dir = Some(dir);
         }
-        cmd.arg("--size")
-            .arg(&opts.size)
-            .arg("--listen")
-            .arg(addr.to_string())
-            .arg("--target-name")
-            .arg(&opts.target_name);
+        match &opts.config {
+            Some(file) => cmd.arg("--config").arg(file),
+            None => cmd
+                .arg("--size")
+                .arg(&opts.size)
+                .arg("--target-name")
+                .arg(&opts.target_name),
+        };
+        cmd.arg("--listen").arg(addr.to_string());
         if opts.page_checksums {
             cmd.args(["--verify-kept-memory", "on"]);
         }

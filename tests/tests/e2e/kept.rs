@@ -19,13 +19,13 @@ use super::restart::{assert_present, restart, write_until_cut};
 use super::*;
 
 /// The daemon under `sup`, on `port` (or a free one), with what `sup` holds.
-fn start(sup: &FdStoreSupervisor, state: &Path, port: Option<u16>) -> TargetProcess {
+pub(super) fn start(sup: &FdStoreSupervisor, state: &Path, port: Option<u16>) -> TargetProcess {
     let (options, _inherited) = sup.launch(persistent(state, port, &[]));
     TargetProcess::start_with(options)
 }
 
 /// The NAA the store holds the LUN's memory under.
-fn stored_naa(sup: &FdStoreSupervisor) -> String {
+pub(super) fn stored_naa(sup: &FdStoreSupervisor) -> String {
     assert!(
         sup.wait_for("writer", Duration::from_secs(10)),
         "no writer pidfd stored: {:?}",
@@ -43,7 +43,7 @@ fn stored_naa(sup: &FdStoreSupervisor) -> String {
 
 /// READY (TEST UNIT READY good once the unit attentions are read) or NOT
 /// READY 04h/03h.
-async fn is_ready(t: &TargetProcess) -> bool {
+pub(super) async fn is_ready(t: &TargetProcess) -> bool {
     let s = open(t, INITIATOR).await;
     let r = s.test_unit_ready(0).await.expect("TUR");
     if r.is_good() {

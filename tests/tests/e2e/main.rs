@@ -6,6 +6,7 @@ mod identity;
 mod images;
 mod integrity;
 mod kept;
+mod lun_memory;
 mod metrics;
 mod persistence;
 mod restart;
