@@ -13,7 +13,7 @@ use crate::handover::KeptVolume;
 use crate::notify;
 use crate::portal::Portal;
 use crate::private_dir;
-use crate::store::Store;
+use crate::store::{HugePages, Store, StoreError};
 use crate::volume::image::{self, ImageError, ImageIdentity};
 use crate::volume::kept::{self, KeptState, RecordArea, MEMORY_PREFIX, RECORD_PREFIX};
 use crate::volume::state::{Recall, StateDir};
@@ -793,15 +793,15 @@ pub fn open_volumes(
             if let Some(why) = &unkept {
                 tracing::warn!(target = %t.name, lun = l.lun, "kept memory not used: {}", why.reason());
             }
-            let store = Store::named(
-                &format!("ramslog {} LUN {}", t.name, l.lun),
-                l.size,
-                cfg.hugepages,
-            )
-            .map_err(|e| format!("target {} LUN {}: {e}", t.name, l.lun))?;
-            tracing::info!(target = %t.name, lun = l.lun, size = l.size, "LUN memory locked in RAM ({})", store.page_kind());
-            let store = Arc::new(store);
+            let memory = LunMemory {
+                target: &t.name,
+                lun: l.lun,
+                size: l.size,
+                huge: cfg.hugepages,
+            };
             let volume = match persistence {
+                // Nothing is kept and nothing would decide at a later start:
+                // memory that cannot be had fails the start, naming the fix.
                 None => Volume::in_memory(
                     VolumeConfig {
                         target: t.name.clone(),
@@ -814,14 +814,15 @@ pub fn open_volumes(
                         // check at a clean stop), which the tests use.
                         page_crcs: cfg.verify_kept_memory,
                     },
-                    store,
+                    memory
+                        .taken()
+                        .map_err(|e| format!("target {} LUN {}: {e}", t.name, l.lun))?,
                 ),
                 Some(p) => recall(
                     p,
-                    &t.name,
-                    l.lun,
+                    (&t.name, l.lun),
                     (l.block_size, cfg.verify_kept_memory),
-                    store,
+                    &memory,
                     cancelled,
                     unkept.clone(),
                 )?,
@@ -886,12 +887,54 @@ pub struct Opened {
     pub unclaimed: Vec<UnclaimedKept>,
 }
 
+/// A configured LUN's memory, had only where it serves: a LUN that answers
+/// NOT READY serves no byte, so it gets [`Store::reserved`] memory (no RAM
+/// taken) until accept-empty. With a state directory, memory that cannot be
+/// had makes that LUN NOT READY, never the start fail: the other LUNs serve,
+/// the control socket answers, and the image decides again next time.
+struct LunMemory<'a> {
+    target: &'a str,
+    lun: u64,
+    size: u64,
+    huge: HugePages,
+}
+
+impl LunMemory<'_> {
+    fn name(&self) -> String {
+        format!("ramslog {} LUN {}", self.target, self.lun)
+    }
+
+    /// Memory faulted in and locked, for a LUN that serves.
+    fn taken(&self) -> Result<Arc<Store>, StoreError> {
+        let store = Store::named(&self.name(), self.size, self.huge)?;
+        tracing::info!(target = %self.target, lun = self.lun, size = self.size, "LUN memory locked in RAM ({})", store.page_kind());
+        Ok(Arc::new(store))
+    }
+
+    /// Memory that takes no RAM until accept-empty, for a NOT READY LUN.
+    fn reserved(&self) -> Result<Arc<Store>, String> {
+        Store::reserved(&self.name(), self.size, self.huge)
+            .map(Arc::new)
+            .map_err(|e| format!("target {} LUN {}: {e}", self.target, self.lun))
+    }
+
+    /// `volume` (over reserved memory) could not get its memory: NOT READY
+    /// saying why, and what to do.
+    fn not_had(&self, volume: &Volume, e: StoreError) {
+        let reason = format!("its memory could not be had: {e}");
+        tracing::error!(
+            target = %self.target, lun = self.lun,
+            "{reason}. It answers NOT READY: {}", Remedy::FreeMemory.advice()
+        );
+        volume.set_not_ready(reason, Remedy::FreeMemory);
+    }
+}
+
 fn recall(
     p: &Arc<Persistence>,
-    target: &str,
-    lun: u64,
+    (target, lun): (&str, u64),
     (block_size, page_crcs): (u32, bool),
-    store: Arc<Store>,
+    memory: &LunMemory,
     cancelled: &AtomicBool,
     unkept: Option<Unkept>,
 ) -> Result<Volume, String> {
@@ -924,7 +967,7 @@ fn recall(
         let generation = p.state().generation(target, lun).unwrap_or(0);
         let volume = Volume::new(
             cfg(identity, Readiness::NeedsAcceptance),
-            store,
+            memory.reserved()?,
             Some(p.clone()),
             generation,
         );
@@ -938,11 +981,36 @@ fn recall(
         volume.set_not_ready(reason, remedy);
         return Ok(volume);
     }
+    // A LUN the state directory does not know gets its identity only with
+    // its memory: one that never served must not be recorded.
+    let new_store = if p.state().generation(target, lun).is_none() {
+        match memory.taken() {
+            Ok(store) => Some(store),
+            Err(e) => {
+                let volume = Volume::new(
+                    cfg(Identity::generate(), Readiness::NeedsAcceptance),
+                    memory.reserved()?,
+                    Some(p.clone()),
+                    0,
+                );
+                memory.not_had(&volume, e);
+                return Ok(volume);
+            }
+        }
+    } else {
+        None
+    };
     let recalled = p.state().recall(target, lun).map_err(|e| e.to_string())?;
     let (identity, generation, clean) = match recalled {
         Recall::New(id) => {
             tracing::info!(target, lun, naa = %naa_hex(&id.naa), serial = %id.serial, "new LUN identity");
             let generation = p.state().generation(target, lun).unwrap_or(0);
+            let store = match new_store {
+                Some(store) => store,
+                None => memory
+                    .taken()
+                    .map_err(|e| format!("target {target} LUN {lun}: {e}"))?,
+            };
             let volume = Volume::new(
                 cfg(id, Readiness::Ready),
                 store,
@@ -983,13 +1051,17 @@ fn recall(
         volume.set_not_ready(reason, remedy);
         volume
     };
-    let volume = Volume::new(
-        cfg(identity.clone(), Readiness::NeedsAcceptance),
-        store.clone(),
-        Some(p.clone()),
-        generation,
-    );
+    // NOT READY before the image is read: no memory is taken.
+    let unread = |volume_cfg| -> Result<Volume, String> {
+        Ok(Volume::new(
+            volume_cfg,
+            memory.reserved()?,
+            Some(p.clone()),
+            generation,
+        ))
+    };
     if !clean {
+        let volume = unread(cfg(identity.clone(), Readiness::NeedsAcceptance))?;
         return Ok(refuse(
             volume,
             format!(
@@ -999,6 +1071,7 @@ fn recall(
         ));
     }
     if !path.exists() {
+        let volume = unread(cfg(identity.clone(), Readiness::NeedsAcceptance))?;
         return Ok(refuse(
             volume,
             format!(
@@ -1008,6 +1081,20 @@ fn recall(
             Remedy::ImageBack,
         ));
     }
+    let store = match memory.taken() {
+        Ok(store) => store,
+        Err(e) => {
+            let volume = unread(cfg(identity.clone(), Readiness::NeedsAcceptance))?;
+            memory.not_had(&volume, e);
+            return Ok(volume);
+        }
+    };
+    let volume = Volume::new(
+        cfg(identity.clone(), Readiness::NeedsAcceptance),
+        store.clone(),
+        Some(p.clone()),
+        generation,
+    );
     let expect = ImageIdentity {
         target: target.into(),
         lun,

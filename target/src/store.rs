@@ -26,7 +26,7 @@ use std::ffi::CString;
 use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ramslog_common::verbs;
@@ -76,6 +76,11 @@ pub enum StoreError {
          or use --hugepages auto"
     )]
     HugePagesUnavailable { need: u64, free: u64 },
+    #[error(
+        "cannot get {size} bytes of RAM for the LUN ({source}): free memory (or lower the other \
+         LUNs' sizes)"
+    )]
+    Populate { size: u64, source: std::io::Error },
     #[error("cannot create {size} bytes of LUN memory (memfd): {source}")]
     Create { size: u64, source: std::io::Error },
     #[error("cannot map {size} bytes of LUN memory: {source}")]
@@ -116,6 +121,9 @@ pub struct Store {
     /// 1 + the index in [`FAULT_MARKS`] of this store's fault mark, 0 for
     /// none.
     fault_mark: AtomicUsize,
+    /// Every page is faulted in and locked. A [`Store::reserved`] one holds
+    /// no page until [`Store::make_resident`].
+    resident: AtomicBool,
 }
 
 // SAFETY: the mapping is owned by the Store for its whole life; all access goes
@@ -264,8 +272,106 @@ impl Store {
         store.locked()
     }
 
+    /// `size` bytes of LUN memory named `name` that take no RAM yet: the
+    /// memfd is made and mapped without reserving or faulting in a page,
+    /// and nothing is locked until [`Store::make_resident`]. A NOT READY
+    /// LUN serves no byte, so its memory waits for accept-empty: a LUN whose
+    /// kept memory is held back for a doubt never costs a second copy, and
+    /// one whose memory cannot be had does not stop the start. Huge pages
+    /// as `huge` says, judged now (`auto`: if the pool has them free).
+    pub fn reserved(name: &str, size: u64, huge: HugePages) -> Result<Store, StoreError> {
+        if size == 0 || !size.is_multiple_of(4096) || size > isize::MAX as u64 - HUGE_PAGE as u64 {
+            return Err(StoreError::BadSize(size));
+        }
+        let len = size as usize;
+        let want_huge = match huge {
+            HugePages::Off => false,
+            HugePages::Require => true,
+            HugePages::Auto => free_huge_pages() >= size.div_ceil(HUGE_PAGE as u64),
+        };
+        let (mapped, pages) = if want_huge {
+            (len.div_ceil(HUGE_PAGE) * HUGE_PAGE, PageKind::Huge2M)
+        } else {
+            (len, PageKind::Normal)
+        };
+        let memory =
+            sealed_memfd(name, mapped as u64, want_huge).map_err(|source| StoreError::Create {
+                size: mapped as u64,
+                source,
+            })?;
+        let store = Self::map_memory(memory, len, mapped, pages, false)?;
+        store.resident.store(false, Ordering::Release);
+        Ok(store)
+    }
+
+    /// Whether every page is faulted in and locked (not a
+    /// [`Store::reserved`] one still waiting).
+    pub fn is_resident(&self) -> bool {
+        self.resident.load(Ordering::Acquire)
+    }
+
+    /// Fault in and lock every page of a [`Store::reserved`] store (nothing
+    /// to do for one that is resident). When the RAM or the huge pages are
+    /// not there, what was taken is given back and the store stays as it
+    /// was: the error says what to free.
+    pub fn make_resident(&self) -> Result<(), StoreError> {
+        if self.is_resident() {
+            return Ok(());
+        }
+        // SAFETY: advice on the mapping this Store owns. POPULATE_WRITE
+        // faults every page in and returns an error where a touch would
+        // raise SIGBUS (a huge page pool run dry).
+        let populated = unsafe {
+            libc::madvise(
+                self.base.as_ptr().cast(),
+                self.mapped,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+        let failed = if populated != 0 {
+            let source = std::io::Error::last_os_error();
+            Some(match self.pages {
+                PageKind::Huge2M => StoreError::HugePagesUnavailable {
+                    need: (self.mapped / HUGE_PAGE) as u64,
+                    free: free_huge_pages(),
+                },
+                PageKind::Normal => StoreError::Populate {
+                    size: self.len as u64,
+                    source,
+                },
+            })
+        } else {
+            self.lock().err()
+        };
+        if let Some(e) = failed {
+            self.give_back();
+            return Err(e);
+        }
+        self.resident.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Return the pages a failed [`Store::make_resident`] took (the memfd
+    /// keeps its size; its pages read as zero again).
+    fn give_back(&self) {
+        use rustix::fs::FallocateFlags;
+        if let Err(e) = rustix::fs::fallocate(
+            &self.memory,
+            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+            0,
+            self.mapped as u64,
+        ) {
+            tracing::warn!("cannot give back the LUN memory taken: {e}");
+        }
+    }
+
     /// This store with its whole mapping locked in RAM.
     fn locked(self) -> Result<Store, StoreError> {
+        self.lock()?;
+        Ok(self)
+    }
+
+    fn lock(&self) -> Result<(), StoreError> {
         // SAFETY: [base, base+mapped) is the mapping this Store owns.
         if unsafe { libc::mlock(self.base.as_ptr().cast(), self.mapped) } != 0 {
             let source = std::io::Error::last_os_error();
@@ -275,7 +381,7 @@ impl Store {
                 source,
             });
         }
-        Ok(self)
+        Ok(())
     }
 
     /// The sealed memfd and its shared, prefaulted, undumped mapping; `len`
@@ -291,7 +397,7 @@ impl Store {
                 size: mapped as u64,
                 source,
             })?;
-        Self::map_memory(memory, len, mapped, pages)
+        Self::map_memory(memory, len, mapped, pages, true)
     }
 
     /// Take over the memory a predecessor handed on: `memory` must be a
@@ -326,17 +432,24 @@ impl Store {
         } else {
             PageKind::Normal
         };
-        Self::map_memory(memory, len as usize, mapped as usize, pages)?.locked()
+        Self::map_memory(memory, len as usize, mapped as usize, pages, true)?.locked()
     }
 
     /// The memory of the file for `len` bytes of LUN: mapped shared and
-    /// prefaulted, left out of core dumps (not yet locked).
+    /// left out of core dumps (not yet locked); prefaulted when `populate`,
+    /// otherwise reserving nothing (huge pages included) until touched.
     fn map_memory(
         memory: OwnedFd,
         len: usize,
         mapped: usize,
         pages: PageKind,
+        populate: bool,
     ) -> Result<Store, StoreError> {
+        let how = if populate {
+            libc::MAP_POPULATE
+        } else {
+            libc::MAP_NORESERVE
+        };
         // SAFETY: a shared mapping of the whole file, with no address hint;
         // the result is checked.
         let p = unsafe {
@@ -344,7 +457,7 @@ impl Store {
                 std::ptr::null_mut(),
                 mapped,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED | how,
                 memory.as_raw_fd(),
                 0,
             )
@@ -367,6 +480,7 @@ impl Store {
             pages,
             memory,
             fault_mark: AtomicUsize::new(0),
+            resident: AtomicBool::new(true),
         };
         // SAFETY: advice on the mapping made above, which the Store owns.
         if unsafe { libc::madvise(p, mapped, libc::MADV_DONTDUMP) } != 0 {
@@ -904,6 +1018,43 @@ mod tests {
             .expect("VmFlags")
             .to_string();
         (header, flags)
+    }
+
+    /// `Rss:` and `Locked:` of the store's mapping, in KiB.
+    fn smaps_rss_locked(s: &Store) -> (u64, u64) {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+        let start = format!("{:x}-", s.base.as_ptr() as usize);
+        let lines: Vec<&str> = smaps
+            .lines()
+            .skip_while(|l| !l.starts_with(&start))
+            .skip(1)
+            .take_while(|l| !l.starts_with("VmFlags:"))
+            .collect();
+        let kib = |key: &str| {
+            lines
+                .iter()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+                .unwrap_or_else(|| panic!("no {key} in {lines:?}"))
+        };
+        (kib("Rss:"), kib("Locked:"))
+    }
+
+    /// Reserved memory holds no page until made resident; then every page
+    /// is in and locked, and a second call changes nothing.
+    #[test]
+    fn reserved_memory_takes_no_ram_until_made_resident() {
+        let s = Store::reserved("ramslog reserved LUN", 8 << 20, HugePages::Off).expect("store");
+        assert!(!s.is_resident());
+        assert_eq!(smaps_rss_locked(&s), (0, 0), "pages taken before use");
+        s.make_resident().expect("resident");
+        assert!(s.is_resident());
+        assert_eq!(smaps_rss_locked(&s), (8 << 10, 8 << 10));
+        s.make_resident().expect("again");
+        s.write(4096, &[9; 16]).expect("write");
+        let mut b = [0; 16];
+        s.read(4096, &mut b).expect("read");
+        assert_eq!(b, [9; 16]);
     }
 
     /// The LUN memory can outlive the process only as a shared mapping of a

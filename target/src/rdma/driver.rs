@@ -43,7 +43,7 @@ pub(super) struct Driver<'a> {
     pub(super) send: SlotRing,
     /// Registered after login.
     pub(super) large: Option<LargeBuffers>,
-    pub(super) regions: &'a [RdmaRegion],
+    pub(super) regions: &'a [super::LunRegistration],
     pub(super) conn: Connection,
     /// Send slots Rust holds (their last SEND completed).
     pub(super) free_send: Vec<Slot>,
@@ -532,6 +532,7 @@ impl Driver<'_> {
     fn volume_sge(&self, volume: VolumeId, offset: u64, len: u32) -> Result<verbs::Sge, ConnError> {
         self.regions
             .get(volume.index())
+            .and_then(|r| r.region(self.pd))
             .and_then(|r| r.sge(offset, len))
             .ok_or_else(|| {
                 ConnError::Protocol(format!(

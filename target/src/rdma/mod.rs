@@ -213,13 +213,68 @@ fn listen_on(channel: &EventChannel, addr: SocketAddr) -> Result<CmId, verbs::Er
 
 /// What one RDMA device shares between its connections: the protection
 /// domain and every volume registered once (`regions[i]` for `VolumeId`
-/// i). The entry holds the device open; it leaves the cache when the
+/// i, see [`LunRegistration`]). The entry holds the device open; it leaves the cache when the
 /// device is removed, and the device closes once the connections that still
 /// hold the entry have ended.
 struct DeviceResources {
     device: Device,
     pd: Arc<ProtectionDomain>,
-    regions: Vec<RdmaRegion>,
+    regions: Vec<LunRegistration>,
+}
+
+/// A LUN's memory registered with one device: at the device's first use
+/// when the memory is resident, at the LUN's first transfer when
+/// accept-empty made it resident later (a NOT READY LUN's memory is not
+/// taken, so it cannot be registered at start).
+pub(super) struct LunRegistration {
+    store: Arc<crate::store::Store>,
+    region: std::sync::OnceLock<RdmaRegion>,
+}
+
+impl LunRegistration {
+    fn new(
+        store: &Arc<crate::store::Store>,
+        pd: &Arc<ProtectionDomain>,
+    ) -> Result<LunRegistration, verbs::Error> {
+        let region = std::sync::OnceLock::new();
+        if store.is_resident() {
+            let _ = region.set(store.register_rdma(pd)?);
+        }
+        Ok(LunRegistration {
+            store: store.clone(),
+            region,
+        })
+    }
+
+    /// The registration, made now if the memory became resident since;
+    /// `None` while it is not (nothing transfers to a NOT READY LUN).
+    pub(super) fn region(&self, pd: &Arc<ProtectionDomain>) -> Option<&RdmaRegion> {
+        if let Some(r) = self.region.get() {
+            return Some(r);
+        }
+        if !self.store.is_resident() {
+            return None;
+        }
+        let started = std::time::Instant::now();
+        match self.store.register_rdma(pd) {
+            // Two connections may race here: the loser's region is dropped
+            // (deregistered) and both use the winner's.
+            Ok(r) => {
+                if self.region.set(r).is_ok() {
+                    tracing::info!(
+                        bytes = self.store.len(),
+                        ms = started.elapsed().as_secs_f64() * 1e3,
+                        "iSER: LUN memory made resident by accept-empty registered with the RDMA device"
+                    );
+                }
+                self.region.get()
+            }
+            Err(e) => {
+                tracing::error!("iSER: cannot register LUN memory with the RDMA device: {e}");
+                None
+            }
+        }
+    }
 }
 
 fn device_resources(
@@ -238,12 +293,17 @@ fn device_resources(
     let regions = portal
         .volumes
         .iter()
-        .map(|v| v.store().register_rdma(&pd))
+        .map(|v| LunRegistration::new(v.store(), &pd))
         .collect::<Result<Vec<_>, _>>()?;
     tracing::info!(
         device = %dev.name(),
         luns = regions.len(),
-        bytes = portal.volumes.iter().map(|v| v.store().len()).sum::<u64>(),
+        bytes = portal
+            .volumes
+            .iter()
+            .filter(|v| v.store().is_resident())
+            .map(|v| v.store().len())
+            .sum::<u64>(),
         ms = started.elapsed().as_secs_f64() * 1e3,
         "iSER: LUN memory registered with the RDMA device"
     );

@@ -260,6 +260,10 @@ pub enum Remedy {
     ImageBack,
     /// A stop came during the restore: the image is intact.
     StartAgain,
+    /// The LUN could not get its memory (RAM, the memory lock limit, huge
+    /// pages): its image or kept memory is untouched and decides again at
+    /// the next start that has the memory.
+    FreeMemory,
 }
 
 impl Remedy {
@@ -279,6 +283,11 @@ impl Remedy {
                  would make this a new, empty device)"
             }
             Remedy::StartAgain => "start the daemon again: its image is intact",
+            Remedy::FreeMemory => {
+                "free memory (or reserve the huge pages, or raise the limit, the reason names) and \
+                 restart the daemon: its content is intact in its image or kept memory, which \
+                 decides again at that start (accept-empty would throw it away)"
+            }
         }
     }
 }
@@ -985,6 +994,28 @@ impl Volume {
     pub fn accept_empty(&self, new: Identity, announce: impl FnOnce()) -> Result<(), String> {
         let _imaging = self.imaging();
         let (target, lun) = (self.target.as_str(), self.lun);
+        {
+            let m = self.meta();
+            if m.remedy == Some(Remedy::FreeMemory) {
+                return Err(format!(
+                    "{target} LUN {lun} has no memory, but its content is intact ({}): {}; \
+                     nothing changed",
+                    m.not_ready_reason
+                        .as_deref()
+                        .unwrap_or("no reason recorded"),
+                    Remedy::FreeMemory.advice()
+                ));
+            }
+        }
+        // A NOT READY LUN's memory is taken only now: if it cannot be had,
+        // nothing has changed yet.
+        let fresh = !self.store.is_resident();
+        self.store.make_resident().map_err(|e| {
+            format!(
+                "{target} LUN {lun} cannot get its memory, nothing changed: {e}. Free memory and \
+                 run accept-empty again"
+            )
+        })?;
         let old = {
             let mut m = self.meta();
             if self.fenced.load(Ordering::SeqCst) {
@@ -1040,8 +1071,11 @@ impl Volume {
                 ),
             }
         }
-        // Whatever a failed restore left behind goes.
-        let _ = self.store.zero(0, self.store.len() as usize);
+        // Whatever a failed restore left behind goes (memory taken just now
+        // is zero).
+        if !fresh {
+            let _ = self.store.zero(0, self.store.len() as usize);
+        }
         if let Some(p) = self.pages() {
             p.zeroed();
         }

@@ -140,17 +140,21 @@ impl<'a> PageCrcs<'a> {
         started.elapsed()
     }
 
-    /// Every page zero: one checksum for all (the last page's may differ).
+    /// Every page zero: one checksum for all (the last page's may be
+    /// shorter). Computed, never read: memory not yet taken
+    /// ([`Store::reserved`]) must not be touched.
     pub fn zeroed(&self) {
-        let full = u64::from(crc32c::crc32c(&[0u8; PAGE as usize]));
+        const ZEROS: [u8; PAGE as usize] = [0; PAGE as usize];
+        let full = u64::from(crc32c::crc32c(&ZEROS));
         for page in 0..self.pages {
             if let Some(slot) = self.slot(page) {
                 slot.store(full, Ordering::SeqCst);
             }
         }
         let last = self.pages - 1;
+        let tail = (self.data.len() - last * PAGE).min(PAGE) as usize;
         if let Some(slot) = self.slot(last) {
-            slot.store(self.crc(last), Ordering::SeqCst);
+            slot.store(u64::from(crc32c::crc32c(&ZEROS[..tail])), Ordering::SeqCst);
         }
     }
 
