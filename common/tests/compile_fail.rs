@@ -115,6 +115,38 @@ mod with_rdma {
         );
     }
 
+    /// What the post snippets share: a buffer, a work request, an id.
+    const POST_USE: &str =
+        "use ramslog_common::verbs::{CmId, RegisteredBuffer, SendOp, SendWr, WrId};\n";
+
+    /// An entry kept past its buffer's drop would name a key the next
+    /// registration may reuse, over memory that is gone: it must not be
+    /// posted, or outlive the buffer at all.
+    #[test]
+    #[should_panic(expected = "expected E0505")]
+    fn an_sge_does_not_outlive_its_region() {
+        let post = |before_post: &str| {
+            format!(
+                "{POST_USE}pub fn send(id: &CmId, b: RegisteredBuffer) {{\n\
+                 let Some(sge) = b.sge(0, 512) else {{ return }};\n\
+                 {before_post}\n\
+                 let wr = SendWr {{ wr_id: WrId::default(), op: SendOp::Send, sge, signaled: true, inline: false }};\n\
+                 let _ = id.post_send(&wr);\n\
+                 drop(b);\n}}\n"
+            )
+        };
+        check(&post(""), &post("let b2 = b;\ndrop(b2);"), "E0505");
+        check(
+            &format!(
+                "{POST_USE}pub fn entry(b: &RegisteredBuffer) -> Option<ramslog_common::verbs::Sge<'_>> {{ b.sge(0, 512) }}\n"
+            ),
+            &format!(
+                "{POST_USE}pub fn stale(b: RegisteredBuffer) -> Option<ramslog_common::verbs::Sge<'static>> {{ b.sge(0, 512) }}\n"
+            ),
+            "E0515",
+        );
+    }
+
     #[test]
     fn a_registered_buffer_is_only_ever_copied() {
         check(
