@@ -109,8 +109,8 @@ mod with_rdma {
         check(
             "use ramslog_common::verbs::{RegisteredBuffer, Sge};\n\
          pub fn slot(b: &RegisteredBuffer, i: usize) -> Option<Sge> { b.sge(i * 512, 512) }\n",
-            "pub fn forged() -> ramslog_common::verbs::Sge {\n\
-         ramslog_common::verbs::Sge { addr: 0x1000, len: 4096, lkey: 1 }\n}\n",
+            "pub fn forged() -> ramslog_common::verbs::Sge<'static> {\n\
+         ramslog_common::verbs::Sge { addr: 0x1000, len: 4096, lkey: 1, region: std::marker::PhantomData }\n}\n",
             "E0451",
         );
     }
@@ -123,7 +123,6 @@ mod with_rdma {
     /// registration may reuse, over memory that is gone: it must not be
     /// posted, or outlive the buffer at all.
     #[test]
-    #[should_panic(expected = "expected E0505")]
     fn an_sge_does_not_outlive_its_region() {
         let post = |before_post: &str| {
             format!(

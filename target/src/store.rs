@@ -943,7 +943,7 @@ impl RdmaRegion {
     }
 
     /// The scatter entry for `len` bytes at `offset`, if they lie inside the LUN.
-    pub fn sge(&self, offset: u64, len: u32) -> Option<verbs::Sge> {
+    pub fn sge(&self, offset: u64, len: u32) -> Option<verbs::Sge<'_>> {
         let off = self.store.check(offset, len as usize).ok()?;
         self.mr.sge(off, len)
     }

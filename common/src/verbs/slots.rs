@@ -182,37 +182,48 @@ impl SlotBuffer {
         Some(unsafe { std::slice::from_raw_parts_mut(self.mem.as_ptr().add(start), len) })
     }
 
-    fn lend(&mut self, slot: &Slot, len: usize) -> Option<(WrId, Sge)> {
+    /// The request id and entry for the first `len` bytes of `slot`. The
+    /// slot is lent ([`Self::lent_out`]) once its request is posted.
+    fn entry(&self, slot: &Slot, len: usize) -> Option<(WrId, Sge<'_>)> {
         let start = self.start(slot, len)?;
         let sge = self.mem.sge(start, len as u32)?;
-        self.lent[slot.index as usize] = true;
         Some((WrId::lent(self.kind, self.number, slot.index), sge))
+    }
+
+    /// The adapter has `slots` now: their requests were posted.
+    fn lent_out(&mut self, slots: &[Slot]) {
+        for s in slots {
+            if let Some(l) = self.lent.get_mut(s.index as usize) {
+                *l = true;
+            }
+        }
     }
 
     /// Post a receive into each of `slots` (whole slots), in order, and
     /// empty it (its capacity stays, for the next batch). On failure, the
     /// slots not posted stay in `slots`, still Rust's.
     pub fn post_recv(&mut self, id: &CmId, slots: &mut Vec<Slot>) -> Result<()> {
-        let mut wrs = [RecvWr {
-            wr_id: WrId::default(),
-            sge: Sge::default(),
-        }; RECV_BATCH];
         let mut done = 0;
         while done < slots.len() {
             let n = (slots.len() - done).min(RECV_BATCH);
+            let mut wrs = [RecvWr {
+                wr_id: WrId::default(),
+                sge: Sge::default(),
+            }; RECV_BATCH];
             for i in 0..n {
-                let Some((wr_id, sge)) = self.lend(&slots[done + i], self.slot_len) else {
-                    self.unlend(&slots[done..done + i]);
+                let Some((wr_id, sge)) = self.entry(&slots[done + i], self.slot_len) else {
                     slots.drain(..done);
                     return Err(Error::from_errno("ibv_post_recv", libc::EINVAL));
                 };
                 wrs[i] = RecvWr { wr_id, sge };
             }
-            if let Err(PostError { posted, error }) = id.post_recv_lent(&wrs[..n]) {
-                self.unlend(&slots[done + posted..done + n]);
+            let posted = id.post_recv_lent(&wrs[..n]);
+            if let Err(PostError { posted, error }) = posted {
+                self.lent_out(&slots[done..done + posted]);
                 slots.drain(..done + posted);
                 return Err(error);
             }
+            self.lent_out(&slots[done..done + n]);
             done += n;
         }
         slots.clear();
@@ -228,7 +239,7 @@ impl SlotBuffer {
         len: usize,
         op: SendOp,
     ) -> std::result::Result<(), SendFailed> {
-        let Some((wr_id, sge)) = self.lend(&slot, len) else {
+        let Some((wr_id, sge)) = self.entry(&slot, len) else {
             return Err(SendFailed {
                 slot,
                 error: Error::from_errno("ibv_post_send", libc::EINVAL),
@@ -242,23 +253,14 @@ impl SlotBuffer {
             inline: false,
         };
         match id.post_send_lent(std::slice::from_ref(&wr)) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.unlend(std::slice::from_ref(&slot));
-                Err(SendFailed {
-                    slot,
-                    error: e.error,
-                })
+            Ok(()) => {
+                self.lent_out(std::slice::from_ref(&slot));
+                Ok(())
             }
-        }
-    }
-
-    /// Slots whose request was never posted: still Rust's.
-    fn unlend(&mut self, slots: &[Slot]) {
-        for s in slots {
-            if let Some(l) = self.lent.get_mut(s.index as usize) {
-                *l = false;
-            }
+            Err(e) => Err(SendFailed {
+                slot,
+                error: e.error,
+            }),
         }
     }
 

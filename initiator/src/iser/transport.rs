@@ -10,7 +10,7 @@ use ramslog_common::iscsi::Bhs;
 use ramslog_common::iser::{self, peer, Header};
 use ramslog_common::verbs::{
     Access, CmEventKind, CmId, CompletionChannel, CompletionQueue, ConnParam, EventChannel,
-    ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr, WrId,
+    ProtectionDomain, QpCaps, RecvWr, RegisteredBuffer, SendOp, SendWr, Sge, WrId,
 };
 
 use super::{IserOptions, IserProfile, EXTRA_SLOTS, HEADERS_LEN, RECV_WR, SEND_SLOT_LEN, SEND_WR};
@@ -31,7 +31,8 @@ pub(super) struct Rdma {
     pub(super) send_cq: Arc<CompletionQueue>,
     pub(super) comp: Arc<CompletionChannel>,
     pub(super) recv: Vec<RegisteredBuffer>,
-    pub(super) reposts: Vec<RecvWr>,
+    /// Receive slots to post again at the next flush.
+    pub(super) reposts: Vec<usize>,
     pub(super) send: RegisteredBuffer,
     pub(super) free_send: Vec<usize>,
     pub(super) pd: Arc<ProtectionDomain>,
@@ -141,21 +142,46 @@ impl Rdma {
     }
 
     pub(super) fn queue_recv(&mut self, slot: usize) -> Result<(), Error> {
-        let sge = self.recv[slot]
-            .sge(0, self.recv_len as u32)
-            .ok_or_else(|| Error::Rdma("receive slot outside its buffer".into()))?;
-        self.reposts.push(RecvWr {
-            wr_id: WrId::new(RECV_WR, slot as u32),
-            sge,
-        });
+        self.recv_entry(slot)?;
+        self.reposts.push(slot);
         Ok(())
     }
 
+    /// The receive request for `slot` (its entry borrows the buffer).
+    fn recv_entry(&self, slot: usize) -> Result<RecvWr<'_>, Error> {
+        let sge = self
+            .recv
+            .get(slot)
+            .and_then(|b| b.sge(0, self.recv_len as u32))
+            .ok_or_else(|| Error::Rdma("receive slot outside its buffer".into()))?;
+        Ok(RecvWr {
+            wr_id: WrId::new(RECV_WR, slot as u32),
+            sge,
+        })
+    }
+
+    /// Post the queued receives, in batches built on the stack: the data
+    /// path allocates nothing per command.
     pub(super) fn flush_reposts(&mut self) -> Result<(), Error> {
-        if !self.reposts.is_empty() {
-            self.id.post_recv(&self.reposts)?;
-            self.reposts.clear();
+        const BATCH: usize = 16;
+        let mut done = 0;
+        while done < self.reposts.len() {
+            let n = (self.reposts.len() - done).min(BATCH);
+            let mut wrs = [RecvWr {
+                wr_id: WrId::default(),
+                sge: Sge::default(),
+            }; BATCH];
+            for (wr, &slot) in wrs.iter_mut().zip(&self.reposts[done..done + n]) {
+                *wr = self.recv_entry(slot)?;
+            }
+            if let Err(e) = self.id.post_recv_batch(&wrs[..n]) {
+                // Those posted are the adapter's: never posted twice.
+                self.reposts.drain(..done + e.posted);
+                return Err(e.error.into());
+            }
+            done += n;
         }
+        self.reposts.clear();
         Ok(())
     }
 

@@ -76,7 +76,7 @@ pub(super) struct Driver<'a> {
 /// connect.
 const RESTART_TIME2WAIT: u16 = 1;
 
-impl Driver<'_> {
+impl<'a> Driver<'a> {
     /// RDMA READs into LUN memory still posted: once the queue pair is
     /// destroyed they can no longer land, and their count is lowered.
     pub(super) fn reads_into_lun(&self) -> usize {
@@ -446,22 +446,23 @@ impl Driver<'_> {
         buf: &RegisteredBuffer,
         start: usize,
         len: usize,
-    ) -> Result<verbs::Sge, ConnError> {
+    ) -> Result<verbs::Sge<'_>, ConnError> {
         buf.sge(start, len as u32)
             .ok_or_else(|| ConnError::Protocol("slot outside its buffer".into()))
     }
 
-    /// Post one send-queue request. All are signaled: every completion frees
-    /// a slot or a credit, and the send CQ wakes nobody unless armed.
-    fn post(&mut self, wr_id: WrId, op: SendOp, sge: verbs::Sge) -> Result<(), ConnError> {
-        self.id.post_send(&SendWr {
+    /// Post one send-queue request on `id` (the caller counts it in
+    /// `sq_in_flight` once `sge`'s borrow of its buffer has ended). All are
+    /// signaled: every completion frees a slot or a credit, and the send CQ
+    /// wakes nobody unless armed.
+    fn post_on(id: &CmId, wr_id: WrId, op: SendOp, sge: verbs::Sge<'_>) -> Result<(), ConnError> {
+        id.post_send(&SendWr {
             wr_id,
             op,
             sge,
             signaled: true,
             inline: false,
         })?;
-        self.sq_in_flight += 1;
         Ok(())
     }
 
@@ -529,10 +530,19 @@ impl Driver<'_> {
     }
 
     /// The registered bytes of a volume: `regions` is indexed by [`VolumeId`].
-    fn volume_sge(&self, volume: VolumeId, offset: u64, len: u32) -> Result<verbs::Sge, ConnError> {
-        self.regions
+    /// The entry borrows the regions (`'a`, the connection's device entry),
+    /// not this driver.
+    fn volume_sge(
+        &self,
+        volume: VolumeId,
+        offset: u64,
+        len: u32,
+    ) -> Result<verbs::Sge<'a>, ConnError> {
+        let (regions, pd): (&'a [super::LunRegistration], &'a Arc<ProtectionDomain>) =
+            (self.regions, self.pd);
+        regions
             .get(volume.index())
-            .and_then(|r| r.region(self.pd))
+            .and_then(|r| r.region(pd))
             .and_then(|r| r.sge(offset, len))
             .ok_or_else(|| {
                 ConnError::Protocol(format!(
@@ -560,7 +570,8 @@ impl Driver<'_> {
                 len,
             } => {
                 let sge = self.volume_sge(volume, offset, len)?;
-                self.post(WrId::new(wr::WRITE_STORE, 0), op, sge)?;
+                Self::post_on(self.id, WrId::new(wr::WRITE_STORE, 0), op, sge)?;
+                self.sq_in_flight += 1;
                 Ok(Posted::Done)
             }
             OutData::Owned(v) => {
@@ -587,7 +598,8 @@ impl Driver<'_> {
                     ));
                 }
                 let sge = Self::buffer_sge(&large.datain, start, v.len())?;
-                self.post(WrId::new(wr::DATAIN, slot), op, sge)?;
+                Self::post_on(self.id, WrId::new(wr::DATAIN, slot), op, sge)?;
+                self.sq_in_flight += 1;
                 Ok(Posted::Done)
             }
         }
@@ -658,7 +670,8 @@ impl Driver<'_> {
         // which lowers the count once the queue pair is gone.
         self.reads
             .record(read_slot, PendingRead { tag, len, bounce });
-        self.post(
+        Self::post_on(
+            self.id,
             WrId::new(wr::READ, read_slot as u32),
             SendOp::RdmaRead {
                 remote_addr,
@@ -666,6 +679,7 @@ impl Driver<'_> {
             },
             sge,
         )?;
+        self.sq_in_flight += 1;
         self.reads.posted();
         Ok(Posted::Done)
     }

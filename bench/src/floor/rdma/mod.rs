@@ -139,7 +139,7 @@ fn set_byte(b: &RegisteredBuffer, at: usize, v: u8) -> Result<()> {
     b.write(at, &[v]).context("byte outside its buffer")
 }
 
-fn sge(b: &RegisteredBuffer, len: usize) -> Result<Sge> {
+fn sge(b: &RegisteredBuffer, len: usize) -> Result<Sge<'_>> {
     b.sge(0, len as u32)
         .ok_or_else(|| anyhow!("{len} bytes do not fit a {}-byte buffer", b.len()))
 }

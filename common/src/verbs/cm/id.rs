@@ -418,20 +418,20 @@ impl CmId {
 
     /// Post one send-queue work request (`ibv_post_send`). ENOTCONN if the
     /// id has no QP; ENOMEM when the send queue is full.
-    pub fn post_send(&self, wr: &SendWr) -> Result<()> {
+    pub fn post_send(&self, wr: &SendWr<'_>) -> Result<()> {
         self.post_send_batch(std::slice::from_ref(wr))
             .map_err(Error::from)
     }
 
     /// Post several send-queue work requests, chained (16 per call into the
     /// provider). On failure, [`PostError::posted`] says how many went.
-    pub fn post_send_batch(&self, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+    pub fn post_send_batch(&self, wrs: &[SendWr<'_>]) -> std::result::Result<(), PostError> {
         refuse_reserved_ids("ibv_post_send", wrs.iter().map(|w| w.wr_id))?;
         self.post_send_lent(wrs)
     }
 
     /// Post without the check on ids: for SlotBuffer, whose lent ids it is.
-    pub(crate) fn post_send_lent(&self, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+    pub(crate) fn post_send_lent(&self, wrs: &[SendWr<'_>]) -> std::result::Result<(), PostError> {
         let qp = self
             .qp_or_err("ibv_post_send")
             .map_err(|error| PostError { posted: 0, error })?;
@@ -441,19 +441,19 @@ impl CmId {
     /// Post receive work requests (`ibv_post_recv`), chained in chunks of
     /// up to 64 built on the stack. On failure some may have been posted:
     /// use [`post_recv_batch`](Self::post_recv_batch) to learn how many.
-    pub fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
         self.post_recv_batch(wrs).map_err(Error::from)
     }
 
     /// As [`post_recv`](Self::post_recv), reporting how many were posted
     /// before a failure.
-    pub fn post_recv_batch(&self, wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
+    pub fn post_recv_batch(&self, wrs: &[RecvWr<'_>]) -> std::result::Result<(), PostError> {
         refuse_reserved_ids("ibv_post_recv", wrs.iter().map(|w| w.wr_id))?;
         self.post_recv_lent(wrs)
     }
 
     /// Post without the check on ids: for SlotBuffer, whose lent ids it is.
-    pub(crate) fn post_recv_lent(&self, wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
+    pub(crate) fn post_recv_lent(&self, wrs: &[RecvWr<'_>]) -> std::result::Result<(), PostError> {
         let qp = self
             .qp_or_err("ibv_post_recv")
             .map_err(|error| PostError { posted: 0, error })?;

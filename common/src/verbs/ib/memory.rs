@@ -173,7 +173,7 @@ impl MemoryRegion {
     }
     /// A scatter/gather entry for `[offset, offset + len)` of this region,
     /// or `None` when that range is not inside it.
-    pub fn sge(&self, offset: usize, len: u32) -> Option<Sge> {
+    pub fn sge(&self, offset: usize, len: u32) -> Option<Sge<'_>> {
         sge_in(self.addr, self.len, self.lkey, offset, len)
     }
 }
@@ -197,20 +197,25 @@ impl fmt::Debug for MemoryRegion {
 }
 
 /// `[offset, offset + len)` inside a region of `region_len` bytes at `base`.
-pub(crate) fn sge_in(
+pub(crate) fn sge_in<'r>(
     base: u64,
     region_len: usize,
     lkey: u32,
     offset: usize,
     len: u32,
-) -> Option<Sge> {
+) -> Option<Sge<'r>> {
     let end = offset.checked_add(usize::try_from(len).ok()?)?;
     if end > region_len {
         return None;
     }
     let addr = base.checked_add(u64::try_from(offset).ok()?)?;
     addr.checked_add(u64::from(len))?;
-    Some(Sge { addr, len, lkey })
+    Some(Sge {
+        addr,
+        len,
+        lkey,
+        region: std::marker::PhantomData,
+    })
 }
 
 // ---------------------------------------------------------------- buffer
@@ -445,7 +450,7 @@ impl RegisteredBuffer {
 
     /// A scatter/gather entry for `[offset, offset + len)`, or `None` when
     /// that range is not inside the buffer.
-    pub fn sge(&self, offset: usize, len: u32) -> Option<Sge> {
+    pub fn sge(&self, offset: usize, len: u32) -> Option<Sge<'_>> {
         self.mr.sge(offset, len)
     }
 }

@@ -5,33 +5,44 @@ use super::*;
 
 // ---------------------------------------------------------------- work requests
 
-/// A scatter/gather entry: `len` bytes at `addr` in a region with `lkey`.
+/// A scatter/gather entry: `len` bytes at `addr` in a region with `lkey`,
+/// borrowing that region (`'r`).
 ///
 /// Made only by [`MemoryRegion::sge`] and [`RegisteredBuffer::sge`], which
 /// check the range against the registered memory: safe code cannot point
-/// the adapter at memory it does not own. The default is the empty entry
-/// (no bytes), a placeholder to be overwritten before posting.
+/// the adapter at memory it does not own. The borrow keeps the region
+/// registered until the entry is posted: an entry kept past its region's
+/// drop would name a key the next registration may reuse, over memory that
+/// is gone. (Once posted, the region's drop deregisters it, after which the
+/// adapter touches none of its memory.) The default is the empty entry (no
+/// bytes), a placeholder to be overwritten before posting.
 ///
 /// ```
 /// use ramslog_common::verbs::{RegisteredBuffer, Sge};
 /// // The way to an entry: a range of registered memory, checked.
-/// fn slot(b: &RegisteredBuffer, i: usize) -> Option<Sge> {
+/// fn slot(b: &RegisteredBuffer, i: usize) -> Option<Sge<'_>> {
 ///     b.sge(i * 512, 512)
 /// }
 /// ```
 ///
 /// ```compile_fail,E0451
 /// // Any address and key from safe code: refused by the compiler.
-/// let _ = ramslog_common::verbs::Sge { addr: 0x1000, len: 4096, lkey: 1 };
+/// let _ = ramslog_common::verbs::Sge {
+///     addr: 0x1000,
+///     len: 4096,
+///     lkey: 1,
+///     region: std::marker::PhantomData,
+/// };
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Sge {
+pub struct Sge<'r> {
     pub(super) addr: u64,
     pub(super) len: u32,
     pub(super) lkey: u32,
+    pub(super) region: std::marker::PhantomData<&'r ()>,
 }
 
-impl Sge {
+impl Sge<'_> {
     pub fn addr(&self) -> u64 {
         self.addr
     }
@@ -65,10 +76,10 @@ pub enum SendOp {
 
 /// One send-queue work request with a single SGE (`len == 0`: no SGE).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SendWr {
+pub struct SendWr<'r> {
     pub wr_id: WrId,
     pub op: SendOp,
-    pub sge: Sge,
+    pub sge: Sge<'r>,
     /// Generate a completion (the QP has sq_sig_all = 0).
     pub signaled: bool,
     /// Copy the data into the WQE (`IBV_SEND_INLINE`): the buffer is free as
@@ -79,9 +90,9 @@ pub struct SendWr {
 
 /// One receive work request with a single SGE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RecvWr {
+pub struct RecvWr<'r> {
     pub wr_id: WrId,
-    pub sge: Sge,
+    pub sge: Sge<'r>,
 }
 
 /// A batch post that failed part-way: the first `posted` work requests were
@@ -103,7 +114,7 @@ impl From<PostError> for Error {
 const SEND_CHUNK: usize = 16;
 const RECV_CHUNK: usize = 64;
 
-fn raw_sge(s: &Sge) -> ffi::ibv_sge {
+fn raw_sge(s: &Sge<'_>) -> ffi::ibv_sge {
     ffi::ibv_sge {
         addr: s.addr,
         length: s.len,
@@ -147,7 +158,7 @@ fn chunk_posted<T>(
 /// the stack.
 pub(crate) fn post_send(
     qp: NonNull<ffi::ibv_qp>,
-    wrs: &[SendWr],
+    wrs: &[SendWr<'_>],
 ) -> std::result::Result<(), PostError> {
     const OP: &str = "ibv_post_send";
     let qp = qp.as_ptr();
@@ -231,7 +242,7 @@ pub(crate) fn post_send(
 /// on the stack.
 pub(crate) fn post_recv(
     qp: NonNull<ffi::ibv_qp>,
-    wrs: &[RecvWr],
+    wrs: &[RecvWr<'_>],
 ) -> std::result::Result<(), PostError> {
     const OP: &str = "ibv_post_recv";
     let qp = qp.as_ptr();
