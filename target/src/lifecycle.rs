@@ -26,6 +26,8 @@ use crate::volume::{
 /// (the volumes are fenced either way: nothing more is acknowledged).
 pub const CONNECTION_DRAIN: Duration = Duration::from_secs(10);
 
+mod take_over;
+
 /// Why the state directory could not be opened.
 #[derive(Debug)]
 pub enum OpenError {
@@ -436,55 +438,6 @@ fn adopt_kept(
     lun: u64,
     (size, block_size, verify): (u64, u32, bool),
 ) -> Result<Volume, Unkept> {
-    let image = |why: String| Unkept::Image(why);
-    match (source, &r.state) {
-        (
-            Source::Restart { token },
-            KeptState::HandedOver {
-                token: t,
-                ready: true,
-            },
-        ) if t == token => {}
-        (Source::Restart { .. }, other) => {
-            return Err(image(format!(
-                "its record says {other:?}, not handed over by this restart"
-            )))
-        }
-        (Source::Holder { .. }, KeptState::Valid | KeptState::HandedOver { ready: true, .. }) => {}
-        (Source::Holder { .. }, KeptState::Discarded { reason }) => {
-            return Err(Unkept::Lost(format!("its memory was discarded: {reason}")))
-        }
-        (Source::Holder { .. }, other) => {
-            return Err(image(format!(
-                "its record says {other:?}: the memory is not this LUN's content"
-            )))
-        }
-    }
-    if r.boot_id != kept::boot_id() {
-        return Err(image("it was written before this boot".into()));
-    }
-    let me = kept::this_process();
-    match source {
-        Source::Restart { .. } => {
-            if (r.owner.pid, r.owner.start_time) != (me.pid, me.start_time) {
-                return Err(image(format!(
-                    "its writer was process {}, not this one",
-                    r.owner.pid
-                )));
-            }
-        }
-        Source::Holder { writer, .. } => {
-            if let Err(why) = writer {
-                return Err(Unkept::NotReady(why.clone()));
-            }
-            if kept::still_running(r.owner.pid, r.owner.start_time) {
-                return Err(Unkept::NotReady(format!(
-                    "its writer, process {}, is still running",
-                    r.owner.pid
-                )));
-            }
-        }
-    }
     // Only a LUN the state knows: recalling an unknown one would give it a
     // new identity.
     let recalled = {
@@ -494,87 +447,55 @@ fn adopt_kept(
             None => None,
         }
     };
-    let Some(Recall::Known {
-        identity,
-        generation,
-        clean,
-    }) = recalled
-    else {
+    let (identity, known) = match recalled {
+        Some(Recall::Known {
+            identity,
+            generation,
+            clean,
+        }) => {
+            let known = take_over::Known {
+                naa: naa_hex(&identity.naa),
+                serial: identity.serial.clone(),
+                generation,
+                clean,
+            };
+            (Some(identity), Some(known))
+        }
+        _ => (None, None),
+    };
+    let fault = k.record.as_ref().ok().and_then(|c| c.fault);
+    let writer_proof;
+    let came = match source {
+        Source::Restart { token } => take_over::Came::Restart { token: *token },
+        Source::Holder { writer, .. } => {
+            writer_proof = writer.clone();
+            take_over::Came::Holder {
+                writer: &writer_proof,
+            }
+        }
+    };
+    let facts = take_over::Facts {
+        came,
+        record: &r,
+        fault,
+        boot_id: kept::boot_id(),
+        me: kept::this_process(),
+        owner_running: matches!(source, Source::Holder { .. })
+            && kept::still_running(r.owner.pid, r.owner.start_time),
+        state: known.clone(),
+        shape: (size, block_size),
+        verify,
+        memory_inode: rustix::fs::fstat(&k.memory).map_or(0, |s| s.st_ino),
+    };
+    let allowed = take_over::decide(&facts)?;
+    let (Some(identity), Some(known)) = (identity, known) else {
         return Err(Unkept::NotReady(
-            "kept memory names this LUN but the state directory does not know it: is it the right state directory?".into(),
+            "the state directory does not know this LUN".into(),
         ));
     };
-    if r.naa != naa_hex(&identity.naa) || r.serial != identity.serial {
-        return Err(image(format!(
-            "it holds naa.{}, the state directory names naa.{}",
-            r.naa,
-            naa_hex(&identity.naa)
-        )));
-    }
-    if (r.lun_bytes, r.block_size) != (size, block_size) {
-        // This identity's content, in a shape the configuration no longer
-        // gives: kept in the store for the configuration put back.
-        return Err(Unkept::NotReady(format!(
-            "its kept memory holds {} bytes of {}-byte blocks, the configuration says {size} of \
-             {block_size}: put the configuration back (the memory is kept) or run accept-empty",
-            r.lun_bytes, r.block_size
-        )));
-    }
-    // The record names a bump before the state makes it durable: a state
-    // at that bump means the bump happened; one behind the record means
-    // the state directory went back in time.
-    let current = match r.pending_generation {
-        None if r.generation == generation => true,
-        Some(next) if next == generation && generation == r.generation + 1 => true,
-        _ if r.generation > generation || r.pending_generation > Some(generation + 1) => {
-            return Err(Unkept::NotReady(format!(
-                "it is generation {} (pending {:?}), ahead of the state directory's {generation}: \
-                 the state directory went back",
-                r.generation, r.pending_generation
-            )))
-        }
-        _ => false,
-    };
-    if !current {
-        return Err(image(format!(
-            "it is generation {} (pending {:?}), the state directory's is {generation}",
-            r.generation, r.pending_generation
-        )));
-    }
-    // A writer that died of a fault may have written anywhere: its memory
-    // is not served, unless every page still matches the checksum its
-    // writer kept (`--verify-kept-memory`, checked once the memory is
-    // mapped). An image of this very generation (a stop dumped it before a
-    // later crash) holds what the memory held when the living process
-    // vouched for it; without one the LUN is NOT READY and the memory stays
-    // in the store.
-    let fault = k.record.as_ref().ok().and_then(|c| c.fault);
-    let faulted = |why: String| {
-        if clean {
-            image(why)
-        } else {
-            Unkept::Lost(format!("{why}, and no image holds generation {generation}"))
-        }
-    };
-    if let Some(cause) = fault {
-        if !(verify && r.page_crcs) {
-            let unchecked = if verify {
-                " (its run kept no page checksums to check it against)"
-            } else {
-                " (--verify-kept-memory is off)"
-            };
-            return Err(faulted(format!(
-                "its writer died of {cause}: the memory may hold bytes nobody wrote{unchecked}"
-            )));
-        }
-    }
-    let inode = rustix::fs::fstat(&k.memory).map_or(0, |s| s.st_ino);
-    if matches!(source, Source::Holder { .. }) && (r.memfd_inode == 0 || r.memfd_inode != inode) {
-        return Err(Unkept::NotReady(format!(
-            "its record names memfd inode {}, the memory passed is inode {inode}",
-            r.memfd_inode
-        )));
-    }
+    let generation = allowed.generation;
+    let faulted = |why: String| take_over::faulted(&known, why);
+    let image = Unkept::Image;
     // Dropping them would let a host fenced by a preempt write again.
     crate::scsi::check_kept_reservations(&r.reservations).map_err(|why| {
         Unkept::NotReady(format!(
