@@ -25,6 +25,7 @@ pub mod rdma;
 pub mod scsi;
 pub mod store;
 pub mod tcp;
+pub mod test_pause;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 pub mod volume;

@@ -681,7 +681,7 @@ pub fn open_volumes(
                     match adopt_kept(p, source, claim, &t.name, l.lun, shape) {
                         Ok(volume) => {
                             tracing::info!(target = %t.name, lun = l.lun, generation = volume.generation(), "LUN content kept in memory (not read from the image)");
-                            pause_here_for_tests("kept");
+                            crate::test_pause::here("kept");
                             match source {
                                 // The store passed it: it holds it still.
                                 Source::Holder { .. } => volume.confirm_in_fd_store(),
@@ -793,7 +793,7 @@ pub fn open_volumes(
                 "cannot confirm the fd store holds the LUN memory ({e}): a crash will lose what no image has"
             ),
         }
-        pause_here_for_tests("stored");
+        crate::test_pause::here("stored");
     }
     Ok(Opened {
         volumes: Volumes::new(volumes),
@@ -1219,27 +1219,3 @@ fn dump_each<'a>(
         Err(failed.join("; "))
     }
 }
-
-/// Test builds: the daemon stops itself (SIGSTOP) at start-up step `step`
-/// when the file `$RAMSLOG_TEST_PAUSE_FILE` names that step, once (the
-/// file is removed first). The tests signal it there, at a moment they
-/// chose, instead of after a delay that may fall anywhere. Release builds
-/// have no such pause.
-#[cfg(debug_assertions)]
-pub fn pause_here_for_tests(step: &str) {
-    let Some(path) = std::env::var_os("RAMSLOG_TEST_PAUSE_FILE") else {
-        return;
-    };
-    if std::fs::read_to_string(&path).is_ok_and(|s| s.trim() == step)
-        && std::fs::remove_file(&path).is_ok()
-    {
-        tracing::info!(step, "test build: pausing here (SIGSTOP)");
-        let _ =
-            rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::STOP);
-    }
-}
-
-/// See the test builds' version.
-#[cfg(not(debug_assertions))]
-#[inline(always)]
-pub fn pause_here_for_tests(_step: &str) {}

@@ -659,7 +659,7 @@ async fn run(
     // so it is logged and otherwise ignored.
     let mut stops =
         handover::StopSignals::open().map_err(|e| format!("cannot read the stop signals: {e}"))?;
-    lifecycle::pause_here_for_tests("signals");
+    ramslog_target::test_pause::here("signals");
     let hangup_ignored = || {
         #[cfg(debug_assertions)]
         abort_on_hangup_if_asked();
@@ -714,7 +714,7 @@ async fn run(
             "the state directory's lock is this start's"
         );
     }
-    lifecycle::pause_here_for_tests("locked");
+    ramslog_target::test_pause::here("locked");
     if let Some(f) = persistence
         .as_ref()
         .and_then(|p| p.state().failed_stop().cloned())
@@ -896,7 +896,7 @@ async fn run(
         );
         tcp_listeners.push(tokio::spawn(tcp::serve(listener, portal.clone())));
     }
-    lifecycle::pause_here_for_tests("listening");
+    ramslog_target::test_pause::here("listening");
     if cfg.iser {
         let opts = ramslog_target::rdma::IserOptions {
             spin: cfg.iser_spin,

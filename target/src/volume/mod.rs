@@ -805,6 +805,8 @@ impl Volume {
         self.write_record(&m);
         match p.state().bump_generation(&self.target, self.lun) {
             Ok(g) => {
+                // Between the durable bump and the record saying it ended.
+                crate::test_pause::here("bump");
                 tracing::info!(target = %self.target, lun = self.lun, generation = g, "first write of this run: generation bumped");
                 m.generation = g;
                 m.pending_generation = None;
@@ -1071,6 +1073,9 @@ impl Volume {
                 ),
             }
         }
+        // The store holds this memory under the new identity, its record
+        // INITIALISING; the old memory is gone from it.
+        crate::test_pause::here("accept-empty");
         // Whatever a failed restore left behind goes (memory taken just now
         // is zero).
         if !fresh {

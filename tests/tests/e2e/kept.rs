@@ -1920,7 +1920,7 @@ async fn two_successors_given_the_same_memory_serve_one_at_a_time() {
 }
 
 /// The state field of /proc/PID/stat ('Z' for a zombie), if PID exists.
-fn process_state(pid: u32) -> Option<char> {
+pub(super) fn process_state(pid: u32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     stat.rsplit_once(')')?.1.trim_start().chars().next()
 }

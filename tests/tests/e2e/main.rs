@@ -13,6 +13,7 @@ mod restart;
 mod sessions;
 mod startup;
 mod systemd;
+mod take_over;
 
 use std::time::Duration;
 
