@@ -113,6 +113,7 @@ unit_tests() {
   [ "${CI:-}" = true ] && profile=ci
   cargo nextest run -j2 --workspace --no-fail-fast --profile "$profile"
 }
+tier "upgrade base: the release's starting binary, built once (cached)" tests/upgrade/base-binary.sh
 tier "tests: unit, integration, conformance" unit_tests
 tier "cache: keys, SIGKILL, size bound (a fake recipe)" tests/cache-test.sh
 

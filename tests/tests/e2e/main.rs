@@ -14,6 +14,7 @@ mod sessions;
 mod startup;
 mod systemd;
 mod take_over;
+mod upgrade;
 
 use std::time::Duration;
 
