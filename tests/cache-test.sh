@@ -3,7 +3,7 @@
 # a hit reuses the entry, a changed key rebuilds, a build killed with SIGKILL
 # leaves no usable entry (and the next lookup builds a good one), a failed
 # build leaves nothing, "off" builds cold, and the size bound evicts the
-# least recently used entry.
+# least recently used entries, and only as many as it must.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=lib/cache.sh
@@ -43,6 +43,9 @@ for _ in $(seq 1 100); do
   compgen -G "$RAMSLOG_CACHE/killed/*.tmp.*/payload" >/dev/null && break
   sleep 0.1
 done
+# The kill must land in the middle of the build, or it shows nothing.
+compgen -G "$RAMSLOG_CACHE/killed/*.tmp.*/payload" >/dev/null ||
+  fail "the slow build never started (no partial payload after 10 s)"
 pkill -KILL -P "$pid" || true
 kill -KILL "$pid" 2>/dev/null || true
 wait "$pid" 2>/dev/null || true
@@ -70,11 +73,24 @@ p=$(cache_peek stored "s1") || fail "cache_peek missed a stored entry"
 [ "$p" = "$s" ] && [ "$(cat "$p/payload")" = work ] || fail "cache_peek returned $p, not $s"
 if cache_peek stored "s2" >/dev/null; then fail "cache_peek hit on a changed key"; fi
 
-# The size bound: a 2 MiB entry over a 1 MiB bound evicts the older ones.
-big() { head -c $((2 << 20)) /dev/zero >"$1/blob"; }
-e=$(RAMSLOG_CACHE_MAX_MB=1 cache_entry big "k3" big)
-[ -f "$e/blob" ] || fail "the newest entry was evicted"
-[ ! -e "$a/.complete" ] || fail "the least recently used entry was not evicted"
+# The size bound evicts the least recently used entries, and only as many
+# as it must: three 400 KiB entries over a 1 MiB bound, the first used again
+# after the second was made. The small older entries go, then the second;
+# the first (used since) and the newest stay.
+blob() { head -c $((400 << 10)) /dev/urandom >"$1/blob"; }
+export RAMSLOG_CACHE_MAX_MB=1
+old1=$(cache_entry lru "k-1" blob)
+sleep 0.05
+old2=$(cache_entry lru "k-2" blob)
+sleep 0.05
+[ "$(cache_entry lru "k-1" blob)" = "$old1" ] || fail "the used-again entry was rebuilt"
+sleep 0.05
+new3=$(cache_entry lru "k-3" blob)
+unset RAMSLOG_CACHE_MAX_MB
+[ -f "$new3/blob" ] || fail "the newest entry was evicted"
+[ ! -e "$a/.complete" ] || fail "the oldest small entry was not evicted"
+[ ! -e "$old2/.complete" ] || fail "the least recently used big entry was not evicted"
+[ -f "$old1/blob" ] || fail "an entry used since was evicted before the least recently used one"
 
 # off: a cold cache (build/cache-cold; here a scratch one, so that the
 # run's own cold cache is left alone), wiped when a run begins.
