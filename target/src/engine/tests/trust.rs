@@ -439,13 +439,26 @@ fn discovery_login_never_ends_a_normal_session() {
     // The same InitiatorName, ISID and TargetName, but SessionType=Discovery.
     let mut attacker = Harness::new(portal.clone());
     let flags = login::TRANSIT | (login::STAGE_OPERATIONAL << 2) | login::STAGE_FULL_FEATURE;
-    attacker.login_pdu(
+    let answer = attacker.login_pdu(
         flags,
         &[
             ("InitiatorName", INI),
             ("TargetName", IQN),
             ("SessionType", "Discovery"),
         ],
+    );
+    // The attack is real: the discovery session was admitted (in full
+    // feature phase), so it had every chance to end the victim's.
+    let answer = answer.first().expect("the attacker's login was answered");
+    assert!(!attacker.closed, "the attacker's connection was closed");
+    assert_eq!(
+        (
+            answer.bhs.login_status(),
+            answer.bhs.final_bit(),
+            answer.bhs.flags() & 3
+        ),
+        (0, true, login::STAGE_FULL_FEATURE),
+        "the discovery login of the same nexus was not admitted: the test shows nothing"
     );
     assert!(
         !victim_flag.is_terminated(),
