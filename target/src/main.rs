@@ -963,6 +963,8 @@ async fn run(
                     };
                     match checked {
                         Ok(()) => {
+                            // Between the check and the exec.
+                            ramslog_target::test_pause::here("checked");
                             tracing::info!("restart requested: handing over to {}", exe.display());
                             break Some((reply, restarting));
                         }

@@ -419,3 +419,74 @@ async fn a_control_stop_during_a_restart_is_not_lost() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The binary a restart checked is the one it executes: a package that
+/// renames another file over the path between the check and the exec (a
+/// second upgrade, a half-written file) must not be run unchecked. Test
+/// builds pause the daemon right after the check; the path then gets a
+/// program that cannot start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "the restart executed a binary it never checked")]
+async fn a_binary_replaced_after_its_check_is_not_executed() {
+    let dir = scratch("replaced-after-check");
+    let bin = binary_copy(&dir.join("bin"));
+    let state = dir.join("state");
+    let pause = dir.join("pause");
+    let mut t = TargetProcess::start_with(ramslog_tests::TargetOptions {
+        binary: Some(bin.clone()),
+        env: vec![(
+            "RAMSLOG_TEST_PAUSE_FILE".into(),
+            pause.display().to_string(),
+        )],
+        ..persistent(&state, None, &[])
+    });
+    let pid = t.pid();
+    let data = random_bytes(4096);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 800, &data, true).await.expect("WRITE");
+    }
+    std::fs::write(&pause, "checked").expect("the pause file");
+    let asked = std::process::Command::new(target_binary())
+        .args(["restart", "--wait", "--state-dir"])
+        .arg(&state)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("restart --wait");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while super::kept::process_state(pid) != Some('T') {
+        assert!(
+            Instant::now() < deadline && t.is_running(),
+            "the daemon never paused after the check\n{}",
+            t.output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    replace_with_script(
+        &bin,
+        "#!/bin/sh\necho 'unchecked program: cannot start' >&2\nexit 70\n",
+    );
+    ramslog_tests::send_signal(pid, ramslog_tests::Signal::CONT);
+    let out = tokio::task::spawn_blocking(move || asked.wait_with_output())
+        .await
+        .expect("join")
+        .expect("restart --wait");
+    assert!(
+        !t.output().contains("unchecked program"),
+        "the restart executed a binary it never checked\n{}",
+        t.output_tail(20)
+    );
+    assert!(
+        out.status.success() && t.is_running(),
+        "restart --wait: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        t.output_tail(20)
+    );
+    let s = open(&t, INITIATOR).await;
+    let _ = s.test_unit_ready(0).await;
+    assert!(s.read(0, 800, 8, 512).await.expect("READ") == data);
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
