@@ -325,16 +325,63 @@ impl Report {
 /// whatever they named).
 pub const SCRUBBED: [&str; 4] = [ENV_VAR, "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"];
 
-/// Run `exe ARGS --handover-check` (without systemd's notify socket: the
-/// check is not the service) and compare what it would serve with
+/// The new program of a restart, opened once: `--handover-check` runs this
+/// file and the exec runs this file, whatever is renamed over its path in
+/// between (a second upgrade, a half-written file). A script (`#!`) can
+/// only be run through a descriptor its interpreter can open after the
+/// exec, so its descriptor stays open across it; a binary's closes.
+#[derive(Debug)]
+pub struct NewProgram {
+    path: PathBuf,
+    file: OwnedFd,
+}
+
+impl NewProgram {
+    pub fn open(path: &Path) -> Result<NewProgram, String> {
+        use rustix::fs::{Mode, OFlags};
+        let file = rustix::fs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        let mut magic = [0u8; 2];
+        let script =
+            rustix::io::pread(&file, &mut magic, 0).is_ok_and(|n| n == 2) && magic == *b"#!";
+        if script {
+            rustix::io::fcntl_setfd(&file, rustix::io::FdFlags::empty()).map_err(|e| {
+                format!(
+                    "cannot keep {} open for its interpreter: {e}",
+                    path.display()
+                )
+            })?;
+        }
+        Ok(NewProgram {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    /// The path it was opened from (for messages, and its argv\[0\]).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The opened file, as a path that names it and nothing else.
+    fn by_descriptor(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+    }
+}
+
+/// Run `program ARGS --handover-check` (without systemd's notify socket:
+/// the check is not the service) and compare what it would serve with
 /// `running`. Bounded: a binary that hangs is killed after `limit`.
 pub fn check(
-    exe: &Path,
+    program: &NewProgram,
     args: &[OsString],
     running: &Report,
     limit: Duration,
 ) -> Result<(), String> {
-    let mut cmd = Command::new(exe);
+    use std::os::unix::process::CommandExt;
+    let exe = program.path();
+    let mut cmd = Command::new(program.by_descriptor());
+    cmd.arg0(exe);
     cmd.args(args)
         .arg("--handover-check")
         .env_remove("NOTIFY_SOCKET")
@@ -512,18 +559,18 @@ impl StopSignals {
     }
 }
 
-/// Replace this program with `exe ARGS`, handing over `handed`; the stop
-/// signals stay blocked, and any sent meanwhile pending, across `execve`
-/// (std's `Command::exec` would empty the mask). Returns only if that
-/// failed.
-pub fn exec(exe: &Path, args: &[OsString], handed: &Handed) -> std::io::Error {
+/// Replace this program with `program ARGS` (the very file that was
+/// checked), handing over `handed`; the stop signals stay blocked, and any
+/// sent meanwhile pending, across the exec (std's `Command::exec` would
+/// empty the mask). Returns only if that failed.
+pub fn exec(program: &NewProgram, args: &[OsString], handed: &Handed) -> std::io::Error {
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
     let c =
         |s: &[u8]| CString::new(s).map_err(|_| std::io::Error::other("a NUL byte in an argument"));
     let prepared = (|| {
-        let path = c(exe.as_os_str().as_bytes())?;
-        let mut argv = vec![path.clone()];
+        let path = c(program.path().as_os_str().as_bytes())?;
+        let mut argv = vec![path];
         for a in args {
             argv.push(c(a.as_bytes())?);
         }
@@ -534,11 +581,12 @@ pub fn exec(exe: &Path, args: &[OsString], handed: &Handed) -> std::io::Error {
             }
         }
         env.push(c(format!("{ENV_VAR}={}", handed.encode()).as_bytes())?);
-        Ok::<_, std::io::Error>((path, argv, env))
+        Ok::<_, std::io::Error>((argv, env))
     })();
     match prepared {
-        Ok((path, argv, env)) => {
-            let Err(e) = nix::unistd::execve(&path, &argv, &env);
+        Ok((argv, env)) => {
+            // execveat(fd, "", AT_EMPTY_PATH): the opened file, not the path.
+            let Err(e) = nix::unistd::fexecve(program.file.as_fd(), &argv, &env);
             e.into()
         }
         Err(e) => e,

@@ -954,19 +954,22 @@ async fn run(
                             unclaimed_now.join(", ")
                         ))
                     } else {
+                        // Opened once: the file checked is the file executed.
                         let (exe, argv, running) = (exe.clone(), argv.clone(), running.clone());
                         tokio::task::spawn_blocking(move || {
-                            handover::check(&exe, &argv, &running, std::time::Duration::from_secs(30))
+                            let program = handover::NewProgram::open(&exe)?;
+                            handover::check(&program, &argv, &running, std::time::Duration::from_secs(30))?;
+                            Ok(program)
                         })
                         .await
                         .unwrap_or_else(|e| Err(format!("the handover check failed: {e}")))
                     };
                     match checked {
-                        Ok(()) => {
+                        Ok(program) => {
                             // Between the check and the exec.
                             ramslog_target::test_pause::here("checked");
                             tracing::info!("restart requested: handing over to {}", exe.display());
-                            break Some((reply, restarting));
+                            break Some((reply, restarting, program));
                         }
                         Err(why) => {
                             tracing::warn!("restart refused, still serving: {why}");
@@ -1064,7 +1067,7 @@ async fn run(
                 }
             }
         };
-        let Some((reply, _restarting)) = restart else {
+        let Some((reply, _restarting, program)) = restart else {
             break (outcome, stopping);
         };
         // Returns only if the new program could not be executed: nothing was
@@ -1076,7 +1079,7 @@ async fn run(
             &listener_fds,
             outcome,
             reply,
-            &exe,
+            &program,
             &argv,
         )
         .await;
@@ -1158,9 +1161,10 @@ async fn hand_over(
     listener_fds: &[std::os::fd::OwnedFd],
     dumped: Result<String, String>,
     reply: RestartReply,
-    exe: &Path,
+    program: &handover::NewProgram,
     argv: &[std::ffi::OsString],
 ) -> String {
+    let exe = program.path();
     use std::os::fd::{AsFd, AsRawFd};
     match &dumped {
         Ok(msg) => tracing::info!("restart: {msg}"),
@@ -1234,7 +1238,7 @@ async fn hand_over(
                     exe.display()
                 )))
                 .await;
-            let err = handover::exec(exe, argv, &handed);
+            let err = handover::exec(program, argv, &handed);
             format!("restart: cannot execute {}: {err}", exe.display())
         }
     };

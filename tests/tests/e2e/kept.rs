@@ -1196,8 +1196,8 @@ async fn memory_handed_over_from_a_run_without_kept_memory_is_kept_after_a_crash
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A restart whose new binary passes the check but cannot be executed (it
-/// vanished in between) changes nothing for the data: the daemon takes its
+/// A restart whose new program passes the check but cannot be executed
+/// (its interpreter vanished in between) changes nothing for the data: the daemon takes its
 /// LUNs back and serves on, `restart --wait` and `status` say why, writes
 /// after it are kept (under the store, in memory across a kill -9;
 /// without one, the image the restart dumped is stale at once, so a kill -9
@@ -1230,13 +1230,20 @@ async fn a_restart_whose_exec_fails_serves_on() {
         let s = open(&t, INITIATOR).await;
         s.write(0, 800, &first, false).await.expect("WRITE");
         drop(s);
-        // The binary passes the check, then is gone when the exec comes.
+        // The new program passes the check, then cannot be executed when
+        // the exec comes: its interpreter (a copy of bash) is gone. (The
+        // file itself vanishing no longer fails the exec: the restart runs
+        // the very file it checked, opened once.)
+        let interpreter = dir.join("bin/interpreter");
         let vanish = || {
+            std::fs::copy("/bin/bash", &interpreter).expect("copy bash");
             let vanishing = bin.with_extension("new");
             std::fs::write(
                 &vanishing,
                 format!(
-                    "#!/bin/bash\nrm -f \"$0\"\nexec {} \"$@\"\n",
+                    "#!{}\nrm -f {}\nexec {} \"$@\"\n",
+                    interpreter.display(),
+                    interpreter.display(),
                     ramslog_tests::target_binary().display()
                 ),
             )
