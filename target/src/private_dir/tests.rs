@@ -133,3 +133,31 @@ fn opens_never_follow_links_block_on_fifos_or_reuse_files() {
     assert_eq!(mode(&fresh_file), 0o600);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A directory above the state (or image) directory that another user can
+/// write lets that user rename the checked directory away and put one of
+/// their own in its place after the check: refused, naming that directory.
+/// A world-writable one with the sticky bit (/tmp) cannot be used so: its
+/// entries can only be renamed by their owners.
+#[test]
+#[should_panic(expected = "an ancestor others can write")]
+fn an_ancestor_others_can_write_is_refused_unless_sticky() {
+    let top = fresh("ancestor");
+    let open = top.join("open");
+    std::fs::create_dir_all(&open).unwrap();
+    chmod(&top, 0o755);
+    chmod(&open, 0o777);
+    let dir = open.join("state");
+    let e = prepare(&dir, "state directory").expect_err("an ancestor others can write");
+    assert!(
+        e.to_string().contains(&open.display().to_string()) && e.to_string().contains("rename"),
+        "{e}"
+    );
+    chmod(&open, 0o1777);
+    prepare(&dir, "state directory").expect("a sticky ancestor");
+    chmod(&open, 0o775);
+    prepare(&dir, "state directory").expect_err("an ancestor its group can write");
+    chmod(&open, 0o755);
+    prepare(&dir, "state directory").expect("an ancestor only its owner can write");
+    let _ = std::fs::remove_dir_all(&top);
+}
