@@ -52,6 +52,14 @@ pub enum PrivateDirError {
         path: PathBuf,
         kind: &'static str,
     },
+    #[error("{ancestor} (above the {what} {path}) is {why}: another user could rename the {what} away and put one of their own in its place after the daemon checked it. Put the {what} under directories only root and uid {daemon} can write, or `chmod go-w {ancestor}` (or `chmod +t` for a shared directory such as /tmp)")]
+    Ancestor {
+        what: &'static str,
+        path: PathBuf,
+        ancestor: PathBuf,
+        why: String,
+        daemon: u32,
+    },
     #[error("cannot write to the {what} {path}: {source}")]
     NotWritable {
         what: &'static str,
@@ -103,6 +111,7 @@ pub fn prepare(dir: &Path, what: &'static str) -> Result<(), PrivateDirError> {
         });
     }
     check_entry(dir, &meta, what)?;
+    check_ancestors(dir, what)?;
     tighten(dir, &meta, 0o700, what)?;
     // Found now rather than at the first dump, hours later (a read-only
     // mount, say).
@@ -140,6 +149,47 @@ pub fn prepare(dir: &Path, what: &'static str) -> Result<(), PrivateDirError> {
         if kind.is_file() {
             tighten(&path, &meta, 0o600, what)?;
         }
+    }
+    Ok(())
+}
+
+/// Every directory above `dir`, up to /: the daemon reaches its files by
+/// path, so whoever can rename `dir` (or a link to it) could swap it for
+/// their own after the check. Each must belong to root or the daemon's
+/// user and not be writable by group or others, unless it has the sticky
+/// bit (as /tmp does: there only an entry's owner can rename it). Both the
+/// directory the path resolves to and the one holding the path's last
+/// component (a link the admin made) are checked upward.
+fn check_ancestors(dir: &Path, what: &'static str) -> Result<(), PrivateDirError> {
+    let inspect = |path: &Path, source| PrivateDirError::Inspect {
+        what,
+        path: path.into(),
+        source,
+    };
+    let resolved = std::fs::canonicalize(dir).map_err(|e| inspect(dir, e))?;
+    let holder = match dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => std::fs::canonicalize(parent).map_err(|e| inspect(parent, e))?,
+        None => std::env::current_dir().map_err(|e| inspect(dir, e))?,
+    };
+    let daemon = daemon_uid();
+    let chains = resolved.ancestors().skip(1).chain(holder.ancestors());
+    for ancestor in chains {
+        let meta = std::fs::metadata(ancestor).map_err(|e| inspect(ancestor, e))?;
+        let mode = meta.permissions().mode();
+        let why = if meta.uid() != 0 && meta.uid() != daemon {
+            format!("owned by uid {}", meta.uid())
+        } else if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+            format!("writable by group or others (mode {:o})", mode & 0o7777)
+        } else {
+            continue;
+        };
+        return Err(PrivateDirError::Ancestor {
+            what,
+            path: dir.into(),
+            ancestor: ancestor.into(),
+            why,
+            daemon,
+        });
     }
     Ok(())
 }
