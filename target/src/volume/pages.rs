@@ -101,6 +101,12 @@ impl<'a> PageCrcs<'a> {
     /// never counted itself in changed the memory): the last write out of
     /// each page records its checksum.
     pub fn settle(&self, offset: u64, len: u64) {
+        self.settle_with(offset, len, |page| self.crc(page));
+    }
+
+    /// [`Self::settle`], the checksum of a page computed by `crc_of` (the
+    /// tests step into that moment).
+    fn settle_with(&self, offset: u64, len: u64, crc_of: impl Fn(u64) -> u64) {
         for page in self.touched(offset, len) {
             let Some(slot) = self.slot(page) else {
                 continue;
@@ -123,8 +129,7 @@ impl<'a> PageCrcs<'a> {
             }
             // A write in or out since is newer: its own settle (or the
             // page's next) records the checksum.
-            let _ =
-                slot.compare_exchange(after, self.crc(page), Ordering::SeqCst, Ordering::SeqCst);
+            let _ = slot.compare_exchange(after, crc_of(page), Ordering::SeqCst, Ordering::SeqCst);
         }
     }
 
@@ -215,6 +220,55 @@ mod tests {
         let data = Store::new(lun, HugePages::Off).expect("data");
         let table = Store::new(4096, HugePages::Off).expect("table");
         (data, table)
+    }
+
+    /// A write that slips in whole while the last one out computes its
+    /// checksum (it counts in and out, so the word reads as before: ABA)
+    /// must not leave the older checksum in place: the page's content is
+    /// the later write's. (Fails safe, good memory refused after a fault,
+    /// but refused nonetheless.)
+    #[test]
+    #[should_panic(expected = "the page holds B's write under A's older checksum")]
+    fn a_stale_checksum_never_outlives_the_last_write() {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Barrier;
+        let (data, table) = stores(64 << 10);
+        let crcs = PageCrcs::new(&data, &table, 0).expect("table");
+        crcs.zeroed();
+        // A wrote page 0 and is the last one out.
+        crcs.begin(0, 4096);
+        data.write(0, &[0xaa; 4096]).expect("A");
+        let stale = crcs.crc(0);
+        let (b_computing, b_may_go) = (Barrier::new(2), Barrier::new(2));
+        let b_waited = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            crcs.settle_with(0, 4096, |_| {
+                // B writes the whole page while A computes: it counts in,
+                // places, counts out, and stops where it computes.
+                s.spawn(|| {
+                    crcs.begin(0, 4096);
+                    data.write(0, &[0xbb; 4096]).expect("B");
+                    crcs.settle_with(0, 4096, |page| {
+                        if !b_waited.swap(true, Ordering::SeqCst) {
+                            b_computing.wait();
+                            b_may_go.wait();
+                        }
+                        crcs.crc(page)
+                    });
+                });
+                b_computing.wait();
+                // A's checksum, of the content before B's write.
+                stale
+            });
+            b_may_go.wait();
+        });
+        assert!(b_waited.load(Ordering::SeqCst), "B never slipped in");
+        let c = crcs.check();
+        assert_eq!(
+            (c.differ, c.in_flight),
+            (0, 0),
+            "the page holds B's write under A's older checksum"
+        );
     }
 
     /// Every page checks after writes that settle, including overlapping
