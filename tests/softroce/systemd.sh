@@ -11,10 +11,12 @@
 #      intact; content from the kept memory; kill -> READY timed
 #   d. an OOM kill of the main PID (sysrq f, its oom_score_adj raised)
 #   e. a crash loop past systemd's default start limit (6 kills in a row,
-#      each during the previous start-up)
+#      each shown to land in a start-up: waiting for a lock flock holds)
 #   f. daemon-reload and daemon-reexec, then kill -9: the store survives both
 #   g. a broken new binary (one that cannot run, one that fails its handover
-#      check): reload is refused, the daemon serves on
+#      check): reload is refused, the daemon serves on; a new program that
+#      dies before READY: reload fails at once, the unit comes back from
+#      the memory handed over
 #   h. a dpkg -i upgrade: the package restarts nothing; reload runs the new file
 #   i. systemctl kill (SIGTERM): the daemon dumps and ends; the store is
 #      dropped (a clean exit); start restores the image
@@ -164,21 +166,43 @@ grep -q "Killed process $pid " <<<"$kernel_log" || fail "the kernel's log names 
 content_is_kept "after the OOM kill" "$FROM_MEMORY"
 fill
 
-step "e. a crash loop: six kills in a row, each as the next daemon starts"
+# The journal's cursor now: what the unit logs after it is new.
+cursor_now() { journalctl -u "$UNIT" -n 0 --show-cursor --no-pager | sed -n 's/^-- cursor: //p'; }
+# Until process $2 logged a line matching $3 after cursor $1 (30 s).
+logged_by() {
+  local w
+  for ((w = 0; w < 300; w++)); do
+    journalctl -u "$UNIT" -o cat --after-cursor "$1" --no-pager "_PID=$2" 2>/dev/null | grep -q "$3" && return 0
+    sleep 0.1
+  done
+  return 1
+}
+
+step "e. a crash loop: six kills in a row, each during the next daemon's start-up"
+# Each next daemon waits in its start-up for the state directory's lock,
+# which flock(1) holds (a straggler of the old run), and says so: each kill
+# is shown to land in a start-up, not after READY=1.
 restarts0=$(prop NRestarts)
-for i in 1 2 3 4 5 6; do
-  pid=$(prop MainPID)
+flock -x -F /var/lib/ramslog sleep 300 &
+holder=$!
+pid=$(prop MainPID)
+for i in 0 1 2 3 4 5 6; do
+  cursor=$(cursor_now)
   kill -KILL "$pid"
-  # The next main PID, then kill it during its start-up.
   for ((w = 0; w < 400; w++)); do
     new=$(prop MainPID)
     [ "$new" != 0 ] && [ "$new" != "$pid" ] && break
     sleep 0.025
   done
-  echo "kill $i: $pid; the next is $new ($(prop ActiveState))"
+  logged_by "$cursor" "$new" "waiting for it" || fail "kill $i: the next daemon $new never waited for the lock"
+  [ "$(prop ActiveState)" = activating ] || fail "kill $i: the next daemon $new is $(prop ActiveState), not starting"
+  [ "$i" = 0 ] || echo "kill $i: $pid, in its start-up; the next, $new, waits for the lock"
+  [ "$i" = 6 ] || pid=$new
 done
+kill "$holder"
+wait "$holder" 2>/dev/null || true
 wait_ready
-[ "$(prop NRestarts)" -ge $((restarts0 + 6)) ] || fail "fewer than 6 restarts counted: $(prop NRestarts)"
+[ "$(prop NRestarts)" -ge $((restarts0 + 7)) ] || fail "fewer than 7 restarts counted: $(prop NRestarts)"
 [ "$(prop Result)" = success ] || echo "(Result is $(prop Result): systemd's last exit reason, not a failed unit)"
 content_is_kept "after the crash loop" "$FROM_MEMORY"
 fill
@@ -222,6 +246,30 @@ install_binary /tmp/ramslog-target.good
 echo "both refused; main PID $pid serves on with its content"
 fill
 
+# g3. A reload whose new program dies before it is READY (killed here while
+# it takes its time): systemctl reload (the unit's ExecReload, restart
+# --wait) fails at once, not after its 300 s bound; systemd starts the unit
+# again and the memory handed over is served.
+printf '%s\n' '#!/bin/sh' \
+  '[ -n "$RAMSLOG_HANDOVER" ] && { echo "lab: the new program takes its time" >&2; sleep 300; }' \
+  'exec /tmp/ramslog-target.good "$@"' >/tmp/ramslog-target.slow
+install_binary /tmp/ramslog-target.slow
+pid=$(prop MainPID)
+cursor=$(cursor_now)
+systemctl reload "$UNIT" >/tmp/reload.out 2>&1 &
+reloading=$!
+logged_by "$cursor" "$pid" "the new program takes its time" || fail "the reload never reached the new program"
+t0=$(now_ms)
+kill -KILL "$pid"
+if wait "$reloading"; then fail "systemctl reload succeeded though its new program died"; fi
+took=$(($(now_ms) - t0))
+echo "systemctl reload failed $took ms after the new program died: $(tail -1 /tmp/reload.out)"
+[ "$took" -lt 20000 ] || fail "systemctl reload took $took ms to notice the daemon died"
+install_binary /tmp/ramslog-target.good
+wait_ready "$pid"
+content_is_kept "after a reload whose new program died" "$FROM_MEMORY"
+fill
+
 step "h. a dpkg -i upgrade, then systemctl reload"
 [ -n "$UPGRADE" ] || { UPGRADE=/tmp/ramslog-upgrade.deb; upgrade_package "$DEB" "$UPGRADE"; }
 pid=$(prop MainPID)
@@ -253,17 +301,20 @@ step "j. a stop during start-up"
 flock -x -F /var/lib/ramslog sleep 300 &
 holder=$!
 pid=$(prop MainPID)
-cursor=$(journalctl -u "$UNIT" -n 0 --show-cursor --no-pager | sed -n 's/^-- cursor: //p')
+cursor=$(cursor_now)
 kill -KILL "$pid"
 for ((w = 0; w < 600; w++)); do
   grep -q "waiting for it" <<<"$(journalctl -u "$UNIT" -o cat --after-cursor "$cursor" --no-pager)" && break
   sleep 0.1
 done
-echo "the next daemon $(prop MainPID) is $(prop ActiveState): $(prop StatusText)"
+waiting=$(prop MainPID)
+echo "the next daemon $waiting is $(prop ActiveState): $(prop StatusText)"
 [ "$(prop ActiveState)" = activating ] || fail "the next daemon is not waiting in its start-up"
 systemctl stop --no-block "$UNIT"
-sleep 1
-echo "stop requested; the unit is $(prop ActiveState) ($(prop SubState)); now the lock is let go"
+# The stop is shown to reach the waiting daemon: its own line, not a delay.
+logged_by "$cursor" "$waiting" "stopping once the state directory's lock is had" ||
+  fail "the waiting daemon $waiting never read the stop"
+echo "stop read by $waiting while it waits; the unit is $(prop ActiveState) ($(prop SubState)); now the lock is let go"
 kill "$holder"
 wait "$holder" 2>/dev/null || true
 for ((w = 0; w < 1200; w++)); do [ "$(prop ActiveState)" = inactive ] && break; sleep 0.05; done
