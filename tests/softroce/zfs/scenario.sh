@@ -51,9 +51,10 @@
 #   l. box B run as the shipped unit runs it (fd-holder standing in for
 #      systemd's fd store and Restart=, as systemd is not PID 1 here), ten
 #      `ramslog-target restart`s during 60 s of sync writes: no sync write
-#      fails, every restart keeps the memory (no dump); whether half B stayed
-#      ONLINE (a slow emulated restart can outlast the shipped 5 s
-#      replacement timeout) and the longest sync write are reported.
+#      fails, every restart keeps the memory (no dump), half B stays ONLINE
+#      without an error (asserted; its replacement timeout raised to 30 s
+#      for the step, so a slow emulated restart cannot decide it), and the
+#      longest sync write is reported.
 #   m. host frozen, an O_SYNC write only the log holds, box B killed
 #      (kill -9): started again, it serves its kept memory READY; box A
 #      loses its content; `zpool import` without -m replays the write from
@@ -830,6 +831,13 @@ stop_box b
 start_held_box b "$RXE_ADDR_B" "$IQN_B"
 wait_reconnect b
 wait_vdev_state "$LOG_B" ONLINE 60
+# Whether half B stays ONLINE is asserted, so it must not depend on the
+# emulator's speed: for these restarts its session waits 30 s before it
+# fails I/O over (a restart's stall here is ~2.5 s; on real hardware, with
+# the shipped 5 s, a fraction of a second). Put back after.
+sid_b=$(iscsiadm -m session | awk -v t="$IQN_B" '$4 == t { gsub(/[][]/, "", $2); print $2 }')
+tmo_b=$(cat "/sys/class/iscsi_session/session$sid_b/recovery_tmo")
+echo 30 >"/sys/class/iscsi_session/session$sid_b/recovery_tmo"
 notices_before=$(grep -c "Target dropping all connections" /tmp/iscsid.log || true)
 zfs_fio zfs-restarts 60 >/tmp/fio-restarts.txt 2>&1 &
 fio_pid=$!
@@ -858,21 +866,13 @@ echo "restart notices iscsid logged: $notices (ten restarts), unconfirmed: $unco
   tee "$RESULTS/step-l-notices.txt"
 ((notices >= 10)) || fail "iscsid logged $notices restart notices for ten restarts"
 ((unconfirmed == 0)) || fail "$unconfirmed restart notices were not confirmed by the host"
-# Reported, not asserted: under emulation, with the lab's two guests on two
-# cores, a restart and open-iscsi's re-login over iSER can outlast the
-# shipped 5 s replacement timeout (the restart --wait times above say how
-# long each took): the half's I/O then fails over to A, ZFS counts errors
-# against B or takes it out. No sync write fails either way (asserted
-# above); the half comes back with the runbook's recovery and is made
-# current before step m relies on it.
-if [ "$(vdev_state "$LOG_B")" = ONLINE ] && [ "$(vdev_errors "$LOG_B")" = "0 0 0" ]; then
-  echo "log half B stayed ONLINE through its ten restarts, no errors" | tee "$RESULTS/step-l-half.txt"
-else
-  echo "log half B is $(vdev_state "$LOG_B") with errors $(vdev_errors "$LOG_B") (read, write, checksum) after its restarts: a restart outlasted the replacement timeout" | tee "$RESULTS/step-l-half.txt"
-  x zpool clear "$POOL"
-  wait_vdev_state "$LOG_B" ONLINE 60
-  x zpool sync "$POOL"
-fi
+# Half B stays in the mirror through every restart: ONLINE, not one READ,
+# WRITE or CHECKSUM error (each restart's I/O waited for the new program
+# instead of failing over to A).
+[ "$(vdev_state "$LOG_B")" = ONLINE ] && [ "$(vdev_errors "$LOG_B")" = "0 0 0" ] ||
+  fail "log half B is $(vdev_state "$LOG_B") with errors $(vdev_errors "$LOG_B") (read, write, checksum) after its ten restarts"
+echo "log half B stayed ONLINE through its ten restarts, no errors (replacement timeout 30 s)" | tee "$RESULTS/step-l-half.txt"
+echo "$tmo_b" >"/sys/class/iscsi_session/session$sid_b/recovery_tmo"
 (($(grep -c "LUN content kept in memory" "${BOX_LOG[b]}") >= 10)) || fail "box B did not keep its memory across every restart"
 grep -c "restart: no dump" "${BOX_LOG[b]}" | sed 's/^/restarts without a dump: /'
 python3 - "$RESULTS/zfs-restarts.json" <<'PY' | tee "$RESULTS/step-l.txt"
