@@ -268,3 +268,82 @@ async fn a_bump_cut_short_after_the_state_made_it_durable_is_finished() {
     drop(t);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A start that found the kept memory's writer still running is NOT READY
+/// and keeps the memory in the store. Once that writer ends, `status` says
+/// so (not "still running") and advises `take-over`, never accept-empty:
+/// the daemon then ends as after a crash, so that systemd passes its fd
+/// store to the next start, which takes the memory over READY with every
+/// write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "status after the writer ended")]
+async fn memory_held_for_a_writer_that_has_since_ended_is_taken_over() {
+    use std::os::fd::AsFd;
+    let dir = scratch_dir("take-over", "writer-ended");
+    let state = dir.join("state");
+    let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
+    let mut t = start(&sup, &state, None);
+    let port = t.port();
+    let _naa = stored_naa(&sup);
+    let data = random_bytes(4096);
+    {
+        let s = open(&t, INITIATOR).await;
+        s.write(0, 800, &data, true).await.expect("WRITE");
+    }
+    t.kill();
+    // A writer still alive (a straggler of the old run).
+    let mut straggler = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .expect("sleep");
+    let pid = rustix::process::Pid::from_raw(straggler.id() as i32).expect("pid");
+    let pidfd =
+        rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).expect("pidfd_open");
+    sup.put("writer", pidfd.as_fd());
+    drop(pidfd);
+    let mut t = start(&sup, &state, Some(port));
+    assert!(!is_ready(&t).await, "served while its writer runs");
+    assert!(status_text(&state).contains("is still running"));
+    straggler.kill().expect("kill the straggler");
+    straggler.wait().expect("reap");
+    let st = status_text(&state);
+    assert!(
+        st.contains("has since ended")
+            && st.contains("take-over")
+            && !st.contains("run accept-empty"),
+        "status after the writer ended: {st}"
+    );
+    let out = cli(&["take-over"], &state);
+    assert!(
+        out.status.success(),
+        "take-over: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let exit = loop {
+        if let Some(st) = t.try_exit_status() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the daemon did not end for the take-over"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(exit.signal(), Some(9), "ended as after a crash: {exit:?}");
+    // The straggler's pidfd is the store's still: a supervisor drops what
+    // ended with the daemon; systemd keeps it, and it now reads ended.
+    let t = start(&sup, &state, Some(port));
+    assert!(
+        is_ready(&t).await,
+        "not taken over\n{}\n{}",
+        status_text(&state),
+        t.output_tail(20)
+    );
+    let s = open(&t, INITIATOR).await;
+    assert!(s.read(0, 800, 8, 512).await.expect("READ") == data);
+    drop(s);
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
