@@ -392,6 +392,31 @@ fn writers_gone(pidfds: &[OwnedFd]) -> Result<(), String> {
     Ok(())
 }
 
+/// The writers of kept memory still running now (stored writer pidfds
+/// that have not ended, and the record's owner), as pidfds to watch: the
+/// memory held back for them can be taken over once they end.
+fn living_writers(source: &Source, owner: kept::Owner) -> Vec<OwnedFd> {
+    let Source::Holder { writers, .. } = source else {
+        return Vec::new();
+    };
+    let mut living: Vec<OwnedFd> = writers
+        .iter()
+        .filter(|fd| !kept::pidfd_ended(fd))
+        .filter_map(|fd| fd.try_clone().ok())
+        .collect();
+    if kept::still_running(owner.pid, owner.start_time) {
+        let pid = i32::try_from(owner.pid)
+            .ok()
+            .and_then(rustix::process::Pid::from_raw);
+        if let Some(fd) = pid
+            .and_then(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok())
+        {
+            living.push(fd);
+        }
+    }
+    living
+}
+
 /// Under systemd, whether this process is alone in its unit's cgroup: a
 /// forked child or a straggler of the old daemon there may still write.
 /// Not in a service's cgroup (no systemd), there is nothing to ask.
@@ -674,9 +699,12 @@ pub fn open_volumes(
                 let claim = k.claim(&t.name, l.lun, known_naa.as_deref())?;
                 Some((&k.source, claim))
             });
+            // The writers found running, when the memory is held for them.
+            let mut held_for = Vec::new();
             let unkept = match (persistence, claimed) {
                 (Some(p), Some((source, Ok(claim)))) => {
                     let stored_as = claim.0.stored_as.clone();
+                    let owner = claim.1.owner;
                     let shape = (l.size, l.block_size, cfg.verify_kept_memory);
                     match adopt_kept(p, source, claim, &t.name, l.lun, shape) {
                         Ok(volume) => {
@@ -699,6 +727,9 @@ pub fn open_volumes(
                             // Not this LUN's content: it must not come back.
                             if let (Unkept::Image(_), Some(naa)) = (&why, stored_as) {
                                 forget_stored_naa(&naa);
+                            }
+                            if matches!(why, Unkept::NotReady(_)) {
+                                held_for = living_writers(source, owner);
                             }
                             Some(why)
                         }
@@ -748,6 +779,9 @@ pub fn open_volumes(
                     unkept.clone(),
                 )?,
             };
+            if !held_for.is_empty() {
+                volume.hold_for_writers(held_for);
+            }
             // Only content goes into the store. A NOT READY volume's memory
             // holds none: memory refused for a doubt a later start may not
             // have stays in the store without it beside, and the empty

@@ -99,6 +99,13 @@ enum Cmd {
         #[command(flatten)]
         socket: SocketArgs,
     },
+    /// Take over kept memory held back at start for a writer that has
+    /// ended since (`status` advises it): the daemon ends as after a crash,
+    /// and systemd starts it again with its fd store.
+    TakeOver {
+        #[command(flatten)]
+        socket: SocketArgs,
+    },
     /// Accept a LUN whose content was lost as an empty device: new identity, ready.
     AcceptEmpty {
         /// Target IQN.
@@ -215,6 +222,7 @@ fn main() -> ExitCode {
             socket,
         }) => rt.block_on(accept_empty(target, lun, socket)),
         Some(Cmd::DiscardKept { naa, socket }) => rt.block_on(discard_kept(naa, socket)),
+        Some(Cmd::TakeOver { socket }) => rt.block_on(take_over(socket)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -537,6 +545,14 @@ async fn accept_empty(target: String, lun: u64, s: SocketArgs) -> Result<(), Str
         } => print_stdout(&format!(
             "{target} LUN {lun} accepted as empty: new identity naa.{naa} serial {serial}; it is ready\n"
         )),
+        Reply::Error(e) => Err(e),
+        other => Err(format!("unexpected reply: {other:?}")),
+    }
+}
+
+async fn take_over(s: SocketArgs) -> Result<(), String> {
+    match control::request(&s.path()?, &Request::TakeOver).await? {
+        Reply::TakingOver(msg) => print_stdout(&format!("{msg}\n")),
         Reply::Error(e) => Err(e),
         other => Err(format!("unexpected reply: {other:?}")),
     }

@@ -39,6 +39,9 @@ pub enum Request {
     DiscardKept {
         naa: String,
     },
+    /// Kept memory held back for a writer that has ended since: end as
+    /// after a crash, so that systemd passes the fd store to the next start.
+    TakeOver,
 }
 
 /// `restored_from` of a LUN whose content is the memory a restart kept.
@@ -234,6 +237,8 @@ pub enum Reply {
     Restarting(String),
     /// Unclaimed kept memory was released.
     Discarded(String),
+    /// The daemon ends for a take-over.
+    TakingOver(String),
     Error(String),
 }
 
@@ -327,6 +332,7 @@ impl Control {
             Request::Stop => Reply::Error("stop is answered when the dump is done".into()),
             Request::Restart => Reply::Error("restart is answered when the handover starts".into()),
             Request::DiscardKept { naa } => self.discard_kept(&naa),
+            Request::TakeOver => self.take_over(),
         }
     }
 
@@ -524,6 +530,70 @@ impl Control {
             Ok(msg) => Reply::Discarded(msg),
             Err(e) => Reply::Error(e),
         }
+    }
+
+    /// A LUN whose kept memory was held back at start because its writer
+    /// still ran, that writer now ended: the memory is in systemd's fd
+    /// store, and only a start is given the store. So the daemon ends the
+    /// way a crash does (SIGKILL: no dump, no clean exit, which would make
+    /// systemd 252 empty the store), and systemd's Restart= starts it again
+    /// with the store; that start judges the memory anew and takes it over.
+    /// Refused unless every READY LUN's memory is confirmed in the store
+    /// (it would be lost), and while another operation is under way.
+    fn take_over(&self) -> Reply {
+        let _one_at_a_time = match self.under_way.begin("take-over") {
+            Ok(g) => g,
+            Err(why) => return Reply::Error(why),
+        };
+        let luns = |keep: &dyn Fn(&crate::volume::Volume) -> bool| {
+            self.portal
+                .volumes
+                .iter()
+                .filter(|v| keep(v))
+                .map(|v| format!("{} LUN {}", v.target(), v.lun()))
+                .collect::<Vec<_>>()
+        };
+        let waiting = luns(&|v| v.held_writers_ended());
+        if waiting.is_empty() {
+            return Reply::Error(
+                "no LUN's kept memory waits for a writer that has ended: `status` says why each \
+                 NOT READY LUN is, and what to run"
+                    .into(),
+            );
+        }
+        if !crate::notify::has_holder() {
+            return Reply::Error(
+                "not run under systemd's fd store: no start after this one would be given the \
+                 kept memory"
+                    .into(),
+            );
+        }
+        let unkept = luns(&|v| v.is_ready() && !v.in_fd_store());
+        if !unkept.is_empty() {
+            return Reply::Error(format!(
+                "the memory of {} is not confirmed in systemd's fd store: ending now would lose \
+                 it. Stop the daemon (it dumps) and start it again instead",
+                unkept.join(", ")
+            ));
+        }
+        tracing::warn!(
+            "take-over of {}: ending as after a crash (SIGKILL), so that systemd starts the \
+             daemon again with its fd store",
+            waiting.join(", ")
+        );
+        // After the answer is written.
+        std::thread::spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            let _ = rustix::process::kill_process(
+                rustix::process::getpid(),
+                rustix::process::Signal::KILL,
+            );
+        });
+        Reply::TakingOver(format!(
+            "the daemon ends now as after a crash; systemd starts it again with its fd store, \
+             and that start takes over the kept memory of {}",
+            waiting.join(", ")
+        ))
     }
 
     fn accept_empty(&self, target: &str, lun: u64) -> Reply {

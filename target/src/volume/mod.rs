@@ -264,6 +264,9 @@ pub enum Remedy {
     /// pages): its image or kept memory is untouched and decides again at
     /// the next start that has the memory.
     FreeMemory,
+    /// Kept memory was held back because its writer still ran at start,
+    /// and that writer has ended since: `take-over`.
+    TakeOver,
 }
 
 impl Remedy {
@@ -283,6 +286,11 @@ impl Remedy {
                  would make this a new, empty device)"
             }
             Remedy::StartAgain => "start the daemon again: its image is intact",
+            Remedy::TakeOver => {
+                "run `ramslog-target take-over`: the daemon ends as after a crash, and systemd \
+                 starts it again with its fd store, which holds every LUN's memory; that start \
+                 takes this memory over (accept-empty would discard it)"
+            }
             Remedy::FreeMemory => {
                 "free memory (or reserve the huge pages, or raise the limit, the reason names) and \
                  restart the daemon: its content is intact in its image or kept memory, which \
@@ -361,6 +369,9 @@ pub struct Volume {
     /// barrier after this run pushed them, or passed back by the store at
     /// this start (`fd_store`).
     in_fd_store: AtomicBool,
+    /// Pidfds of the writers found still running at start, for which this
+    /// NOT READY volume's kept memory is held back (empty otherwise).
+    held_for: Mutex<Vec<std::os::fd::OwnedFd>>,
 }
 
 impl std::fmt::Debug for Volume {
@@ -434,6 +445,7 @@ impl Volume {
             generation_open: AtomicBool::new(false),
             fenced: AtomicBool::new(false),
             in_fd_store: AtomicBool::new(false),
+            held_for: Mutex::new(Vec::new()),
             ready: AtomicBool::new(ready),
             meta: Mutex::new(Meta {
                 identity: cfg.identity,
@@ -678,11 +690,23 @@ impl Volume {
 
     pub fn status(&self) -> VolumeStatus {
         let m = self.meta();
+        // Said as it is now: a writer that held the kept memory back at
+        // start may have ended since.
+        let (not_ready_reason, remedy) = if self.held_writers_ended() {
+            (
+                m.not_ready_reason
+                    .as_ref()
+                    .map(|r| format!("{r}; that writer has since ended")),
+                Some(Remedy::TakeOver),
+            )
+        } else {
+            (m.not_ready_reason.clone(), m.remedy)
+        };
         VolumeStatus {
             identity: m.identity.clone(),
             readiness: m.readiness,
-            not_ready_reason: m.not_ready_reason.clone(),
-            remedy: m.remedy,
+            not_ready_reason,
+            remedy,
             restored: m.restored.clone(),
             generation: m.generation,
             written_bytes: if self.changed() {
@@ -692,6 +716,19 @@ impl Volume {
             },
             fenced: self.fenced.load(Ordering::SeqCst),
         }
+    }
+
+    /// This NOT READY volume's kept memory is held back for the writers
+    /// `pidfds` found still running at start.
+    pub fn hold_for_writers(&self, pidfds: Vec<std::os::fd::OwnedFd>) {
+        *self.held_for.lock().unwrap_or_else(|e| e.into_inner()) = pidfds;
+    }
+
+    /// Every writer its kept memory was held back for has ended since (and
+    /// there was one): a start now would take the memory over.
+    pub fn held_writers_ended(&self) -> bool {
+        let held = self.held_for.lock().unwrap_or_else(|e| e.into_inner());
+        !held.is_empty() && !self.is_ready() && held.iter().all(kept::pidfd_ended)
     }
 
     /// Anything changed since the last clean image (or since start, for a

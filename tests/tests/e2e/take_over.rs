@@ -276,7 +276,6 @@ async fn a_bump_cut_short_after_the_state_made_it_durable_is_finished() {
 /// store to the next start, which takes the memory over READY with every
 /// write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[should_panic(expected = "status after the writer ended")]
 async fn memory_held_for_a_writer_that_has_since_ended_is_taken_over() {
     use std::os::fd::AsFd;
     let dir = scratch_dir("take-over", "writer-ended");
