@@ -1556,8 +1556,9 @@ mod tests {
         v.fence();
         let store = v.store().clone();
         let stop = Arc::new(AtomicBool::new(false));
+        let rounds = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let writer = {
-            let stop = stop.clone();
+            let (stop, rounds) = (stop.clone(), rounds.clone());
             std::thread::spawn(move || {
                 let mut n = 0u8;
                 while !stop.load(Ordering::Relaxed) {
@@ -1565,12 +1566,21 @@ mod tests {
                     for c in 0..3u64 {
                         let _ = store.write(c << 20, &[n; 64 << 10]);
                     }
+                    rounds.fetch_add(1, Ordering::SeqCst);
                 }
             })
         };
+        while rounds.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        let before = rounds.load(Ordering::SeqCst);
         let result = v.dump(true);
+        let during = rounds.load(Ordering::SeqCst) - before;
         stop.store(true, Ordering::Relaxed);
         writer.join().expect("writer");
+        // The race is shown to happen: the memory changed while it was
+        // dumped and read back.
+        assert!(during > 0, "the writer never ran during the dump");
         let generation = v.generation();
         let id = image_identity(&v);
         let p = v.persistence().expect("p");
