@@ -181,10 +181,35 @@ fn preempt(a: &Args) -> Result<(), String> {
     // At once, while A's RDMA READs are in flight or held.
     let t = Instant::now();
     pr_out(&mut host_b, 5, 0xb, 0xa)?;
+    let answered = t.elapsed();
+    // The race is shown to happen: a write of A's that completed GOOD was
+    // placed before the preempt was answered (an aborted one gets no GOOD
+    // after it), so at least one must not have, or none was in flight.
+    let mut good = 0usize;
+    let settle = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < settle && host_a.outstanding() > 0 {
+        match host_a.poll() {
+            Ok(Some(c)) => {
+                if c.result.as_ref().is_ok_and(|st| st.is_good()) {
+                    good += 1;
+                }
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+            // The target may end the preempted host's connection.
+            Err(_) => break,
+        }
+    }
     println!(
-        "PREEMPT AND ABORT answered after {:?} with A's writes in flight",
-        t.elapsed()
+        "PREEMPT AND ABORT answered after {answered:?}; {good} of A's {A_WRITES} writes completed GOOD, \
+         {} were in flight when it came",
+        A_WRITES - good
     );
+    if good == A_WRITES {
+        return Err(format!(
+            "all {A_WRITES} of A's writes completed GOOD: none was in flight when B preempted, so \
+             the check shows nothing"
+        ));
+    }
     let bb = vec![0xbb; 256 * 1024];
     for off in (0..REGION_BYTES).step_by(bb.len()) {
         host_b
