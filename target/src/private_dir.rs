@@ -166,14 +166,40 @@ fn check_ancestors(dir: &Path, what: &'static str) -> Result<(), PrivateDirError
         path: path.into(),
         source,
     };
-    let resolved = std::fs::canonicalize(dir).map_err(|e| inspect(dir, e))?;
-    let holder = match dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        Some(parent) => std::fs::canonicalize(parent).map_err(|e| inspect(parent, e))?,
-        None => std::env::current_dir().map_err(|e| inspect(dir, e))?,
-    };
     let daemon = daemon_uid();
-    let chains = resolved.ancestors().skip(1).chain(holder.ancestors());
-    for ancestor in chains {
+    let absolute = if dir.is_absolute() {
+        dir.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .map_err(|e| inspect(dir, e))?
+            .join(dir)
+    };
+    // Every directory the path passes through, as the kernel resolves it:
+    // the one each component of the literal path sits in (a link anywhere
+    // in the path could be repointed by whoever can write there), and those
+    // above the directory it resolves to.
+    let mut chains = vec![std::fs::canonicalize(dir).map_err(|e| inspect(dir, e))?];
+    for component in absolute.ancestors() {
+        let meta = std::fs::symlink_metadata(component).map_err(|e| inspect(component, e))?;
+        if meta.file_type().is_symlink() && meta.uid() != 0 && meta.uid() != daemon {
+            return Err(PrivateDirError::Ancestor {
+                what,
+                path: dir.into(),
+                ancestor: component.into(),
+                why: format!("a symbolic link owned by uid {}", meta.uid()),
+                daemon,
+            });
+        }
+        if let Some(parent) = component.parent() {
+            chains.push(std::fs::canonicalize(parent).map_err(|e| inspect(parent, e))?);
+        }
+    }
+    let resolved = chains[0].clone();
+    let ancestors = chains
+        .iter()
+        .flat_map(|c| c.ancestors())
+        .filter(|a| *a != resolved.as_path());
+    for ancestor in ancestors {
         let meta = std::fs::metadata(ancestor).map_err(|e| inspect(ancestor, e))?;
         let mode = meta.permissions().mode();
         let why = if meta.uid() != 0 && meta.uid() != daemon {

@@ -158,5 +158,18 @@ fn an_ancestor_others_can_write_is_refused_unless_sticky() {
     prepare(&dir, "state directory").expect_err("an ancestor its group can write");
     chmod(&open, 0o755);
     prepare(&dir, "state directory").expect("an ancestor only its owner can write");
+    // A link in the middle of the path, in a directory others can write:
+    // they could repoint it, whatever it points at now.
+    let real = top.join("real");
+    std::fs::create_dir_all(&real).unwrap();
+    chmod(&real, 0o755);
+    std::os::unix::fs::symlink(&real, open.join("link")).unwrap();
+    chmod(&open, 0o777);
+    let e = prepare(&open.join("link").join("state"), "state directory")
+        .expect_err("a link in a directory others can write");
+    assert!(e.to_string().contains(&open.display().to_string()), "{e}");
+    chmod(&open, 0o755);
+    prepare(&open.join("link").join("state"), "state directory")
+        .expect("a link only root can repoint");
     let _ = std::fs::remove_dir_all(&top);
 }
