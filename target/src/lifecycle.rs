@@ -100,6 +100,9 @@ enum Unkept {
     /// current copy, or the state directory is not the one it belongs to.
     /// It stays in the store for a start that finds the doubt gone.
     NotReady(String),
+    /// NOT READY for one doubt only: its writer still runs. Once that
+    /// writer ends, a start takes the memory over (`take-over`).
+    WriterRunning(String),
     /// NOT READY, and no start will serve the memory: it was this LUN's
     /// content but can no longer be trusted (discarded while serving, or
     /// written by a process that died of a fault, with no image of its
@@ -110,7 +113,9 @@ enum Unkept {
 impl Unkept {
     fn reason(&self) -> &str {
         match self {
-            Unkept::Image(r) | Unkept::NotReady(r) | Unkept::Lost(r) => r,
+            Unkept::Image(r) | Unkept::NotReady(r) | Unkept::WriterRunning(r) | Unkept::Lost(r) => {
+                r
+            }
         }
     }
 }
@@ -512,7 +517,24 @@ fn adopt_kept(
         verify,
         memory_inode: rustix::fs::fstat(&k.memory).map_or(0, |s| s.st_ino),
     };
-    let allowed = take_over::decide(&facts)?;
+    let allowed = match take_over::decide(&facts) {
+        Ok(allowed) => allowed,
+        // Only the writer stands in the way when the rules allow the memory
+        // with the writer taken as gone: its end is worth watching for.
+        Err(Unkept::NotReady(why)) if matches!(facts.came, take_over::Came::Holder { .. }) => {
+            let gone = Ok(());
+            let without_writer = take_over::Facts {
+                came: take_over::Came::Holder { writer: &gone },
+                owner_running: false,
+                ..facts.clone()
+            };
+            return Err(match take_over::decide(&without_writer) {
+                Ok(_) => Unkept::WriterRunning(why),
+                Err(_) => Unkept::NotReady(why),
+            });
+        }
+        Err(other) => return Err(other),
+    };
     let (Some(identity), Some(known)) = (identity, known) else {
         return Err(Unkept::NotReady(
             "the state directory does not know this LUN".into(),
@@ -728,7 +750,7 @@ pub fn open_volumes(
                             if let (Unkept::Image(_), Some(naa)) = (&why, stored_as) {
                                 forget_stored_naa(&naa);
                             }
-                            if matches!(why, Unkept::NotReady(_)) {
+                            if matches!(why, Unkept::WriterRunning(_)) {
                                 held_for = living_writers(source, owner);
                             }
                             Some(why)
@@ -904,7 +926,9 @@ fn recall(
     // Memory that may be the only current copy, or a state directory that
     // does not match it: NOT READY, and no new identity is recorded.
     let held = match &unkept {
-        Some(Unkept::NotReady(reason)) => Some((reason, Remedy::KeptMemoryHeld)),
+        Some(Unkept::NotReady(reason) | Unkept::WriterRunning(reason)) => {
+            Some((reason, Remedy::KeptMemoryHeld))
+        }
         Some(Unkept::Lost(reason)) => Some((reason, Remedy::AcceptEmpty)),
         _ => None,
     };

@@ -332,7 +332,7 @@ impl Control {
             Request::Stop => Reply::Error("stop is answered when the dump is done".into()),
             Request::Restart => Reply::Error("restart is answered when the handover starts".into()),
             Request::DiscardKept { naa } => self.discard_kept(&naa),
-            Request::TakeOver => self.take_over(),
+            Request::TakeOver => self.take_over().0,
         }
     }
 
@@ -540,10 +540,11 @@ impl Control {
     /// with the store; that start judges the memory anew and takes it over.
     /// Refused unless every READY LUN's memory is confirmed in the store
     /// (it would be lost), and while another operation is under way.
-    fn take_over(&self) -> Reply {
-        let _one_at_a_time = match self.under_way.begin("take-over") {
+    fn take_over(&self) -> (Reply, Option<UnderWayGuard>) {
+        let refuse = |why: String| (Reply::Error(why), None);
+        let one_at_a_time = match self.under_way.begin("take-over") {
             Ok(g) => g,
-            Err(why) => return Reply::Error(why),
+            Err(why) => return refuse(why),
         };
         let luns = |keep: &dyn Fn(&crate::volume::Volume) -> bool| {
             self.portal
@@ -555,14 +556,14 @@ impl Control {
         };
         let waiting = luns(&|v| v.held_writers_ended());
         if waiting.is_empty() {
-            return Reply::Error(
+            return refuse(
                 "no LUN's kept memory waits for a writer that has ended: `status` says why each \
                  NOT READY LUN is, and what to run"
                     .into(),
             );
         }
         if !crate::notify::has_holder() {
-            return Reply::Error(
+            return refuse(
                 "not run under systemd's fd store: no start after this one would be given the \
                  kept memory"
                     .into(),
@@ -570,7 +571,7 @@ impl Control {
         }
         let unkept = luns(&|v| v.is_ready() && !v.in_fd_store());
         if !unkept.is_empty() {
-            return Reply::Error(format!(
+            return refuse(format!(
                 "the memory of {} is not confirmed in systemd's fd store: ending now would lose \
                  it. Stop the daemon (it dumps) and start it again instead",
                 unkept.join(", ")
@@ -581,19 +582,14 @@ impl Control {
              daemon again with its fd store",
             waiting.join(", ")
         );
-        // After the answer is written.
-        std::thread::spawn(|| {
-            std::thread::sleep(std::time::Duration::from_millis(300));
-            let _ = rustix::process::kill_process(
-                rustix::process::getpid(),
-                rustix::process::Signal::KILL,
-            );
-        });
-        Reply::TakingOver(format!(
-            "the daemon ends now as after a crash; systemd starts it again with its fd store, \
-             and that start takes over the kept memory of {}",
-            waiting.join(", ")
-        ))
+        (
+            Reply::TakingOver(format!(
+                "the daemon ends now as after a crash; systemd starts it again with its fd \
+                 store, and that start takes over the kept memory of {}",
+                waiting.join(", ")
+            )),
+            Some(one_at_a_time),
+        )
     }
 
     fn accept_empty(&self, target: &str, lun: u64) -> Reply {
@@ -763,6 +759,23 @@ async fn serve_client(stream: UnixStream, control: Arc<Control>) {
             .and_then(|l| serde_json::from_str::<Request>(l.trim_end()).map_err(|e| e.to_string()))
         {
             Ok(Request::Stop) => control.stop().await,
+            Ok(Request::TakeOver) => {
+                let (reply, ending) = control.take_over();
+                let sent = write_reply(&mut wr, &reply).await;
+                if let Some(_one_at_a_time) = ending {
+                    // The answer is in the socket's buffer (the requester
+                    // reads it after this process is gone); no other
+                    // operation began meanwhile (`_one_at_a_time` is held).
+                    let _ = rustix::process::kill_process(
+                        rustix::process::getpid(),
+                        rustix::process::Signal::KILL,
+                    );
+                }
+                if sent.is_err() || !complete {
+                    return;
+                }
+                continue;
+            }
             Ok(Request::Restart) => {
                 let (reply, written) = control.restart().await;
                 let sent = write_reply(&mut wr, &reply).await;
