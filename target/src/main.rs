@@ -617,6 +617,13 @@ async fn run(
     // What a restart executes again: this binary's path (the file there then,
     // after an upgrade the new one) with these arguments.
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
+    // A file renamed over the path after this program was opened (an
+    // upgrade mid-restart) leaves "(deleted)" on the running one: the next
+    // restart runs the path.
+    let exe = match exe.to_str().and_then(|p| p.strip_suffix(" (deleted)")) {
+        Some(path) => std::path::PathBuf::from(path),
+        None => exe,
+    };
     let argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let inherited = inherited.unwrap_or_else(|e| {
         tracing::error!(

@@ -278,17 +278,15 @@ impl Store {
     /// LUN serves no byte, so its memory waits for accept-empty: a LUN whose
     /// kept memory is held back for a doubt never costs a second copy, and
     /// one whose memory cannot be had does not stop the start. Huge pages
-    /// as `huge` says, judged now (`auto`: if the pool has them free).
+    /// only under `require`: under `auto` the pages another LUN takes
+    /// meanwhile would make a huge-page memfd fail at accept-empty, where
+    /// normal pages cannot fail for want of a pool.
     pub fn reserved(name: &str, size: u64, huge: HugePages) -> Result<Store, StoreError> {
         if size == 0 || !size.is_multiple_of(4096) || size > isize::MAX as u64 - HUGE_PAGE as u64 {
             return Err(StoreError::BadSize(size));
         }
         let len = size as usize;
-        let want_huge = match huge {
-            HugePages::Off => false,
-            HugePages::Require => true,
-            HugePages::Auto => free_huge_pages() >= size.div_ceil(HUGE_PAGE as u64),
-        };
+        let want_huge = huge == HugePages::Require;
         let (mapped, pages) = if want_huge {
             (len.div_ceil(HUGE_PAGE) * HUGE_PAGE, PageKind::Huge2M)
         } else {
