@@ -234,6 +234,14 @@ pub fn inherited_fds(raws: &[RawFd]) -> Result<Vec<OwnedFd>, String> {
         .collect()
 }
 
+/// A LUN size as a length: non-zero, whole 4 KiB pages, mappable.
+fn lun_len(size: u64) -> Result<usize, StoreError> {
+    if size == 0 || !size.is_multiple_of(4096) || size > isize::MAX as u64 - HUGE_PAGE as u64 {
+        return Err(StoreError::BadSize(size));
+    }
+    Ok(size as usize)
+}
+
 impl Store {
     /// `size` bytes of LUN memory under a generic name (tests, tools).
     pub fn new(size: u64, huge: HugePages) -> Result<Store, StoreError> {
@@ -244,10 +252,7 @@ impl Store {
     /// `size` bytes, seal its size, map it shared, prefault it, lock it in
     /// RAM and keep it out of core dumps.
     pub fn named(name: &str, size: u64, huge: HugePages) -> Result<Store, StoreError> {
-        if size == 0 || !size.is_multiple_of(4096) || size > isize::MAX as u64 - HUGE_PAGE as u64 {
-            return Err(StoreError::BadSize(size));
-        }
-        let len = size as usize;
+        let len = lun_len(size)?;
         let want_huge = match huge {
             HugePages::Off => false,
             HugePages::Auto | HugePages::Require => {
@@ -262,10 +267,10 @@ impl Store {
                 }
             }
         };
-        let store = match Self::create(name, len, want_huge) {
+        let store = match Self::create(name, len, want_huge, true) {
             Err(e) if want_huge && huge == HugePages::Auto => {
                 tracing::info!("huge page memory failed ({e}); using normal pages");
-                Self::create(name, len, false)?
+                Self::create(name, len, false, true)?
             }
             other => other?,
         };
@@ -282,22 +287,8 @@ impl Store {
     /// meanwhile would make a huge-page memfd fail at accept-empty, where
     /// normal pages cannot fail for want of a pool.
     pub fn reserved(name: &str, size: u64, huge: HugePages) -> Result<Store, StoreError> {
-        if size == 0 || !size.is_multiple_of(4096) || size > isize::MAX as u64 - HUGE_PAGE as u64 {
-            return Err(StoreError::BadSize(size));
-        }
-        let len = size as usize;
-        let want_huge = huge == HugePages::Require;
-        let (mapped, pages) = if want_huge {
-            (len.div_ceil(HUGE_PAGE) * HUGE_PAGE, PageKind::Huge2M)
-        } else {
-            (len, PageKind::Normal)
-        };
-        let memory =
-            sealed_memfd(name, mapped as u64, want_huge).map_err(|source| StoreError::Create {
-                size: mapped as u64,
-                source,
-            })?;
-        let store = Self::map_memory(memory, len, mapped, pages, false)?;
+        let len = lun_len(size)?;
+        let store = Self::create(name, len, huge == HugePages::Require, false)?;
         store.resident.store(false, Ordering::Release);
         Ok(store)
     }
@@ -382,9 +373,9 @@ impl Store {
         Ok(())
     }
 
-    /// The sealed memfd and its shared, prefaulted, undumped mapping; `len`
-    /// rounded up to whole huge pages when `huge`.
-    fn create(name: &str, len: usize, huge: bool) -> Result<Store, StoreError> {
+    /// The sealed memfd and its shared, undumped mapping (prefaulted when
+    /// `populate`); `len` rounded up to whole huge pages when `huge`.
+    fn create(name: &str, len: usize, huge: bool, populate: bool) -> Result<Store, StoreError> {
         let (mapped, pages) = if huge {
             (len.div_ceil(HUGE_PAGE) * HUGE_PAGE, PageKind::Huge2M)
         } else {
@@ -395,7 +386,7 @@ impl Store {
                 size: mapped as u64,
                 source,
             })?;
-        Self::map_memory(memory, len, mapped, pages, true)
+        Self::map_memory(memory, len, mapped, pages, populate)
     }
 
     /// Take over the memory a predecessor handed on: `memory` must be a
