@@ -1,8 +1,9 @@
 //! Branches of the take-over rules that only a real start shows (the
 //! decision itself has a table of unit tests beside it): a state directory
 //! put back from a backup, a kill -9 in the middle of accept-empty, a start
-//! in another boot, and a generation bump the state made durable before
-//! the record said it ended.
+//! in another boot, a generation bump the state made durable before the
+//! record said it ended, and memory held for a writer that has since ended
+//! (`take-over`).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
