@@ -41,20 +41,9 @@ pub(super) fn stored_naa(sup: &FdStoreSupervisor) -> String {
     naa
 }
 
-/// READY (TEST UNIT READY good once the unit attentions are read) or NOT
-/// READY 04h/03h.
+/// LUN 0 READY or NOT READY 04h/03h, seen from a new session.
 pub(super) async fn is_ready(t: &TargetProcess) -> bool {
-    let s = open(t, INITIATOR).await;
-    let r = s.test_unit_ready(0).await.expect("TUR");
-    if r.is_good() {
-        return true;
-    }
-    assert_eq!(
-        (r.status, sense(&r)),
-        (status::CHECK_CONDITION, (sense_key::NOT_READY, 0x04, 0x03)),
-        "neither READY nor NOT READY"
-    );
-    false
+    lun_ready(&open(t, INITIATOR).await, 0).await
 }
 
 /// Three kill -9s under 32 writers, each followed by a start that takes the
@@ -236,14 +225,7 @@ async fn bad_orders_in_the_store_are_not_ready_until_put_right() {
     };
 
     // A writer still alive (a forked holder, a straggler).
-    let mut straggler = std::process::Command::new("sleep")
-        .arg("60")
-        .spawn()
-        .expect("sleep");
-    let pid = rustix::process::Pid::from_raw(straggler.id() as i32).expect("pid");
-    let pidfd =
-        rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).expect("pidfd_open");
-    sup.put("writer", pidfd.as_fd());
+    let mut straggler = living_writer(&sup);
     check(false, "is still running").await;
     check(false, "accept-empty would discard that memory").await;
     check(false, "is still running").await;
@@ -1793,15 +1775,7 @@ async fn a_stop_at_any_moment_of_a_start_up_keeps_the_content() {
                 _passed = passed;
                 t = TargetProcess::spawn_with(options);
             }
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while process_state(t.pid()) != Some('T') {
-                assert!(
-                    Instant::now() < deadline && t.is_running(),
-                    "the start never paused at {step}\n{}",
-                    t.output_tail(20)
-                );
-                std::thread::sleep(Duration::from_millis(5));
-            }
+            wait_paused(&mut t, step);
             ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::TERM);
             ramslog_tests::send_signal(t.pid(), ramslog_tests::Signal::CONT);
             let deadline = Instant::now() + Duration::from_secs(60);
@@ -1930,6 +1904,35 @@ async fn two_successors_given_the_same_memory_serve_one_at_a_time() {
 pub(super) fn process_state(pid: u32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// Wait until the daemon stopped itself at its test-build pause `step`
+/// (state T); fails if it ends or does not get there in 20 s.
+pub(super) fn wait_paused(t: &mut TargetProcess, step: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while process_state(t.pid()) != Some('T') {
+        assert!(
+            Instant::now() < deadline && t.is_running(),
+            "the daemon never paused at {step}\n{}",
+            t.output_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A process standing in for a writer of the old run that still lives (a
+/// forked holder, a straggler): its pidfd goes into `sup` as the stored
+/// `writer`. Kill and reap it to let the memory go.
+pub(super) fn living_writer(sup: &FdStoreSupervisor) -> std::process::Child {
+    let straggler = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .expect("sleep");
+    let pid = rustix::process::Pid::from_raw(straggler.id() as i32).expect("pid");
+    let pidfd =
+        rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).expect("pidfd_open");
+    sup.put("writer", pidfd.as_fd());
+    straggler
 }
 
 /// A supervisor that has not yet reaped the killed daemon (a zombie: every

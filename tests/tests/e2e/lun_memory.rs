@@ -8,8 +8,6 @@
 
 use std::path::Path;
 
-use ramslog_common::scsi_wire::{sense_key, status};
-use ramslog_initiator::Session;
 use ramslog_tests::fdstore::FdStoreSupervisor;
 use ramslog_tests::{find_in_path, TargetOptions, TargetProcess, DEFAULT_TARGET_NAME};
 
@@ -25,28 +23,6 @@ fn locked_bytes(pid: u32) -> u64 {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or_else(|| panic!("no VmLck in {status}"));
     kib << 10
-}
-
-/// Whether `lun` is READY, or NOT READY 04h/03h (manual intervention),
-/// as session `s` sees it.
-async fn lun_ready(s: &Session, lun: u64) -> bool {
-    // The first answers are the unit attentions of a new nexus.
-    for _ in 0..4 {
-        let r = s.test_unit_ready(lun).await.expect("TUR");
-        if r.is_good() {
-            return true;
-        }
-        if r.status == status::CHECK_CONDITION && sense(&r).0 == sense_key::UNIT_ATTENTION {
-            continue;
-        }
-        assert_eq!(
-            (r.status, sense(&r)),
-            (status::CHECK_CONDITION, (sense_key::NOT_READY, 0x04, 0x03)),
-            "LUN {lun}: neither READY nor NOT READY"
-        );
-        return false;
-    }
-    panic!("LUN {lun}: unit attentions without end");
 }
 
 const LUN_BYTES: u64 = 256 << 20;

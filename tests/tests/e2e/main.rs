@@ -34,13 +34,38 @@ pub async fn open(t: &TargetProcess, initiator: &str) -> Session {
 }
 
 pub async fn clear_unit_attentions(s: &Session) {
+    clear_lun_attentions(s, 0).await;
+}
+
+/// Read `lun`'s unit attentions (a new nexus has some for each LUN).
+pub async fn clear_lun_attentions(s: &Session, lun: u64) {
     for _ in 0..8 {
-        let r = s.test_unit_ready(0).await.expect("TEST UNIT READY");
+        let r = s.test_unit_ready(lun).await.expect("TEST UNIT READY");
         if r.sense.is_none_or(|x| x.key != sense_key::UNIT_ATTENTION) {
             return;
         }
     }
-    panic!("unit attentions never cleared");
+    panic!("LUN {lun}: unit attentions never cleared");
+}
+
+/// Whether `lun` is READY, or NOT READY 04h/03h (manual intervention), as
+/// session `s` sees it once its unit attentions are read; anything else
+/// fails the test.
+pub async fn lun_ready(s: &Session, lun: u64) -> bool {
+    clear_lun_attentions(s, lun).await;
+    let r = s.test_unit_ready(lun).await.expect("TEST UNIT READY");
+    if r.is_good() {
+        return true;
+    }
+    assert_eq!(
+        (r.status, sense(&r)),
+        (
+            ramslog_common::scsi_wire::status::CHECK_CONDITION,
+            (sense_key::NOT_READY, 0x04, 0x03)
+        ),
+        "LUN {lun}: neither READY nor NOT READY"
+    );
+    false
 }
 
 pub fn sense(r: &ScsiResult) -> (u8, u8, u8) {

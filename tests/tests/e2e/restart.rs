@@ -24,7 +24,15 @@ fn scratch(name: &str) -> PathBuf {
 /// `ramslog-target restart --wait` against the daemon of `state_dir`: its
 /// output, or the failure's.
 pub(super) fn restart(state_dir: &Path) -> Result<String, String> {
-    let out = cli(&["restart", "--wait"], state_dir);
+    restart_by(&target_binary(), state_dir)
+}
+
+/// [`restart`] run by `cli_binary` (a package's ExecReload runs the binary
+/// that package installed).
+pub(super) fn restart_by(cli_binary: &Path, state_dir: &Path) -> Result<String, String> {
+    let out = restart_wait_command(cli_binary, state_dir)
+        .output()
+        .expect("run restart --wait");
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     if out.status.success() {
@@ -32,6 +40,23 @@ pub(super) fn restart(state_dir: &Path) -> Result<String, String> {
     } else {
         Err(text)
     }
+}
+
+/// `cli_binary restart --wait` against the daemon of `state_dir`.
+fn restart_wait_command(cli_binary: &Path, state_dir: &Path) -> std::process::Command {
+    let mut c = std::process::Command::new(cli_binary);
+    c.args(["restart", "--wait", "--state-dir"]).arg(state_dir);
+    c
+}
+
+/// `restart --wait` started, its output piped, for a test that acts while
+/// it waits.
+fn spawn_restart_wait(state_dir: &Path) -> std::process::Child {
+    restart_wait_command(&target_binary(), state_dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("restart --wait")
 }
 
 /// A block's content for round `round`: its number, then a fill.
@@ -316,13 +341,7 @@ fn a_restart_wait_fails_at_once_when_the_daemon_dies() {
             target_binary().display()
         ),
     );
-    let mut wait = std::process::Command::new(target_binary())
-        .args(["restart", "--wait", "--state-dir"])
-        .arg(&state)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("restart --wait");
+    let mut wait = spawn_restart_wait(&state);
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
         if let Some(st) = wait.try_wait().expect("wait") {
@@ -446,22 +465,8 @@ async fn a_binary_replaced_after_its_check_is_not_executed() {
         s.write(0, 800, &data, true).await.expect("WRITE");
     }
     std::fs::write(&pause, "checked").expect("the pause file");
-    let asked = std::process::Command::new(target_binary())
-        .args(["restart", "--wait", "--state-dir"])
-        .arg(&state)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("restart --wait");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while super::kept::process_state(pid) != Some('T') {
-        assert!(
-            Instant::now() < deadline && t.is_running(),
-            "the daemon never paused after the check\n{}",
-            t.output_tail(20)
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let asked = spawn_restart_wait(&state);
+    super::kept::wait_paused(&mut t, "checked");
     replace_with_script(
         &bin,
         "#!/bin/sh\necho 'unchecked program: cannot start' >&2\nexit 70\n",

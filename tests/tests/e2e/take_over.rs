@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use ramslog_tests::fdstore::FdStoreSupervisor;
 use ramslog_tests::TargetProcess;
 
-use super::kept::{is_ready, process_state, start, stored_naa};
+use super::kept::{is_ready, living_writer, start, stored_naa, wait_paused};
 use super::*;
 
 /// The daemon under `sup`, with test-build `env` and `extra` flags.
@@ -28,19 +28,6 @@ fn start_with(
             .map(|(k, v)| (k.to_string(), v.display().to_string())),
     );
     TargetProcess::start_with(options)
-}
-
-/// Wait until the daemon stopped itself at its pause (state T).
-fn wait_paused(t: &mut TargetProcess, step: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while process_state(t.pid()) != Some('T') {
-        assert!(
-            Instant::now() < deadline && t.is_running(),
-            "the daemon never paused at {step}\n{}",
-            t.output_tail(20)
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// The state directory put back from a backup taken before the last run:
@@ -239,7 +226,6 @@ async fn a_bump_cut_short_after_the_state_made_it_durable_is_finished() {
     assert!(is_ready(&t).await, "{}", t.output_tail(20));
     std::fs::write(&pause, "bump").expect("the pause file");
     let s = open(&t, INITIATOR).await;
-    let _ = s.test_unit_ready(0).await;
     let cut = tokio::spawn(async move { s.write(0, 64, &[0x42; 4096], true).await });
     wait_paused(&mut t, "bump");
     // The race is shown to happen: the state holds the bump already.
@@ -278,7 +264,6 @@ async fn a_bump_cut_short_after_the_state_made_it_durable_is_finished() {
 /// write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_held_for_a_writer_that_has_since_ended_is_taken_over() {
-    use std::os::fd::AsFd;
     let dir = scratch_dir("take-over", "writer-ended");
     let state = dir.join("state");
     let sup = FdStoreSupervisor::new(&dir.join("supervisor"));
@@ -292,15 +277,7 @@ async fn memory_held_for_a_writer_that_has_since_ended_is_taken_over() {
     }
     t.kill();
     // A writer still alive (a straggler of the old run).
-    let mut straggler = std::process::Command::new("sleep")
-        .arg("60")
-        .spawn()
-        .expect("sleep");
-    let pid = rustix::process::Pid::from_raw(straggler.id() as i32).expect("pid");
-    let pidfd =
-        rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).expect("pidfd_open");
-    sup.put("writer", pidfd.as_fd());
-    drop(pidfd);
+    let mut straggler = living_writer(&sup);
     let mut t = start(&sup, &state, Some(port));
     assert!(!is_ready(&t).await, "served while its writer runs");
     assert!(status_text(&state).contains("is still running"));

@@ -11,6 +11,7 @@ use std::process::Command;
 use ramslog_tests::fdstore::FdStoreSupervisor;
 use ramslog_tests::{TargetOptions, TargetProcess, DEFAULT_TARGET_NAME};
 
+use super::restart::restart_by;
 use super::*;
 
 /// The base commit's binary, built (or found in the cache) by the script.
@@ -36,23 +37,6 @@ fn install(from: &Path, installed: &Path) {
     std::fs::rename(&new, installed).expect("rename over the installed binary");
 }
 
-/// `restart --wait` run by `cli_binary` (a package's ExecReload runs the
-/// binary that package installed).
-fn reload(cli_binary: &Path, state: &Path) -> Result<String, String> {
-    let out = Command::new(cli_binary)
-        .args(["restart", "--wait", "--state-dir"])
-        .arg(state)
-        .output()
-        .expect("run restart --wait");
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    if out.status.success() {
-        Ok(text)
-    } else {
-        Err(text)
-    }
-}
-
 const LUNS: [u64; 2] = [0, 1];
 
 /// Every LUN READY (past its unit attentions) and holding `data[lun]` at
@@ -60,14 +44,11 @@ const LUNS: [u64; 2] = [0, 1];
 async fn assert_served(t: &TargetProcess, data: &[Vec<u8>], when: &str) {
     let s = open(t, INITIATOR).await;
     for lun in LUNS {
-        let mut ready = false;
-        for _ in 0..6 {
-            if s.test_unit_ready(lun).await.expect("TUR").is_good() {
-                ready = true;
-                break;
-            }
-        }
-        assert!(ready, "{when}: LUN {lun} not READY\n{}", t.output_tail(30));
+        assert!(
+            lun_ready(&s, lun).await,
+            "{when}: LUN {lun} not READY\n{}",
+            t.output_tail(30)
+        );
         let got = s.read(lun, 16, 8, 512).await.expect("READ");
         assert!(
             got == data[lun as usize],
@@ -106,8 +87,7 @@ async fn a_reload_from_the_base_binary_keeps_every_lun_ready_and_back() {
     {
         let s = open(&t, INITIATOR).await;
         for lun in LUNS {
-            let _ = s.test_unit_ready(lun).await;
-            let _ = s.test_unit_ready(lun).await;
+            clear_lun_attentions(&s, lun).await;
             s.write(lun, 16, &data[lun as usize], true)
                 .await
                 .expect("WRITE under the base binary");
@@ -117,7 +97,7 @@ async fn a_reload_from_the_base_binary_keeps_every_lun_ready_and_back() {
     // The upgrade: the new package's binary, its ExecReload.
     install(&ramslog_tests::target_binary(), &installed);
     let logged = t.output().len();
-    let said = reload(&ramslog_tests::target_binary(), &state).unwrap_or_else(|e| {
+    let said = restart_by(&ramslog_tests::target_binary(), &state).unwrap_or_else(|e| {
         panic!(
             "the reload into this release failed: {e}\n{}",
             t.output_tail(30)
@@ -134,8 +114,7 @@ async fn a_reload_from_the_base_binary_keeps_every_lun_ready_and_back() {
     {
         let s = open(&t, INITIATOR).await;
         for lun in LUNS {
-            let _ = s.test_unit_ready(lun).await;
-            let _ = s.test_unit_ready(lun).await;
+            clear_lun_attentions(&s, lun).await;
             data[lun as usize] = random_bytes(4096);
             s.write(lun, 16, &data[lun as usize], true)
                 .await
@@ -146,7 +125,7 @@ async fn a_reload_from_the_base_binary_keeps_every_lun_ready_and_back() {
     // And back: the old package's binary, its ExecReload.
     install(&base, &installed);
     let logged = t.output().len();
-    match reload(&base, &state) {
+    match restart_by(&base, &state) {
         Ok(said) => {
             eprintln!("the downgrade went through: {said}");
             assert_served(&t, &data, "after the downgrade").await;
