@@ -477,32 +477,22 @@ fn adopt_kept(
             None => None,
         }
     };
-    let (identity, known) = match recalled {
+    let known = match recalled {
         Some(Recall::Known {
             identity,
             generation,
             clean,
-        }) => {
-            let known = take_over::Known {
-                naa: naa_hex(&identity.naa),
-                serial: identity.serial.clone(),
-                generation,
-                clean,
-            };
-            (Some(identity), Some(known))
-        }
-        _ => (None, None),
+        }) => Some(take_over::Known {
+            identity,
+            generation,
+            clean,
+        }),
+        _ => None,
     };
     let fault = k.record.as_ref().ok().and_then(|c| c.fault);
-    let writer_proof;
     let came = match source {
         Source::Restart { token } => take_over::Came::Restart { token: *token },
-        Source::Holder { writer, .. } => {
-            writer_proof = writer.clone();
-            take_over::Came::Holder {
-                writer: &writer_proof,
-            }
-        }
+        Source::Holder { writer, .. } => take_over::Came::Holder { writer },
     };
     let facts = take_over::Facts {
         came,
@@ -535,11 +525,13 @@ fn adopt_kept(
         }
         Err(other) => return Err(other),
     };
-    let (Some(identity), Some(known)) = (identity, known) else {
+    // The rules refuse memory of a LUN the state does not know.
+    let Some(known) = known else {
         return Err(Unkept::NotReady(
             "the state directory does not know this LUN".into(),
         ));
     };
+    let identity = known.identity.clone();
     let generation = allowed.generation;
     let faulted = |why: String| take_over::faulted(&known, why);
     let image = Unkept::Image;

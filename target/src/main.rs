@@ -1023,16 +1023,16 @@ async fn run(
             None => Ending::Stop,
             Some(_) => {
                 let need = 2 * portal.volumes.len() + 1;
-                let unconfirmed = portal
-                    .volumes
-                    .iter()
-                    .find(|v| v.is_ready() && !v.in_fd_store())
-                    .map(|v| format!("{} LUN {}", v.target(), v.lun()));
-                let held = notify::store_holds(need).and_then(|()| match unconfirmed {
-                    Some(lun) => Err(format!(
-                        "the fd store is not confirmed to hold the memory of {lun}"
-                    )),
-                    None => Ok(()),
+                let unconfirmed = portal.volumes.not_held_in_fd_store();
+                let held = notify::store_holds(need).and_then(|()| {
+                    if unconfirmed.is_empty() {
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "the fd store is not confirmed to hold the memory of {}",
+                            unconfirmed.join(", ")
+                        ))
+                    }
                 });
                 match held {
                     Ok(()) => Ending::Restart { dump: false },

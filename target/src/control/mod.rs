@@ -115,11 +115,7 @@ fn kept_memory_line(volumes: &crate::volume::Volumes) -> String {
     if !crate::notify::has_holder() {
         return mode.into();
     }
-    let missing: Vec<String> = volumes
-        .iter()
-        .filter(|v| v.is_ready() && v.persistence().is_some() && !v.in_fd_store())
-        .map(|v| format!("{} LUN {}", v.target(), v.lun()))
-        .collect();
+    let missing = volumes.not_held_in_fd_store();
     if missing.is_empty() {
         mode.into()
     } else {
@@ -332,7 +328,9 @@ impl Control {
             Request::Stop => Reply::Error("stop is answered when the dump is done".into()),
             Request::Restart => Reply::Error("restart is answered when the handover starts".into()),
             Request::DiscardKept { naa } => self.discard_kept(&naa),
-            Request::TakeOver => self.take_over().0,
+            Request::TakeOver => {
+                Reply::Error("take-over is answered on its connection, then the daemon ends".into())
+            }
         }
     }
 
@@ -546,15 +544,13 @@ impl Control {
             Ok(g) => g,
             Err(why) => return refuse(why),
         };
-        let luns = |keep: &dyn Fn(&crate::volume::Volume) -> bool| {
-            self.portal
-                .volumes
-                .iter()
-                .filter(|v| keep(v))
-                .map(|v| format!("{} LUN {}", v.target(), v.lun()))
-                .collect::<Vec<_>>()
-        };
-        let waiting = luns(&|v| v.held_writers_ended());
+        let waiting: Vec<String> = self
+            .portal
+            .volumes
+            .iter()
+            .filter(|v| v.held_writers_ended())
+            .map(|v| format!("{} LUN {}", v.target(), v.lun()))
+            .collect();
         if waiting.is_empty() {
             return refuse(
                 "no LUN's kept memory waits for a writer that has ended: `status` says why each \
@@ -569,7 +565,7 @@ impl Control {
                     .into(),
             );
         }
-        let unkept = luns(&|v| v.is_ready() && !v.in_fd_store());
+        let unkept = self.portal.volumes.not_held_in_fd_store();
         if !unkept.is_empty() {
             return refuse(format!(
                 "the memory of {} is not confirmed in systemd's fd store: ending now would lose \

@@ -7,6 +7,7 @@
 
 use super::Unkept;
 use crate::volume::kept::{ExitCause, KeptRecord, KeptState, Owner};
+use crate::volume::{naa_hex, Identity};
 
 /// Where the memory came from, as the rules see it.
 #[derive(Debug, Clone, Copy)]
@@ -21,9 +22,7 @@ pub(super) enum Came<'a> {
 /// What the state directory says of the LUN, when it knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Known {
-    /// The identity, NAA as 16 hex digits.
-    pub naa: String,
-    pub serial: String,
+    pub identity: Identity,
     pub generation: u64,
     /// The generation's image was written by a clean stop.
     pub clean: bool,
@@ -133,10 +132,11 @@ pub(super) fn decide(f: &Facts) -> Result<Allowed, Unkept> {
             "kept memory names this LUN but the state directory does not know it: is it the right state directory?".into(),
         ));
     };
-    if r.naa != known.naa || r.serial != known.serial {
+    let naa = naa_hex(&known.identity.naa);
+    if r.naa != naa || r.serial != known.identity.serial {
         return Err(image(format!(
-            "it holds naa.{}, the state directory names naa.{}",
-            r.naa, known.naa
+            "it holds naa.{}, the state directory names naa.{naa}",
+            r.naa
         )));
     }
     let (size, block_size) = f.shape;

@@ -5,7 +5,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{kept, naa_hex, Volume};
+use super::{kept, naa_hex, Volume, Volumes};
 use crate::notify;
 
 impl Volume {
@@ -83,5 +83,17 @@ impl Volume {
                 false
             }
         }
+    }
+}
+
+impl Volumes {
+    /// The READY LUNs ("TARGET LUN n") whose memory systemd's fd store is
+    /// not confirmed to hold: a crash (or a take-over) loses what no image
+    /// has of them, so a restart dumps them first.
+    pub fn not_held_in_fd_store(&self) -> Vec<String> {
+        self.iter()
+            .filter(|v| v.is_ready() && v.persistence().is_some() && !v.in_fd_store())
+            .map(|v| format!("{} LUN {}", v.target(), v.lun()))
+            .collect()
     }
 }

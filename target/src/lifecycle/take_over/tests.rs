@@ -47,8 +47,10 @@ fn record() -> KeptRecord {
 /// written by a clean stop.
 fn known() -> Known {
     Known {
-        naa: "3a1b2c3d4e5f6071".into(),
-        serial: "0b5e3c8e".into(),
+        identity: Identity {
+            naa: [0x3a, 0x1b, 0x2c, 0x3d, 0x4e, 0x5f, 0x60, 0x71],
+            serial: "0b5e3c8e".into(),
+        },
         generation: 7,
         clean: true,
     }
