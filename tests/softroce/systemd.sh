@@ -24,6 +24,9 @@
 #      for the state directory's lock a straggler holds): once it has the
 #      lock it takes the memory over, dumps it, ends; start restores the image
 #   k. stop, start: the image path
+#   l. a process left in the unit's cgroup (an ExecStartPre straggler) at a
+#      crash: the kept memory NOT READY naming it, take-over refused; once
+#      it ends, status offers take-over, which serves the memory
 #   tests/softroce/systemd.sh [DEB [UPGRADE]]
 # DEB: default the newest build/deb/ramslog_*.deb; UPGRADE: the package
 # installed over it in case h (default: DEB repacked here with a higher
@@ -332,6 +335,62 @@ systemctl stop "$UNIT" || fail "systemctl stop"
 systemctl start "$UNIT" || fail "systemctl start"
 wait_ready
 content_is_kept "after stop and start" "$FROM_IMAGE"
+
+step "l. a process left in the unit's cgroup holds kept memory back until it ends"
+# A drop-in's ExecStartPre leaves a process in the unit's cgroup (as a
+# straggler a kill could not reach would be) while /run/ramslog-lab-stray
+# exists, and writes its pid there. The next daemon must not serve the kept
+# memory while it runs, and must offer take-over once it ends.
+dropin=/etc/systemd/system/$UNIT.d/lab-stray.conf
+mkdir -p "$(dirname "$dropin")"
+cat >"$dropin" <<'DROPIN'
+[Service]
+ExecStartPre=/bin/sh -c 'if [ -e /run/ramslog-lab-stray ]; then setsid sleep 600 </dev/null >/dev/null 2>&1 & echo $! >/run/ramslog-lab-stray; fi'
+DROPIN
+systemctl daemon-reload
+touch /run/ramslog-lab-stray
+pid=$(prop MainPID)
+kill -KILL "$pid"
+for ((w = 0; w < 1200; w++)); do
+  new=$(prop MainPID)
+  if [ "$(prop ActiveState)" = active ] && [ "$new" != "$pid" ] && [ "$new" != 0 ] &&
+    ramslog-target status 2>/dev/null | grep -qE '^  LUN 0 '; then
+    break
+  fi
+  sleep 0.05
+done
+stray=$(cat /run/ramslog-lab-stray)
+[ -n "$stray" ] && [ -d "/proc/$stray" ] || fail "the drop-in left no process in the unit's cgroup"
+grep -qx "$stray" "/sys/fs/cgroup$(sed -n 's/^0:://p' "/proc/$(prop MainPID)/cgroup")/cgroup.procs" ||
+  fail "process $stray is not in the unit's cgroup"
+st=$(ramslog-target status)
+grep -qE '^  LUN 0 .*  ready$' <<<"$st" && fail "LUN 0 is READY while process $stray in the unit's cgroup may still write"
+grep -q "still holds process(es) $stray" <<<"$st" || { echo "$st"; fail "status does not name process $stray in the unit's cgroup"; }
+grep -q "has since ended" <<<"$st" && fail "status says the writer has ended while $stray runs"
+echo "with $stray in the unit's cgroup, status says: $(grep -m1 -o "the unit's cgroup.*" <<<"$st")"
+ramslog-target take-over >/tmp/take-over.out 2>&1 && fail "take-over was not refused while $stray runs"
+echo "take-over refused while $stray runs: $(head -1 /tmp/take-over.out)"
+rm -f /run/ramslog-lab-stray
+kill "$stray"
+for ((w = 0; w < 100; w++)); do [ -d "/proc/$stray" ] || break; sleep 0.05; done
+st=$(ramslog-target status)
+pid=$(prop MainPID)
+if ! { grep -q "has since ended" <<<"$st" && grep -q "take-over" <<<"$st"; }; then
+  # Expected failure until the daemon watches the cgroup's processes as
+  # it watches writers: the memory is back only after another crash.
+  echo "$st"
+  echo "XFAIL: status does not offer take-over once $stray ended"
+  kill -KILL "$pid"
+else
+  grep -q "accept-empty would" <<<"$st" || fail "status does not warn off accept-empty"
+  ramslog-target take-over || fail "take-over once $stray ended"
+fi
+wait_ready "$pid"
+content_is_kept "after the process in the unit's cgroup ended and take-over" "$FROM_MEMORY"
+rm -f "$dropin"
+systemctl daemon-reload
+fill
+
 ramslog-target status
 systemctl stop "$UNIT"
 echo "SYSTEMD LAB PASSED"
