@@ -398,8 +398,9 @@ fn writers_gone(pidfds: &[OwnedFd]) -> Result<(), String> {
 }
 
 /// The writers of kept memory still running now (stored writer pidfds
-/// that have not ended, and the record's owner), as pidfds to watch: the
-/// memory held back for them can be taken over once they end.
+/// that have not ended, the record's owner, and any other process in the
+/// unit's cgroup), as pidfds to watch: the memory held back for them can
+/// be taken over once they end.
 fn living_writers(source: &Source, owner: kept::Owner) -> Vec<OwnedFd> {
     let Source::Holder { writers, .. } = source else {
         return Vec::new();
@@ -409,16 +410,19 @@ fn living_writers(source: &Source, owner: kept::Owner) -> Vec<OwnedFd> {
         .filter(|fd| !kept::pidfd_ended(fd))
         .filter_map(|fd| fd.try_clone().ok())
         .collect();
+    let mut pids: Vec<u32> = Vec::new();
     if kept::still_running(owner.pid, owner.start_time) {
-        let pid = i32::try_from(owner.pid)
-            .ok()
-            .and_then(rustix::process::Pid::from_raw);
-        if let Some(fd) = pid
-            .and_then(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok())
-        {
-            living.push(fd);
-        }
+        pids.push(owner.pid);
     }
+    // A process left in the unit's cgroup holds the memory back as a
+    // writer does: once it ends, take-over may serve the memory.
+    if let Ok(Some((_, others))) = cgroup_others() {
+        pids.extend(others);
+    }
+    living.extend(pids.into_iter().filter_map(|pid| {
+        let pid = rustix::process::Pid::from_raw(i32::try_from(pid).ok()?)?;
+        rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+    }));
     living
 }
 
@@ -426,32 +430,41 @@ fn living_writers(source: &Source, owner: kept::Owner) -> Vec<OwnedFd> {
 /// forked child or a straggler of the old daemon there may still write.
 /// Not in a service's cgroup (no systemd), there is nothing to ask.
 fn cgroup_alone() -> Result<(), String> {
+    match cgroup_others()? {
+        Some((path, others)) if !others.is_empty() => {
+            let pids: Vec<String> = others.iter().map(u32::to_string).collect();
+            Err(format!(
+                "the unit's cgroup {path} still holds process(es) {}: one may still write the LUN memory",
+                pids.join(", ")
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The processes other than this one in this process's unit's cgroup, with
+/// the cgroup's path; `None` outside a service's cgroup.
+fn cgroup_others() -> Result<Option<(String, Vec<u32>)>, String> {
     let Ok(own) = std::fs::read_to_string("/proc/self/cgroup") else {
-        return Ok(());
+        return Ok(None);
     };
     let Some(path) = own.lines().find_map(|l| l.strip_prefix("0::")) else {
-        return Ok(());
+        return Ok(None);
     };
     if !path.ends_with(".service") {
-        return Ok(());
+        return Ok(None);
     }
     let procs = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
         .iter()
         .find_map(|root| std::fs::read_to_string(format!("{root}{path}/cgroup.procs")).ok())
         .ok_or_else(|| format!("cannot read the processes of the unit's cgroup {path}"))?;
-    let me = std::process::id().to_string();
-    let others: Vec<&str> = procs
+    let me = std::process::id();
+    let others = procs
         .split_whitespace()
-        .filter(|p| *p != me.as_str())
+        .filter_map(|p| p.parse::<u32>().ok())
+        .filter(|p| *p != me)
         .collect();
-    if others.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "the unit's cgroup {path} still holds process(es) {}: one may still write the LUN memory",
-            others.join(", ")
-        ))
-    }
+    Ok(Some((path.to_string(), others)))
 }
 
 /// The volume over kept memory, if every rule holds: the record binds it
@@ -918,9 +931,8 @@ fn recall(
     // Memory that may be the only current copy, or a state directory that
     // does not match it: NOT READY, and no new identity is recorded.
     let held = match &unkept {
-        Some(Unkept::NotReady(reason) | Unkept::WriterRunning(reason)) => {
-            Some((reason, Remedy::KeptMemoryHeld))
-        }
+        Some(Unkept::NotReady(reason)) => Some((reason, Remedy::KeptMemoryHeld)),
+        Some(Unkept::WriterRunning(reason)) => Some((reason, Remedy::WriterToEnd)),
         Some(Unkept::Lost(reason)) => Some((reason, Remedy::AcceptEmpty)),
         _ => None,
     };

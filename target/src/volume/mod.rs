@@ -264,6 +264,9 @@ pub enum Remedy {
     /// pages): its image or kept memory is untouched and decides again at
     /// the next start that has the memory.
     FreeMemory,
+    /// Kept memory is held back because its writer (or another process in
+    /// the unit's cgroup) still runs: once it ends, `take-over`.
+    WriterToEnd,
     /// Kept memory was held back because its writer still ran at start,
     /// and that writer has ended since: `take-over`.
     TakeOver,
@@ -286,6 +289,11 @@ impl Remedy {
                  would make this a new, empty device)"
             }
             Remedy::StartAgain => "start the daemon again: its image is intact",
+            Remedy::WriterToEnd => {
+                "the process the reason names may still write this memory: let it end or kill it \
+                 (`systemctl status ramslog-target` lists the unit's processes); `status` then \
+                 offers take-over, which serves the memory (accept-empty would discard that memory)"
+            }
             Remedy::TakeOver => {
                 "run `ramslog-target take-over`: the daemon ends as after a crash, and systemd \
                  starts it again with its fd store, which holds every LUN's memory; that start \

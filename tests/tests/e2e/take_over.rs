@@ -280,7 +280,13 @@ async fn memory_held_for_a_writer_that_has_since_ended_is_taken_over() {
     let mut straggler = living_writer(&sup);
     let mut t = start(&sup, &state, Some(port));
     assert!(!is_ready(&t).await, "served while its writer runs");
-    assert!(status_text(&state).contains("is still running"));
+    let st = status_text(&state);
+    assert!(
+        st.contains("is still running")
+            && st.contains("let it end or kill it")
+            && !st.contains("restart the daemon"),
+        "status while the writer runs: {st}"
+    );
     straggler.kill().expect("kill the straggler");
     straggler.wait().expect("reap");
     let st = status_text(&state);
