@@ -6,7 +6,9 @@
 # restore) in the middle of a fio verify job, which open-iscsi rides through
 # with no I/O error; planned restarts (`ramslog-target restart` under
 # fd-holder, as under the shipped unit) during sync writes, whose longest
-# write is the stall a host sees; and the identity rule with a real host: SIGKILL +
+# write is the stall a host sees; over iSER, an RDMA device descriptor put
+# into the fd store (the kept memory NOT READY at the next start, which drops
+# it; the start after serves the memory); and the identity rule with a real host: SIGKILL +
 # restart with the same state directory -> open-iscsi reconnects by itself
 # and every I/O on the same /dev/sdX fails (NOT READY, manual intervention
 # required, never zeros) until `accept-empty`.
@@ -75,6 +77,50 @@ stop_held_target() {
   wait "$HOLDER_PID" || { cat "$LOG"; echo "the held target's stop exited non-zero"; exit 1; }
   HOLDER_PID=
   grep "dumped to" "$LOG"
+}
+
+# A descriptor of the RDMA device in the fd store beside the LUN memory (a
+# hand-made holder, a bug: the daemon never stores one) can keep an old
+# queue pair alive, and an old queue pair may still write the memory: the
+# start that finds one must not serve the kept memory, must close it and
+# drop it from the store, and the next start serves the memory again.
+# fd-holder plays systemd's store; the descriptor goes in as any process
+# the unit lets notify would put it.
+rdma_descriptor_in_store() {
+  local uverbs pid starts st
+  uverbs=$(find /dev/infiniband -name 'uverbs*' | head -1)
+  [ -n "$uverbs" ] || { echo "no /dev/infiniband/uverbs* in this guest"; exit 1; }
+  python3 - "$HOLDER_DIR/notify.sock" "$uverbs" <<'PY' || { echo "cannot put $uverbs into fd-holder's store"; exit 1; }
+import array, os, socket, sys
+fd = os.open(sys.argv[2], os.O_RDWR | os.O_CLOEXEC)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.sendmsg([b"FDSTORE=1\nFDNAME=lab-uverbs\nFDPOLL=0\n"],
+          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], 0, sys.argv[1])
+PY
+  held_crash() { # kill -9 the held daemon; until the next one listens
+    pid=$(cat "$HOLDER_DIR/pid")
+    starts=$(grep -c "$READY" "$LOG" || true)
+    kill -9 "$pid"
+    for ((w = 0; w < 600; w++)); do
+      (($(grep -c "$READY" "$LOG" || true) > starts)) && [ "$(cat "$HOLDER_DIR/pid")" != "$pid" ] && return 0
+      sleep 0.1
+    done
+    cat "$LOG"; echo "the held target did not come back after kill -9 of $pid"; exit 1
+  }
+  held_crash
+  st=$("$BIN" status --state-dir "$STATE")
+  grep -qE '^  LUN 0 .*NOT READY: .*RDMA device descriptors \('"$uverbs"'\)' <<<"$st" ||
+    { echo "$st"; echo "kept memory served (or not refused for $uverbs) with an RDMA device descriptor in the store"; exit 1; }
+  grep -q 'descriptor named "lab-uverbs", which this daemon never stores: closed' "$LOG" ||
+    { echo "the daemon did not close and drop the stored $uverbs"; exit 1; }
+  echo "with $uverbs in the store: $(grep -m1 -o 'NOT READY: .*' <<<"$st" | cut -c1-160)"
+  held_crash
+  st=$("$BIN" status --state-dir "$STATE")
+  grep -qE '^  LUN 0 .*  ready$' <<<"$st" && grep -q "restored from the memory kept" <<<"$st" ||
+    { echo "$st"; echo "the start after the descriptor was dropped did not serve the kept memory"; exit 1; }
+  cmp <(dd if="$disk" bs=1M count=4 skip=200 iflag=direct status=none) /tmp/pattern ||
+    { echo "the kept memory served after the descriptor was dropped does not hold the pattern"; exit 1; }
+  echo "the next start, the descriptor dropped, serves the kept memory: the pattern reads back"
 }
 
 cleanup() {
@@ -297,6 +343,10 @@ PY
     grep -E "restart|shutting down|session (started|ended)|iSER connection|notice" "$LOG" | cut -c1-200 | tail -n 30
     echo "the host heard $notices restart notices for $RESTARTS restarts; $unconfirmed unconfirmed"
     exit 1
+  fi
+  if [ "$TRANSPORT" = iser ] && [ "$pages" = normal ]; then
+    step "an RDMA device descriptor in the fd store: the kept memory waits until it is dropped"
+    rdma_descriptor_in_store
   fi
   stop_held_target
   if [ "$pages" = huge ]; then echo 0 >/proc/sys/vm/nr_hugepages; fi
