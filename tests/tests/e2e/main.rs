@@ -2,6 +2,7 @@
 //! ramslog-initiator. One test binary, one module per area.
 
 mod generations;
+mod golden;
 mod identity;
 mod images;
 mod integrity;

@@ -32,7 +32,7 @@ fn prometheus_bin(tool: &str) -> PathBuf {
 }
 
 /// One HTTP GET on loopback; (status line, body).
-fn http_get(addr: SocketAddr, path: &str) -> (String, String) {
+pub(super) fn http_get(addr: SocketAddr, path: &str) -> (String, String) {
     try_http_get(addr, path).expect("HTTP GET")
 }
 
