@@ -445,15 +445,9 @@ fn cgroup_alone() -> Result<(), String> {
 /// The processes other than this one in this process's unit's cgroup, with
 /// the cgroup's path; `None` outside a service's cgroup.
 fn cgroup_others() -> Result<Option<(String, Vec<u32>)>, String> {
-    let Ok(own) = std::fs::read_to_string("/proc/self/cgroup") else {
+    let Some(path) = notify::service_cgroup() else {
         return Ok(None);
     };
-    let Some(path) = own.lines().find_map(|l| l.strip_prefix("0::")) else {
-        return Ok(None);
-    };
-    if !path.ends_with(".service") {
-        return Ok(None);
-    }
     let procs = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
         .iter()
         .find_map(|root| std::fs::read_to_string(format!("{root}{path}/cgroup.procs")).ok())
@@ -464,7 +458,7 @@ fn cgroup_others() -> Result<Option<(String, Vec<u32>)>, String> {
         .filter_map(|p| p.parse::<u32>().ok())
         .filter(|p| *p != me)
         .collect();
-    Ok(Some((path.to_string(), others)))
+    Ok(Some((path, others)))
 }
 
 /// The volume over kept memory, if every rule holds: the record binds it

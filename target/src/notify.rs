@@ -233,10 +233,17 @@ pub fn store_holds(need: usize) -> Result<(), String> {
 
 /// The systemd unit this process runs in (`NAME.service`), from its cgroup.
 pub fn own_unit() -> Option<String> {
+    let path = service_cgroup()?;
+    path.rsplit('/').next().map(str::to_string)
+}
+
+/// The path of this process's cgroup (cgroup v2, under the hierarchy's
+/// root) when it is a service's (`/system.slice/NAME.service`): where
+/// systemd runs the unit. `None` outside one.
+pub fn service_cgroup() -> Option<String> {
     let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
-    let unit = path.rsplit('/').next()?;
-    unit.ends_with(".service").then(|| unit.to_string())
+    path.ends_with(".service").then(|| path.to_string())
 }
 
 #[cfg(test)]
