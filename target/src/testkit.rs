@@ -219,7 +219,7 @@ pub struct SimulatedHca {
     posted: std::collections::VecDeque<PostedRead>,
     /// The session's transfers, learnt at login as the driver does: they
     /// outlive the session.
-    transfers: Option<Arc<crate::scsi::Transfers>>,
+    transfers: Option<Arc<crate::admission::Transfers>>,
 }
 
 /// An RDMA READ the adapter holds or has posted.

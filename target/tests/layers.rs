@@ -7,6 +7,7 @@
 //!   the crate at all).
 //! - `metrics/` counts with neutral types: it names nothing of `scsi` (nor of
 //!   the engine, the drivers or the portal above it).
+//! - The transports (`tcp.rs`, `rdma/`) name nothing of `scsi`.
 //!
 //! Every path is resolved to the top-level module it lands in: `use`
 //! statements, grouped imports (`crate::{a, b::c}`), inline paths in code
@@ -401,6 +402,19 @@ fn metrics_names_nothing_of_scsi_or_above() {
     assert!(
         found.is_empty(),
         "metrics names a layer above it:\n{}",
+        found.join("\n")
+    );
+}
+
+/// The transports carry commands; they never name the SCSI command set
+/// (what an abort waits for, `Transfers`, is admission's), so an NVMe-oF
+/// front end can run over them unchanged.
+#[test]
+fn transports_name_nothing_of_scsi() {
+    let found = violations(&["tcp", "rdma"], |n| n != "scsi");
+    assert!(
+        found.is_empty(),
+        "a transport names the SCSI command set:\n{}",
         found.join("\n")
     );
 }

@@ -31,7 +31,9 @@ use tokio::sync::Notify;
 use crate::metrics::{LimitHit, PortalCounters};
 
 mod staging;
+mod transfers;
 pub use staging::StagingBudget;
+pub use transfers::{CopyGuard, Transfers};
 
 /// How a connection is ended from outside (session reinstatement, shutdown,
 /// eviction) and how others learn that it is gone. The driver makes one per

@@ -8,8 +8,8 @@ use ramslog_common::iscsi::Bhs;
 use ramslog_common::iser::{ControlPdu, RemoteBuffer};
 
 use super::params::IserPeer;
+use crate::admission::Transfers;
 use crate::metrics::Served;
-use crate::scsi::Transfers;
 use crate::volume::{VolumeId, Volumes};
 
 /// Where a connection runs, for logs, `status` and SendTargets.

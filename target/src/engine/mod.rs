@@ -43,10 +43,9 @@ pub use login::{LoginFailure, SessionKind};
 pub use params::{IserPeer, Params};
 pub use session::{ABORT_CUT_OFF, ISER_BUFFERED_READ_MAX};
 
-use crate::admission::{LoggedIn, SessionControl};
+use crate::admission::{LoggedIn, SessionControl, Transfers};
 use crate::metrics::{LimitHit, LoginRefusal, Served};
 use crate::portal::Portal;
-use crate::scsi::Transfers;
 use crate::volume::VolumeId;
 use login::{Login, Next};
 use session::Session;

@@ -65,7 +65,7 @@ pub(super) struct Driver<'a> {
     /// A send that makes no progress this long ends the connection.
     pub(super) output_stall: Duration,
     /// The session's transfers into LUN memory: raised for every RDMA READ
-    /// into the LUN while it is posted (see `scsi::Transfers`).
+    /// into the LUN while it is posted (see `admission::Transfers`).
     pub(super) transfers: Option<Arc<Transfers>>,
 }
 

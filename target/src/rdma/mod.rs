@@ -33,6 +33,7 @@ use ramslog_common::verbs::{
     WcOpcode, WorkCompletion, WrId,
 };
 
+use crate::admission::Transfers;
 use crate::admission::{Door, Link, Permit, SessionControl};
 use crate::clock::CoarseClock;
 use crate::engine::{
@@ -41,7 +42,6 @@ use crate::engine::{
 };
 use crate::metrics::LimitHit;
 use crate::portal::Portal;
-use crate::scsi::Transfers;
 use crate::store::RdmaRegion;
 use crate::volume::VolumeId;
 

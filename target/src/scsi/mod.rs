@@ -30,7 +30,6 @@ mod ranges;
 mod sense;
 #[cfg(test)]
 mod tests;
-mod transfers;
 mod vocab;
 
 use std::collections::HashMap;
@@ -40,6 +39,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use ramslog_common::scsi_wire::FieldPointer;
 
+use crate::admission::Transfers;
 use crate::metrics::{CommandKind, LunMetrics};
 use crate::volume::{Identity, PlacingWrite, Readiness, Volume, VolumeError, VolumeId};
 use pr::PrState;
@@ -72,7 +72,6 @@ pub fn command_kind(opcode: u8) -> CommandKind {
 }
 pub use inquiry::{block_limits, BlockLimits};
 pub use sense::SenseReason;
-pub use transfers::{CopyGuard, Transfers};
 
 #[cfg(test)]
 thread_local! {

@@ -29,7 +29,9 @@ fn nexus(id: u32) -> Nexus {
         id: NexusId(id),
         initiator_name: format!("iqn.2026-11.org.test:init{id}"),
         isid: [0x80, 0, 0, 0, 0, id as u8],
-        transfers: Transfers::new(crate::admission::SessionControl::without_transport()),
+        transfers: crate::admission::Transfers::new(
+            crate::admission::SessionControl::without_transport(),
+        ),
     }
 }
 
@@ -1224,7 +1226,9 @@ fn identity_and_port_format() {
         id: NexusId(1),
         initiator_name: "iqn.x".into(),
         isid: [0x80, 0x12, 0x34, 0x56, 0x78, 0x9a],
-        transfers: Transfers::new(crate::admission::SessionControl::without_transport()),
+        transfers: crate::admission::Transfers::new(
+            crate::admission::SessionControl::without_transport(),
+        ),
     };
     assert_eq!(n.initiator_port(), "iqn.x,i,0x80123456789a");
 }

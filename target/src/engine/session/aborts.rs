@@ -1,6 +1,6 @@
 //! Answers that wait for aborted transfers: a task management function or
 //! a PREEMPT AND ABORT is answered only once no task it aborted has a
-//! transfer in flight or can place another byte (see `scsi::Transfers`).
+//! transfer in flight or can place another byte (see `admission::Transfers`).
 //! The wait is bounded: transfers that do not finish within
 //! [`ABORT_CUT_OFF`] have their connection ended, and the answer goes out
 //! once that connection is released (its queue pair destroyed), never on a
@@ -13,8 +13,8 @@ use ramslog_common::iscsi::{Bhs, Residual};
 use ramslog_common::scsi_wire::status;
 
 use super::{Counting, Session};
+use crate::admission::Transfers;
 use crate::engine::{Out, OutData};
-use crate::scsi::Transfers;
 
 /// How long aborted transfers may take before their connection is cut off.
 pub const ABORT_CUT_OFF: Duration = Transfers::CUT_OFF;

@@ -24,9 +24,10 @@ use super::login::{Login, SessionKind};
 use super::params::Params;
 use super::{is_reserved, rejected_header, ConnInfo, Out, OutData, OutPdu, RemoteBuffers};
 use crate::admission::SessionControl;
+use crate::admission::Transfers;
 use crate::metrics::{self, CommandKind, Served, SessionMetrics};
 use crate::portal::{OpenSessionError, OpenedSession, Portal, SessionKey};
-use crate::scsi::{Nexus, NexusId, Plan, ScsiTarget, Transfers};
+use crate::scsi::{Nexus, NexusId, Plan, ScsiTarget};
 use crate::volume::{PlacingWrite, VolumeId};
 use aborts::Deferred;
 pub use aborts::ABORT_CUT_OFF;
@@ -216,7 +217,7 @@ pub(super) struct Session {
     counting: Counting,
     /// Service times are measured (`Portal::service_times`).
     timed: bool,
-    /// Its transfers into LUN memory (see `scsi::Transfers`).
+    /// Its transfers into LUN memory (see `admission::Transfers`).
     transfers: Arc<Transfers>,
     /// Abort answers waiting for transfers, oldest first.
     deferred: Vec<Deferred>,

@@ -76,7 +76,7 @@ impl Session {
                     return false;
                 };
                 // Counted before the abort check, so an abort racing this
-                // copy on another connection waits for it (scsi::Transfers).
+                // copy on another connection waits for it (admission::Transfers).
                 let _copying = self.transfers.copying();
                 if scsi.is_aborted(self.nexus, &task.plan) {
                     return false;

@@ -14,7 +14,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::admission::SessionControl;
+use super::SessionControl;
 
 pub struct Transfers {
     in_flight: AtomicU64,
