@@ -824,8 +824,8 @@ pub fn open_volumes(
     if persistence.is_some() && notify::has_holder() {
         // Every LUN's memory is claimed by now: this process is its writer.
         // systemd 254 and later say how many descriptors the store takes
-        // (252 does not): 2 per LUN, the writer's pidfd and a margin.
-        let need = 2 * volumes.len() + 4;
+        // (252 does not).
+        let need = notify::descriptors_to_take(volumes.len());
         if let Some(max) = std::env::var("FDSTORE")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())

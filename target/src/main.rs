@@ -1022,7 +1022,7 @@ async fn run(
         let ending = match &restart {
             None => Ending::Stop,
             Some(_) => {
-                let need = 2 * portal.volumes.len() + 1;
+                let need = notify::descriptors_kept(portal.volumes.len());
                 let unconfirmed = portal.volumes.not_held_in_fd_store();
                 let held = notify::store_holds(need).and_then(|()| {
                     if unconfirmed.is_empty() {

@@ -184,6 +184,19 @@ pub fn store_writer(replace: bool) -> std::io::Result<bool> {
     barrier(BARRIER_WAIT)
 }
 
+/// The descriptors a daemon serving `luns` LUNs keeps in systemd's fd
+/// store: each LUN's memory and its record, and its own pidfd (`writer`).
+pub fn descriptors_kept(luns: usize) -> usize {
+    2 * luns + 1
+}
+
+/// What the store must be able to take (`FileDescriptorStoreMax=`) for
+/// `luns` LUNs: what [`descriptors_kept`] counts, and room for the pidfds
+/// of earlier writers, kept beside this one's while they still run.
+pub fn descriptors_to_take(luns: usize) -> usize {
+    descriptors_kept(luns) + 3
+}
+
 /// Whether the fd store holds at least `need` descriptors of this
 /// service, so that a restart may skip the dump (a failure during the
 /// handover leaves the memory there for the next start). systemd is asked
