@@ -1175,8 +1175,10 @@ pub enum Ending {
 pub fn shutdown(portal: &Portal, ending: Ending) -> Result<String, String> {
     // Only a restart without a dump is quick enough to ask hosts back
     // sooner than their DefaultTime2Wait.
+    // The gate's close ends every connection, each session with it: every
+    // session's control is the one its connection's permit watches
+    // (tests/gate_close_tcp.rs).
     let told = portal.gate.close(ending == Ending::Restart { dump: false });
-    portal.terminate_all();
     let volumes: Vec<&Arc<Volume>> = portal
         .targets
         .iter()

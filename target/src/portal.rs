@@ -380,13 +380,6 @@ impl Portal {
             .map(|e| e.info.clone())
             .collect()
     }
-
-    /// End every session (shutdown).
-    pub fn terminate_all(&self) {
-        for e in self.sessions().by_tsih.values() {
-            e.control.terminate();
-        }
-    }
 }
 
 /// `NETWORK/PREFIX` or a bare address (that one host), host bits cleared.
