@@ -749,10 +749,20 @@ pub fn open_volumes(
                             if let (Unkept::Image(_), Some(naa)) = (&why, stored_as) {
                                 forget_stored_naa(&naa);
                             }
-                            if matches!(why, Unkept::WriterRunning(_)) {
-                                held_for = living_writers(source, owner);
+                            match why {
+                                Unkept::WriterRunning(reason) => {
+                                    held_for = living_writers(source, owner);
+                                    // Nothing to watch (the cgroup could not be
+                                    // read, the writer ended meanwhile): no end
+                                    // will be seen, so take-over is not promised.
+                                    Some(if held_for.is_empty() {
+                                        Unkept::NotReady(reason)
+                                    } else {
+                                        Unkept::WriterRunning(reason)
+                                    })
+                                }
+                                other => Some(other),
                             }
-                            Some(why)
                         }
                     }
                 }
