@@ -13,6 +13,7 @@ pub mod admission;
 pub mod clock;
 pub mod config;
 pub mod control;
+pub mod core;
 pub mod engine;
 pub mod exposition;
 pub mod handover;

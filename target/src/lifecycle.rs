@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
 
 use crate::config::Config;
+use crate::core::Core;
 use crate::handover::KeptVolume;
 use crate::notify;
-use crate::portal::Portal;
 use crate::private_dir;
 use crate::store::{HugePages, Store, StoreError};
 use crate::volume::image::{self, ImageError, ImageIdentity};
@@ -1182,18 +1182,14 @@ pub enum Ending {
 /// volume, wait (bounded) for connections to go, then dump what changed
 /// (a restart whose memory the fd store holds skips the dump). Returns a
 /// summary, or the failures.
-pub fn shutdown(portal: &Portal, ending: Ending) -> Result<String, String> {
+pub fn shutdown(core: &Core, ending: Ending) -> Result<String, String> {
     // Only a restart without a dump is quick enough to ask hosts back
     // sooner than their DefaultTime2Wait.
     // The gate's close ends every connection, each session with it: every
     // session's control is the one its connection's permit watches
     // (tests/gate_close_tcp.rs).
-    let told = portal.gate.close(ending == Ending::Restart { dump: false });
-    let volumes: Vec<&Arc<Volume>> = portal
-        .targets
-        .iter()
-        .flat_map(|t| t.scsi.luns().map(|lu| lu.volume()))
-        .collect();
+    let told = core.gate.close(ending == Ending::Restart { dump: false });
+    let volumes: Vec<&Arc<Volume>> = core.volumes.iter().collect();
     for v in &volumes {
         v.fence();
     }
@@ -1207,12 +1203,12 @@ pub fn shutdown(portal: &Portal, ending: Ending) -> Result<String, String> {
         // Commands get no status after the fence: this bounds how long the
         // connections take to send the hosts' notice and go (the exec
         // closes any left, before the new program runs).
-        Ending::Restart { dump: false } => portal.limits.restart_drain,
+        Ending::Restart { dump: false } => core.limits.restart_drain,
     };
-    while portal.gate.counts_now().total > 0 && started.elapsed() < drain {
+    while core.gate.counts_now().total > 0 && started.elapsed() < drain {
         std::thread::sleep(Duration::from_millis(1));
     }
-    let left = portal.gate.counts_now().total;
+    let left = core.gate.counts_now().total;
     if left == 0 {
         report_pages_left_counted_in(&volumes);
     }

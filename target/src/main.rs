@@ -10,10 +10,11 @@ use ramslog_target::config::{
     check_file, default_control_sockets, Config, ConfigError, Problem, RunArgs,
 };
 use ramslog_target::control::{self, Control, Reply, Request, RestartReply};
+use ramslog_target::core::Core;
 use ramslog_target::handover::{self, Inherited};
 use ramslog_target::lifecycle::{self, Ending, KeptMemory};
 use ramslog_target::notify::{self, notify};
-use ramslog_target::portal::{Acl, Portal, TargetDef};
+use ramslog_target::portal::{self, Acl, Portal, TargetDef};
 use ramslog_target::scsi::ScsiTarget;
 use ramslog_target::tcp;
 use ramslog_target::volume::image;
@@ -831,18 +832,21 @@ async fn run(
             mutual_chap: t.mutual_chap.clone(),
         });
     }
+    let exports = portal::lun_exports(&volumes);
+    let mut core = Core::new(Arc::new(volumes), exports, cfg.core_limits.clone());
+    core.service_times = cfg.metrics.is_some();
+    if core.service_times {
+        // Calibrate the TSC clock now, not on the first command's path.
+        ramslog_target::metrics::clock();
+    }
+    let core = Arc::new(core);
     let mut portal = Portal::new(
-        Arc::new(volumes),
+        core.clone(),
         targets,
         cfg.limits.clone(),
         cfg.listen.clone(),
     );
     portal.discovery_chap = cfg.discovery_chap.clone();
-    portal.service_times = cfg.metrics.is_some();
-    if portal.service_times {
-        // Calibrate the TSC clock now, not on the first command's path.
-        ramslog_target::metrics::clock();
-    }
     let portal = Arc::new(portal);
 
     let stop = Arc::new(tokio::sync::Notify::new());
@@ -1022,8 +1026,8 @@ async fn run(
         let ending = match &restart {
             None => Ending::Stop,
             Some(_) => {
-                let need = notify::descriptors_kept(portal.volumes.len());
-                let unconfirmed = portal.volumes.not_held_in_fd_store();
+                let need = notify::descriptors_kept(core.volumes.len());
+                let unconfirmed = core.volumes.not_held_in_fd_store();
                 let held = notify::store_holds(need).and_then(|()| {
                     if unconfirmed.is_empty() {
                         Ok(())
@@ -1069,9 +1073,9 @@ async fn run(
             let _ = listener.await;
         }
         let outcome = {
-            let portal = portal.clone();
+            let core = core.clone();
             let mut shutdown =
-                tokio::task::spawn_blocking(move || lifecycle::shutdown(&portal, ending));
+                tokio::task::spawn_blocking(move || lifecycle::shutdown(&core, ending));
             // While the dump moves bytes, keep systemd's stop timeout at least
             // STOP_EXTENSION away, so a LUN larger than TimeoutStopSec planned
             // for is not killed mid-dump; a dump that stalls gets no more time.
@@ -1097,7 +1101,7 @@ async fn run(
         // lost (the memory is in place, and in the store or dumped), so this
         // program takes its LUNs back and serves on.
         let why = hand_over(
-            &portal,
+            &core,
             persistence.as_deref(),
             &listener_fds,
             outcome,
@@ -1107,10 +1111,10 @@ async fn run(
         )
         .await;
         tracing::error!("{why}: the restart is abandoned; serving on");
-        for v in portal.volumes.iter() {
+        for v in core.volumes.iter() {
             v.take_back();
         }
-        portal.gate.reopen();
+        core.gate.reopen();
         for fd in &listener_fds {
             let listener = rustix::io::fcntl_dupfd_cloexec(fd, 3)
                 .map_err(std::io::Error::from)
@@ -1179,7 +1183,7 @@ fn record_stop(
 /// reason: every descriptor is closed on exec again, for the caller to
 /// take the LUNs back and serve on.
 async fn hand_over(
-    portal: &Portal,
+    core: &Core,
     persistence: Option<&ramslog_target::volume::Persistence>,
     listener_fds: &[std::os::fd::OwnedFd],
     dumped: Result<String, String>,
@@ -1203,7 +1207,7 @@ async fn hand_over(
         ..Default::default()
     };
     let mut crossing: Vec<std::os::fd::BorrowedFd<'_>> = Vec::new();
-    for v in portal.volumes.iter() {
+    for v in core.volumes.iter() {
         match v.hand_over(token) {
             Ok(Some((memory, record))) => {
                 handed
@@ -1257,7 +1261,7 @@ async fn hand_over(
                 .answer(Ok(format!(
                     "{} of {} LUNs handed over in memory to {}",
                     handed.volumes.len(),
-                    portal.volumes.len(),
+                    core.volumes.len(),
                     exe.display()
                 )))
                 .await;

@@ -1,13 +1,13 @@
 //! iSCSI's portal: the control-plane view every iSCSI connection's engine
 //! consults at login: which targets exist, who may log in (ACL and CHAP by
 //! IQN), negotiation limits, and the ISID/TSIH session table used for
-//! session reinstatement and `status`. What any front end needs (the
-//! connection gate and the staging budget) is `admission`'s; the portal
-//! holds them for its engines.
+//! session reinstatement and `status`. What every front end shares (the
+//! volumes, the connection gate, the staging budget, the counters) is the
+//! [`Core`]'s; the portal holds it for its engines.
 //!
-//! The engine copies what it needs at login. Per I/O only two parts are
-//! touched: `volumes` (drivers resolve the volume ids the engine emits) and
-//! the staging budget (parameter lists and compare data SCSI must see
+//! The engine copies what it needs at login. Per I/O only the core is
+//! touched: its volumes (drivers resolve the volume ids the engine emits)
+//! and its staging budget (parameter lists and compare data SCSI must see
 //! whole).
 
 use std::collections::HashMap;
@@ -17,12 +17,13 @@ use ipnet::IpNet;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::admission::{ConnectionGate, ConnectionLimits, SessionControl, StagingBudget};
-use crate::metrics::PortalCounters;
+use crate::admission::{FrontEnd, SessionControl};
+use crate::core::{Core, Export, Exports};
 use crate::scsi::{NexusId, ScsiTarget};
 use crate::volume::Volumes;
 
-/// Values the target offers in login negotiation, and its queueing limits.
+/// Values the target offers in iSCSI login negotiation, its command window
+/// and its iSCSI timers. What every front end obeys is [`CoreLimits`](crate::core::CoreLimits).
 #[derive(Debug, Clone)]
 pub struct Limits {
     pub max_recv_data_segment_len: u32,
@@ -44,17 +45,6 @@ pub struct Limits {
     /// A discovery session is asked to log out this long after its last
     /// Text exchange (SendTargets), and closed soon after.
     pub discovery_lifetime: Duration,
-    /// Bytes of write data all sessions together may hold in staging
-    /// buffers (parameter lists and compare data the SCSI device must see
-    /// whole). Beyond it such commands get TASK SET FULL.
-    pub staging_budget: u64,
-    /// A connection whose output (responses, Data-In) makes no progress this
-    /// long is closed: its peer stopped reading.
-    pub output_stall_timeout: Duration,
-    /// How long a planned restart waits for connections to close before the
-    /// exec: long enough for each to send its restart notice.
-    pub restart_drain: Duration,
-    pub connections: ConnectionLimits,
 }
 
 impl Default for Limits {
@@ -72,10 +62,6 @@ impl Default for Limits {
             login_timeout: Duration::from_secs(30),
             first_pdu_timeout: Duration::from_secs(5),
             discovery_lifetime: Duration::from_secs(30),
-            staging_budget: 128 << 20,
-            output_stall_timeout: Duration::from_secs(30),
-            restart_drain: Duration::from_millis(100),
-            connections: ConnectionLimits::default(),
         }
     }
 }
@@ -233,9 +219,8 @@ pub enum OpenSessionError {
 }
 
 pub struct Portal {
-    /// Every volume the targets' LUs stand on: what the drivers resolve a
-    /// [`VolumeId`](crate::volume::VolumeId) with.
-    pub volumes: Arc<Volumes>,
+    /// What every front end shares: volumes, gate, staging, counters.
+    pub core: Arc<Core>,
     pub targets: Vec<TargetDef>,
     pub limits: Limits,
     pub discovery_chap: Option<ChapSecret>,
@@ -244,33 +229,19 @@ pub struct Portal {
     /// Listen addresses, for SendTargets' TargetAddress (wildcards are replaced
     /// by the address the initiator connected to).
     pub listen: Vec<SocketAddr>,
-    /// Daemon-wide staging memory, shared by every session.
-    pub staging: StagingBudget,
-    /// Connection counts, shared by every front end and transport.
-    pub gate: Arc<ConnectionGate>,
-    /// Refused logins and limits hit.
-    pub counters: Arc<PortalCounters>,
-    /// Measure each command's service time: two TSC reads per command, so
-    /// only when someone asked for metrics (`--metrics`).
-    pub service_times: bool,
     sessions: Mutex<Sessions>,
 }
 
 impl Portal {
     pub fn new(
-        volumes: Arc<Volumes>,
+        core: Arc<Core>,
         targets: Vec<TargetDef>,
         limits: Limits,
         listen: Vec<SocketAddr>,
     ) -> Portal {
-        let gate = Arc::new(ConnectionGate::new(limits.connections));
         Portal {
-            volumes,
+            core,
             targets,
-            staging: StagingBudget::new(limits.staging_budget),
-            gate: gate.clone(),
-            counters: gate.counters().clone(),
-            service_times: false,
             limits,
             discovery_chap: None,
             tpgt: 1,
@@ -380,6 +351,23 @@ impl Portal {
             .map(|e| e.info.clone())
             .collect()
     }
+}
+
+/// What the configuration makes of every volume today: an LU of the target
+/// its name gives, at the LUN its name gives.
+pub fn lun_exports(volumes: &Volumes) -> Exports {
+    let mut exports = Exports::default();
+    for v in volumes.iter() {
+        exports.add(
+            v.id(),
+            Export {
+                front_end: FrontEnd::Iscsi,
+                owner: v.target().to_string(),
+                unit: v.lun(),
+            },
+        );
+    }
+    exports
 }
 
 /// `NETWORK/PREFIX` or a bare address (that one host), host bits cleared.

@@ -45,7 +45,7 @@ pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
-                let permit = match portal.gate.admit(peer.ip(), Door::iscsi(Link::Tcp)) {
+                let permit = match portal.core.gate.admit(peer.ip(), Door::iscsi(Link::Tcp)) {
                     Ok(p) => p,
                     Err(why @ Refusal::ShuttingDown) => {
                         tracing::debug!(%peer, "connection refused: {why}");
@@ -53,7 +53,7 @@ pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
                         continue;
                     }
                     Err(why) => {
-                        portal.gate.log_refusal(peer, why);
+                        portal.core.gate.log_refusal(peer, why);
                         drop(stream);
                         continue;
                     }
@@ -101,7 +101,7 @@ async fn run_connection(
     tracing::debug!(%peer, "connection accepted");
     let control = SessionControl::new();
     permit.watch(control.clone());
-    let stall_limit = portal.limits.output_stall_timeout;
+    let stall_limit = portal.core.limits.output_stall_timeout;
     let mut conn = Connection::tcp(
         portal,
         ConnInfo { local, peer },
@@ -142,7 +142,7 @@ async fn run_connection(
                     let now = Instant::now();
                     if now >= stall_deadline {
                         if !out.closing {
-                            conn.portal().counters.limit_hit(LimitHit::OutputStall);
+                            conn.portal().core.counters.limit_hit(LimitHit::OutputStall);
                             tracing::warn!(%peer, "no output progress for {limit:?}: the initiator reads nothing; closing the connection");
                         }
                         break Ok(());
@@ -359,7 +359,7 @@ pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) -> bool {
         data: pdu.data_digest,
     };
     let encoded = frame::encode_filled(&pdu.bhs, &[], pdu.data.len(), digests, wbuf, |dst| {
-        pdu.data.fill(&conn.portal().volumes, dst)
+        pdu.data.fill(&conn.portal().core.volumes, dst)
     });
     // The engine builds no PDU the framing cannot carry: its data segments
     // stay within the negotiated MaxRecvDataSegmentLength.

@@ -10,6 +10,7 @@ use ramslog_common::iscsi::{login, text, Bhs, Opcode};
 use ramslog_common::iser::CmPeer;
 
 use crate::admission::SessionControl;
+use crate::core::{Core, CoreLimits};
 use crate::engine::{ConnInfo, Connection, Input};
 use crate::portal::{Acl, ChapSecret, Limits, Portal, TargetDef};
 use crate::scsi::ScsiTarget;
@@ -59,6 +60,7 @@ pub struct RamPortal {
     target_name: String,
     size: u64,
     limits: Limits,
+    core_limits: CoreLimits,
     acl: Acl,
     chap: Option<ChapSecret>,
     mutual_chap: Option<ChapSecret>,
@@ -74,6 +76,7 @@ impl RamPortal {
             target_name: target_name.into(),
             size: 1 << 20,
             limits: Limits::default(),
+            core_limits: CoreLimits::default(),
             acl: Acl::Any,
             chap: None,
             mutual_chap: None,
@@ -90,6 +93,12 @@ impl RamPortal {
 
     pub fn limits(mut self, limits: Limits) -> RamPortal {
         self.limits = limits;
+        self
+    }
+
+    /// What every front end obeys (staging, stall, drain, connection caps).
+    pub fn core_limits(mut self, limits: CoreLimits) -> RamPortal {
+        self.core_limits = limits;
         self
     }
 
@@ -144,9 +153,11 @@ impl RamPortal {
             mutual_chap: self.mutual_chap,
         };
         let address = PORTAL_ADDRESS.parse().expect("address");
-        let mut portal = Portal::new(volumes, vec![target], self.limits, vec![address]);
+        let exports = crate::portal::lun_exports(&volumes);
+        let mut core = Core::new(volumes, exports, self.core_limits);
+        core.service_times = self.service_times;
+        let mut portal = Portal::new(Arc::new(core), vec![target], self.limits, vec![address]);
         portal.discovery_chap = self.discovery_chap;
-        portal.service_times = self.service_times;
         Arc::new(portal)
     }
 }
@@ -340,7 +351,7 @@ impl SimulatedHca {
             .expect("the initiator registered the buffer the READ names");
         let data = match read.dest {
             crate::engine::ReadDest::Store { volume, offset } => {
-                let volumes = &conn.portal().volumes;
+                let volumes = &conn.portal().core.volumes;
                 let volume = volumes.get(volume).expect("a volume of the portal");
                 volume.store().write(offset, &bytes).expect("in the volume");
                 if let Some(t) = &self.transfers {

@@ -50,7 +50,7 @@ async fn closing_the_gate_ends_every_session_and_connection() {
     // The silent connection is admitted (its driver may not have
     // registered its control yet: then it ends as it registers).
     let deadline = Instant::now() + Duration::from_secs(10);
-    while portal.gate.counts_now().total < 6 {
+    while portal.core.gate.counts_now().total < 6 {
         assert!(
             Instant::now() < deadline,
             "the silent connection was never admitted"
@@ -58,7 +58,7 @@ async fn closing_the_gate_ends_every_session_and_connection() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 
-    let told = portal.gate.close(false);
+    let told = portal.core.gate.close(false);
     assert!(
         told >= 5,
         "the five sessions are the gate's to end; it told {told}"

@@ -419,6 +419,34 @@ fn transports_name_nothing_of_scsi() {
     );
 }
 
+/// The core is what every front end stands on: it names none of them, and
+/// nothing of the SCSI command set.
+#[test]
+fn the_core_names_no_front_end() {
+    let found = violations(&["core"], |n| {
+        ["admission", "metrics", "core"].contains(&n) || STORAGE.contains(&n) || LEAVES.contains(&n)
+    });
+    assert!(
+        found.is_empty(),
+        "the core names a front end or a layer above it:\n{}",
+        found.join("\n")
+    );
+}
+
+/// Start-up, shutdown and the restart machinery work on the core's volumes
+/// and gate, never on iSCSI's portal or engine.
+#[test]
+fn lifecycle_names_no_iscsi_front_end() {
+    let found = violations(&["lifecycle", "handover"], |n| {
+        !["portal", "engine"].contains(&n)
+    });
+    assert!(
+        found.is_empty(),
+        "the lifecycle names iSCSI's front end:\n{}",
+        found.join("\n")
+    );
+}
+
 /// The checker itself: each way of naming a module is seen.
 #[test]
 fn every_form_of_path_is_resolved() {

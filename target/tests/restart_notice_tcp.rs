@@ -137,9 +137,9 @@ async fn a_write_that_meets_a_restarts_fence_still_gets_the_notice() {
         let mut byte = [0u8; 1];
         cue_rx.read_exact(&mut byte).await.expect("cue");
         // As `lifecycle::shutdown` orders a restart without a dump.
-        let told = portal.gate.close(true);
+        let told = portal.core.gate.close(true);
         assert_eq!(told, 1, "round {round}: the connection to tell");
-        for v in portal.volumes.iter() {
+        for v in portal.core.volumes.iter() {
             v.fence();
         }
 
@@ -165,7 +165,7 @@ async fn a_write_that_meets_a_restarts_fence_still_gets_the_notice() {
             after.and_then(|b| b.opcode())
         );
         server.abort();
-        let volume = portal.volumes.iter().next().expect("the LUN");
+        let volume = portal.core.volumes.iter().next().expect("the LUN");
         let mut lba0 = [0u8; 4096];
         volume.store().read(0, &mut lba0).expect("read the LUN");
         if lba0 == [0x5a; 4096] {

@@ -113,7 +113,7 @@ impl Run {
                     } = p.data
                     {
                         let mut buf = vec![0u8; len as usize];
-                        assert!(self.conn.portal().volumes.read(volume, offset, &mut buf));
+                        assert!(self.conn.portal().core.volumes.read(volume, offset, &mut buf));
                     }
                 }
                 Action::RdmaRead { tag, len, dest, .. } => {
@@ -269,7 +269,7 @@ fuzz_target!(|data: &[u8]| {
                             let itt = (off / REGION) as u32;
                             let rel = (off % REGION) as u32;
                             let bytes: Vec<u8> = (0..len).map(|o| pattern(itt, rel + o)).collect();
-                            if let Some(v) = run.conn.portal().volumes.iter().next() {
+                            if let Some(v) = run.conn.portal().core.volumes.iter().next() {
                                 let _ = v.store().write(off, &bytes);
                             }
                         }
@@ -284,7 +284,7 @@ fuzz_target!(|data: &[u8]| {
         if store_check {
             for (itt, len) in std::mem::take(&mut run.goods) {
                 let mut got = vec![0u8; len as usize];
-                let volumes = &run.conn.portal().volumes;
+                let volumes = &run.conn.portal().core.volumes;
                 let first = volumes.iter().next().map(|v| v.id());
                 let at = u64::from(itt) * REGION;
                 assert!(first.is_some_and(|v| volumes.read(v, at, &mut got)));

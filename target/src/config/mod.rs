@@ -10,6 +10,7 @@ use clap::Args;
 use ramslog_common::lun::Lun;
 use thiserror::Error;
 
+use crate::core::CoreLimits;
 use crate::portal::{AclEntry, ChapSecret, Limits};
 use crate::store::HugePages;
 
@@ -305,7 +306,10 @@ pub struct Config {
     pub image_dir: Option<PathBuf>,
     pub hugepages: HugePages,
     pub allow_any: bool,
+    /// iSCSI's negotiation values, window and timers.
     pub limits: Limits,
+    /// What every front end obeys: staging, stall, drain, connection caps.
+    pub core_limits: CoreLimits,
     pub discovery_chap: Option<ChapSecret>,
     pub targets: Vec<TargetConfig>,
     /// Serve iSER on the portal addresses that belong to an RDMA device.
@@ -511,6 +515,7 @@ impl Config {
                 .unwrap_or_else(|| d.join("images"))
         });
         let mut limits = Limits::default();
+        let mut core_limits = CoreLimits::default();
         // The file's values passed `file::checked`; the same rules apply to flags.
         let setting =
             |key: &str, flag: Option<u64>, file: Option<u64>| -> Result<Option<u64>, ConfigError> {
@@ -540,7 +545,7 @@ impl Config {
             (number!(login_timeout), &mut limits.login_timeout),
             (
                 number!(output_stall_timeout),
-                &mut limits.output_stall_timeout,
+                &mut core_limits.output_stall_timeout,
             ),
             (number!(first_pdu_timeout), &mut limits.first_pdu_timeout),
             (number!(discovery_lifetime), &mut limits.discovery_lifetime),
@@ -551,9 +556,9 @@ impl Config {
             }
         }
         if let Some(ms) = number!(restart_drain_ms) {
-            limits.restart_drain = Duration::from_millis(ms);
+            core_limits.restart_drain = Duration::from_millis(ms);
         }
-        let c = &mut limits.connections;
+        let c = &mut core_limits.connections;
         let counts = [
             (number!(max_connections), &mut c.total),
             (number!(max_connections_per_host), &mut c.per_source),
@@ -580,7 +585,7 @@ impl Config {
             (None, None) => None,
         };
         if let Some(b) = setting("staging_budget", staging, None)? {
-            limits.staging_budget = b;
+            core_limits.staging_budget = b;
         }
 
         let iser = !args.no_iser && file.iser.unwrap_or(true);
@@ -697,6 +702,7 @@ impl Config {
             hugepages,
             allow_any: args.allow_any || file.allow_any,
             limits,
+            core_limits,
             discovery_chap: chap(file.discovery_chap.map(|c| c.into_inner()))?,
             targets,
             iser,

@@ -217,7 +217,10 @@ fn the_rdma_caps_answer_to_their_iser_names_too() {
         })
         .expect("config");
         assert_eq!(
-            (c.limits.connections.rdma, c.limits.connections.pending_rdma),
+            (
+                c.core_limits.connections.rdma,
+                c.core_limits.connections.pending_rdma
+            ),
             (7, 3)
         );
     }
@@ -240,7 +243,7 @@ fn the_rdma_caps_answer_to_their_iser_names_too() {
         "max_rdma_connections = 5\nmax_pending_rdma_logins = 2\nmax_iscsi_connections = 9\n",
     ] {
         let c = load(text).expect(text);
-        let caps = c.limits.connections;
+        let caps = c.core_limits.connections;
         assert_eq!(
             (caps.rdma, caps.pending_rdma, caps.iscsi),
             (5, 2, 9),
@@ -328,7 +331,7 @@ fn the_restart_drain_is_100_ms_unless_set_within_its_bounds() {
             run.config = Some(file.clone());
         }
         Config::load(&run)
-            .map(|c| c.limits.restart_drain)
+            .map(|c| c.core_limits.restart_drain)
             .map_err(|e| e.to_string())
     };
     let ms = Duration::from_millis;

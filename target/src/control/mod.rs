@@ -466,8 +466,8 @@ impl Control {
             })
             .collect();
         let state_dir = self.state_dir.as_ref().map(|d| d.display().to_string());
-        let counters = &self.portal.counters;
-        let open = self.portal.gate.counts_now();
+        let counters = &self.portal.core.counters;
+        let open = self.portal.core.gate.counts_now();
         let portal = PortalStatus {
             tcp_connections: open.tcp(),
             iser_connections: open.rdma,
@@ -475,7 +475,7 @@ impl Control {
                 .into_iter()
                 .map(|f| (f.label().to_string(), open.of(f)))
                 .collect(),
-            staging_bytes: self.portal.staging.used(),
+            staging_bytes: self.portal.core.staging.used(),
             logins_refused: LoginRefusal::ALL
                 .into_iter()
                 .map(|r| (r.label().to_string(), counters.logins_refused(r)))
@@ -495,12 +495,13 @@ impl Control {
             bytes_dumped: crate::volume::image::bytes_dumped(),
             failed_stop: self
                 .portal
+                .core
                 .volumes
                 .iter()
                 .find_map(|v| v.persistence())
                 .and_then(|p| p.state().failed_stop().cloned()),
             unclaimed_kept: lock(&self.unclaimed).clone(),
-            kept_memory: kept_memory_line(&self.portal.volumes),
+            kept_memory: kept_memory_line(&self.portal.core.volumes),
             failed_restart: lock(&self.failed_restart).clone(),
         }
     }
@@ -546,6 +547,7 @@ impl Control {
         };
         let waiting: Vec<String> = self
             .portal
+            .core
             .volumes
             .iter()
             .filter(|v| v.held_writers_ended())
@@ -565,7 +567,7 @@ impl Control {
                     .into(),
             );
         }
-        let unkept = self.portal.volumes.not_held_in_fd_store();
+        let unkept = self.portal.core.volumes.not_held_in_fd_store();
         if !unkept.is_empty() {
             return refuse(format!(
                 "the memory of {} is not confirmed in systemd's fd store: ending now would lose \

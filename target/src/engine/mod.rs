@@ -286,8 +286,10 @@ impl Connection {
         };
         self.end_session();
         self.timers = TimerTable::default();
-        self.timers
-            .set(Timer::NoticeReceipt, now + self.portal.limits.restart_drain);
+        self.timers.set(
+            Timer::NoticeReceipt,
+            now + self.portal.core.limits.restart_drain,
+        );
         self.phase = Phase::Notified(notice);
     }
 
@@ -473,7 +475,7 @@ impl Connection {
     fn pdu(&mut self, now: Instant, bhs: &Bhs, ahs: &[u8], data: &[u8], buffers: &RemoteBuffers) {
         self.touch(now);
         if !std::mem::replace(&mut self.heard_from, true) {
-            self.portal.gate.heard_from(&self.control);
+            self.portal.core.gate.heard_from(&self.control);
             if self.timers.is_set(Timer::Login) {
                 // The first PDU came in time: the whole login now has its own timeout.
                 self.timers.set(
@@ -527,7 +529,7 @@ impl Connection {
             } else {
                 tracing::debug!(peer = %self.info.peer, "no PDU within the first-PDU timeout; closing");
             }
-            self.portal.counters.limit_hit(LimitHit::IdleLogins);
+            self.portal.core.counters.limit_hit(LimitHit::IdleLogins);
             self.timers.clear(Timer::Login);
             self.fail_close();
         }
@@ -613,7 +615,7 @@ impl Connection {
         };
         if self.logout_asked {
             tracing::info!(peer = %self.info.peer, "discovery session outlived its lifetime; closing");
-            self.portal.counters.limit_hit(LimitHit::IdleLogins);
+            self.portal.core.counters.limit_hit(LimitHit::IdleLogins);
             self.fail_close();
             return;
         }
@@ -692,6 +694,7 @@ impl Connection {
             Next::Continue => self.push_login_response(rsp, reply.text),
             Next::Fail(_) => {
                 self.portal
+                    .core
                     .counters
                     .login_refused(LoginRefusal::of_status(reply.status));
                 tracing::info!(
@@ -713,8 +716,8 @@ impl Connection {
                     SessionKind::Discovery => LoggedIn::Discovery,
                     SessionKind::Normal => LoggedIn::Admitted,
                 };
-                if let Err(why) = self.portal.gate.logged_in(&self.control, pool) {
-                    self.portal.gate.log_refusal(self.info.peer, why);
+                if let Err(why) = self.portal.core.gate.logged_in(&self.control, pool) {
+                    self.portal.core.gate.log_refusal(self.info.peer, why);
                     self.refuse_login(rsp, LoginFailure::OutOfResources.status());
                     return;
                 }
@@ -760,6 +763,7 @@ impl Connection {
     /// answered with `status`, and the connection ends.
     fn refuse_login(&mut self, mut rsp: Bhs, status: u16) {
         self.portal
+            .core
             .counters
             .login_refused(LoginRefusal::OutOfResources);
         rsp.fail_login(status);

@@ -11,6 +11,7 @@ use ramslog_common::scsi_wire::{sense_key, status, Sense};
 
 use super::*;
 use crate::admission::SessionControl;
+use crate::core::CoreLimits;
 use crate::portal::{Acl, AclEntry, ChapSecret, Limits, Portal};
 use crate::testkit::{conn_info, RamPortal};
 
@@ -87,7 +88,7 @@ impl Harness {
                             len,
                         } => {
                             let mut d = vec![0; len as usize];
-                            let volumes = &self.conn.portal().volumes;
+                            let volumes = &self.conn.portal().core.volumes;
                             assert!(volumes.read(volume, offset, &mut d));
                             d
                         }
@@ -104,6 +105,7 @@ impl Harness {
     fn read_lun(&self, offset: u64, out: &mut [u8]) -> bool {
         self.conn
             .portal()
+            .core
             .volumes
             .read(first_volume(self), offset, out)
     }
@@ -516,9 +518,9 @@ fn r2t_path_solicits_every_byte() {
 fn staging_portal(budget: u64) -> Arc<Portal> {
     RamPortal::new(IQN)
         .size(8 << 20)
-        .limits(Limits {
+        .core_limits(CoreLimits {
             staging_budget: budget,
-            ..Limits::default()
+            ..CoreLimits::default()
         })
         .build()
 }
@@ -551,7 +553,7 @@ fn staging_is_bounded_across_sessions() {
     let d = Bhs::data_out(itt, ttt, 0, 0, true);
     let r = a.send(&d, &vec![0u8; 32768]);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::ScsiResponse));
-    assert_eq!(portal.staging.used(), 32768);
+    assert_eq!(portal.core.staging.used(), 32768);
     let (_, r) = b.command(&verify, 0xa1, 32768, &[]);
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::ReadyToTransfer));
     // Immediate data beyond FirstBurstLength is a protocol error.
@@ -559,7 +561,7 @@ fn staging_is_bounded_across_sessions() {
     assert_eq!(r[0].bhs.opcode(), Some(Opcode::Reject));
     drop(a);
     drop(b);
-    assert_eq!(portal.staging.used(), 0, "every reservation returned");
+    assert_eq!(portal.core.staging.used(), 0, "every reservation returned");
 }
 
 /// The buffers a session keeps for reuse are memory a peer made the daemon
@@ -586,24 +588,24 @@ fn pooled_staging_buffers_count_against_the_budget() {
     let mut a = Harness::new(portal.clone());
     a.login(&[("InitialR2T", "Yes"), ("ImmediateData", "Yes")]);
     complete(&mut a, 64);
-    assert_eq!(portal.staging.used(), 32768, "pooled buffers count");
+    assert_eq!(portal.core.staging.used(), 32768, "pooled buffers count");
     // Beyond half the budget a finished command's buffer is freed.
     let mut b = Harness::new(portal.clone());
     b.login(&[("InitialR2T", "Yes"), ("ImmediateData", "Yes")]);
     complete(&mut b, 64);
-    assert_eq!(portal.staging.used(), 32768, "b keeps nothing");
+    assert_eq!(portal.core.staging.used(), 32768, "b keeps nothing");
     // What a's pool holds is not available to b...
     let (_, r) = b.command(&verify(96), 0xa1, 49152, &[]);
     assert_eq!(r[0].bhs.scsi_status(), status::TASK_SET_FULL);
     // ...but a itself reuses it, growing it within the budget.
     complete(&mut a, 96);
-    assert_eq!(portal.staging.used(), 0, "48 KiB is over half: freed");
+    assert_eq!(portal.core.staging.used(), 0, "48 KiB is over half: freed");
     complete(&mut a, 32);
-    assert_eq!(portal.staging.used(), 16384);
+    assert_eq!(portal.core.staging.used(), 16384);
     drop(a);
     drop(b);
     assert_eq!(
-        portal.staging.used(),
+        portal.core.staging.used(),
         0,
         "the pool returns with its session"
     );
@@ -952,7 +954,13 @@ fn waiting_commands_are_bounded_by_the_window() {
 
 /// The volume of the test portal's LUN 0.
 fn lun_volume(h: &Harness) -> &Arc<crate::volume::Volume> {
-    h.conn.portal().volumes.iter().next().expect("a volume")
+    h.conn
+        .portal()
+        .core
+        .volumes
+        .iter()
+        .next()
+        .expect("a volume")
 }
 
 /// [`lun_volume`]'s place.
@@ -1212,6 +1220,7 @@ fn iser_write_takes_immediate_data_and_rdma_reads_the_rest() {
     let lu_store = h
         .conn
         .portal()
+        .core
         .volumes
         .iter()
         .next()

@@ -222,7 +222,7 @@ impl Collector for PortalCollector {
                     ([("target", name)], n as f64)
                 }),
         )?;
-        let open = portal.gate.counts_now();
+        let open = portal.core.gate.counts_now();
         // `iser` names the RDMA transport: the label predates a second RDMA
         // front end and stays for dashboards.
         gauge(
@@ -246,9 +246,12 @@ impl Collector for PortalCollector {
             e,
             "ramslog_logins_refused",
             "Logins refused, by reason",
-            LoginRefusal::ALL
-                .into_iter()
-                .map(|r| ([("reason", r.label())], portal.counters.logins_refused(r))),
+            LoginRefusal::ALL.into_iter().map(|r| {
+                (
+                    [("reason", r.label())],
+                    portal.core.counters.logins_refused(r),
+                )
+            }),
         )?;
         counter(
             e,
@@ -256,13 +259,13 @@ impl Collector for PortalCollector {
             "Times a configured limit refused a connection or a command, by limit",
             LimitHit::ALL
                 .into_iter()
-                .map(|h| ([("limit", h.label())], portal.counters.limit_hits(h))),
+                .map(|h| ([("limit", h.label())], portal.core.counters.limit_hits(h))),
         )?;
         plain_gauge(
             e,
             "ramslog_staging_bytes",
             "Staging memory held by commands now",
-            portal.staging.used() as f64,
+            portal.core.staging.used() as f64,
         )?;
         let mem = ProcessMemory::now();
         plain_gauge(

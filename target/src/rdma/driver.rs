@@ -120,7 +120,11 @@ impl<'a> Driver<'a> {
                 (Some(_), None) => self.blocked_since = Some(now),
                 (None, Some(_)) => self.blocked_since = None,
                 (Some(_), Some(since)) if now.duration_since(since) > self.output_stall => {
-                    self.conn.portal().counters.limit_hit(LimitHit::OutputStall);
+                    self.conn
+                        .portal()
+                        .core
+                        .counters
+                        .limit_hit(LimitHit::OutputStall);
                     return Err(ConnError::Protocol(format!(
                         "no send completed for {:?}: the initiator takes nothing (posts no receives); closing",
                         self.output_stall
@@ -691,7 +695,7 @@ impl<'a> Driver<'a> {
 /// nothing must be sent in their place.
 pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, out: &mut [u8]) -> Result<usize, String> {
     iser::encode_message(&Header::PLAIN, &pdu.bhs, pdu.data.len(), out, |dst| {
-        pdu.data.fill(&conn.portal().volumes, dst)
+        pdu.data.fill(&conn.portal().core.volumes, dst)
     })
     .map_err(|e| match e {
         IserError::DataUnavailable => "PDU names bytes outside the LUN".into(),

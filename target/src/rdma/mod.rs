@@ -291,6 +291,7 @@ fn device_resources(
     // LUNs' size, so the log says how long it took.
     let started = std::time::Instant::now();
     let regions = portal
+        .core
         .volumes
         .iter()
         .map(|v| LunRegistration::new(v.store(), &pd))
@@ -299,6 +300,7 @@ fn device_resources(
         device = %dev.name(),
         luns = regions.len(),
         bytes = portal
+            .core
             .volumes
             .iter()
             .filter(|v| v.store().is_resident())
@@ -459,11 +461,14 @@ fn accept_request(
     let Some(id) = new_id else { return };
     let peer = id.peer_addr();
     let source = peer.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |p| p.ip());
-    let permit = match portal.gate.admit(source, Door::iscsi(Link::Rdma)) {
+    let permit = match portal.core.gate.admit(source, Door::iscsi(Link::Rdma)) {
         Ok(p) => p,
         Err(why) => {
             let shown = peer.map_or_else(|| "?".to_string(), |p| p.to_string());
-            portal.gate.log_refusal(format_args!("iSER {shown}"), why);
+            portal
+                .core
+                .gate
+                .log_refusal(format_args!("iSER {shown}"), why);
             let _ = id.reject(&[]);
             return;
         }
@@ -555,7 +560,7 @@ fn run_connection(
     // What a connection nobody admitted pins is bounded across all of
     // them, including those evicted and still tearing down.
     if let Err(why) = permit.reserve_login_slots(LOGIN_SLOTS_PATIENCE) {
-        portal.gate.log_refusal(
+        portal.core.gate.log_refusal(
             format_args!(
                 "iSER {}",
                 peer.map_or_else(|| "?".to_string(), |p| p.to_string())
@@ -625,7 +630,7 @@ fn run_connection(
     );
     let control = SessionControl::with_wake_fd();
     permit.watch(control.clone());
-    let output_stall_timeout = portal.limits.output_stall_timeout;
+    let output_stall_timeout = portal.core.limits.output_stall_timeout;
     let conn = Connection::iser(
         portal,
         info,

@@ -141,7 +141,7 @@ impl Session {
         if self.tasks.len() >= self.cmd_window as usize {
             // More commands waiting for data than the window allows: the
             // initiator is ignoring MaxCmdSN or flooding immediate commands.
-            self.portal.counters.limit_hit(LimitHit::CommandWindow);
+            self.portal.core.counters.limit_hit(LimitHit::CommandWindow);
             self.respond(out, itt, status::TASK_SET_FULL, None, residual);
             return;
         }
@@ -192,7 +192,7 @@ impl Session {
         if matches!(task.plan.out_placement, OutPlacement::Buffer) {
             let Some(buf) = self.staging_buffer(moved as usize) else {
                 tracing::debug!(itt, moved, "staging budget exhausted: TASK SET FULL");
-                self.portal.counters.limit_hit(LimitHit::StagingBudget);
+                self.portal.core.counters.limit_hit(LimitHit::StagingBudget);
                 self.respond(out, itt, status::TASK_SET_FULL, None, residual);
                 return;
             };

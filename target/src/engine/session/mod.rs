@@ -306,7 +306,7 @@ impl Session {
             next_rdma_tag: 1,
             metrics,
             counting: Counting::NONE,
-            timed: portal.service_times,
+            timed: portal.core.service_times,
             transfers,
             deferred: Vec::new(),
             now: Instant::now(),
@@ -318,10 +318,11 @@ impl Session {
     pub fn end(mut self: Box<Self>) {
         self.ended = true;
         for task in std::mem::take(&mut self.tasks) {
-            self.portal.staging.release(task.staged);
+            self.portal.core.staging.release(task.staged);
         }
         self.spare_bufs.clear();
         self.portal
+            .core
             .staging
             .release(std::mem::take(&mut self.pooled_bytes));
         if let Some(scsi) = &self.scsi {

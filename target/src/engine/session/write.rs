@@ -273,14 +273,14 @@ impl Session {
             && cap as u64 == task.staged
             && cap <= POOLED_BUFFER_MAX
             && self.spare_bufs.len() < SPARE_BUFFERS
-            && self.portal.staging.used() <= self.portal.staging.limit() / 2;
+            && self.portal.core.staging.used() <= self.portal.core.staging.limit() / 2;
         if keep {
             // The task's share of the budget moves to the pool.
             task.buf.clear();
             self.spare_bufs.push(std::mem::take(&mut task.buf));
             self.pooled_bytes += task.staged;
         } else {
-            self.portal.staging.release(task.staged);
+            self.portal.core.staging.release(task.staged);
         }
         task.staged = 0;
     }
@@ -297,9 +297,9 @@ impl Session {
                 buf.resize(len, 0);
                 return Some(buf);
             }
-            self.portal.staging.release(cap);
+            self.portal.core.staging.release(cap);
         }
-        if !self.portal.staging.reserve(len as u64) {
+        if !self.portal.core.staging.reserve(len as u64) {
             return None;
         }
         Some(vec![0; len])

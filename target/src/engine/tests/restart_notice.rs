@@ -88,7 +88,7 @@ fn over_iser_a_host_that_never_confirms_is_let_go_at_the_restart_drain() {
     let mut h = iser_logged_in();
     let (_, ping) = restart(&mut h);
     assert!(ping.is_some(), "over iSER the notice is followed by a ping");
-    let drain = h.conn.portal().limits.restart_drain;
+    let drain = h.conn.portal().core.limits.restart_drain;
     assert_eq!(h.conn.poll_timeout(), Some(h.now + drain));
     h.now += drain - Duration::from_millis(1);
     h.conn.handle(h.now, Input::Timeout);

@@ -1,0 +1,116 @@
+//! The core every front end stands on, as LIO's target_core and nvmet stand
+//! on the block layer: the volumes and their persistence, the admission gate
+//! and its counters, the staging budget, the limits no protocol owns, and the
+//! export table that says under which front-end names each volume is served.
+//!
+//! The daemon builds one `Core` and hands it to every front end (iSCSI's
+//! [`Portal`](crate::portal::Portal) holds an `Arc<Core>`), transport,
+//! lifecycle step and face (`control`, `exposition`). Nothing here names a
+//! protocol: a front end adds its own view (targets, ACLs, sessions) beside it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::admission::{ConnectionGate, ConnectionLimits, FrontEnd, StagingBudget};
+use crate::metrics::PortalCounters;
+use crate::volume::{Volume, VolumeId, Volumes};
+
+/// Limits every front end and transport obeys alike.
+#[derive(Debug, Clone)]
+pub struct CoreLimits {
+    /// Bytes of write data all connections together may hold in staging
+    /// buffers (data a command must see whole before it runs, such as SCSI
+    /// parameter lists and compare data). Beyond it such commands are
+    /// refused as busy.
+    pub staging_budget: u64,
+    /// A connection whose output (responses, read data) makes no progress
+    /// this long is closed: its peer stopped reading.
+    pub output_stall_timeout: Duration,
+    /// How long a planned restart waits for connections to close before the
+    /// exec: long enough for each to send its restart notice.
+    pub restart_drain: Duration,
+    pub connections: ConnectionLimits,
+}
+
+impl Default for CoreLimits {
+    fn default() -> Self {
+        CoreLimits {
+            staging_budget: 128 << 20,
+            output_stall_timeout: Duration::from_secs(30),
+            restart_drain: Duration::from_millis(100),
+            connections: ConnectionLimits::default(),
+        }
+    }
+}
+
+/// One name a volume is served under: iSCSI's target and LUN, or (later)
+/// NVMe's subsystem and namespace id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Export {
+    pub front_end: FrontEnd,
+    /// The target IQN or subsystem NQN.
+    pub owner: String,
+    /// The LUN or namespace id.
+    pub unit: u64,
+}
+
+/// Which names each volume is served under, indexed by [`VolumeId`].
+#[derive(Debug, Default)]
+pub struct Exports {
+    by_volume: Vec<Vec<Export>>,
+}
+
+impl Exports {
+    /// Record that `volume` is served as `export`.
+    pub fn add(&mut self, volume: VolumeId, export: Export) {
+        if self.by_volume.len() <= volume.index() {
+            self.by_volume.resize_with(volume.index() + 1, Vec::new);
+        }
+        self.by_volume[volume.index()].push(export);
+    }
+
+    /// The names `volume` is served under, in the order they were added.
+    pub fn of(&self, volume: VolumeId) -> &[Export] {
+        self.by_volume
+            .get(volume.index())
+            .map_or(&[], |v| v.as_slice())
+    }
+}
+
+pub struct Core {
+    /// Every volume any front end serves: what the drivers resolve a
+    /// [`VolumeId`] with.
+    pub volumes: Arc<Volumes>,
+    pub exports: Exports,
+    /// Connection counts, shared by every front end and transport.
+    pub gate: Arc<ConnectionGate>,
+    /// Refused logins and limits hit.
+    pub counters: Arc<PortalCounters>,
+    /// Daemon-wide staging memory, shared by every connection.
+    pub staging: StagingBudget,
+    /// Measure each command's service time: two TSC reads per command, so
+    /// only when someone asked for metrics (`--metrics`).
+    pub service_times: bool,
+    pub limits: CoreLimits,
+}
+
+impl Core {
+    pub fn new(volumes: Arc<Volumes>, exports: Exports, limits: CoreLimits) -> Core {
+        let gate = Arc::new(ConnectionGate::new(limits.connections));
+        Core {
+            volumes,
+            exports,
+            counters: gate.counters().clone(),
+            gate,
+            staging: StagingBudget::new(limits.staging_budget),
+            service_times: false,
+            limits,
+        }
+    }
+
+    /// Every volume with the names it is served under, in [`VolumeId`]
+    /// order.
+    pub fn exported(&self) -> impl Iterator<Item = (&Arc<Volume>, &[Export])> {
+        self.volumes.iter().map(|v| (v, self.exports.of(v.id())))
+    }
+}
