@@ -8,12 +8,13 @@
 //! lifecycle step and face (`control`, `exposition`). Nothing here names a
 //! protocol: a front end adds its own view (targets, ACLs, sessions) beside it.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::admission::{ConnectionGate, ConnectionLimits, FrontEnd, StagingBudget};
+use crate::admission::{ConnectionGate, ConnectionLimits, FrontEnd, StagingBudget, Transfers};
 use crate::metrics::PortalCounters;
-use crate::volume::{Volume, VolumeId, Volumes};
+use crate::volume::{Identity, Volume, VolumeId, Volumes};
 
 /// Limits every front end and transport obeys alike.
 #[derive(Debug, Clone)]
@@ -113,4 +114,71 @@ impl Core {
     pub fn exported(&self) -> impl Iterator<Item = (&Arc<Volume>, &[Export])> {
         self.volumes.iter().map(|v| (v, self.exports.of(v.id())))
     }
+}
+
+/// What a volume operation asks of a front end that serves the volume.
+pub trait VolumeHooks: Send + Sync {
+    /// Abort every command of its hosts on `volume`; returns the transfers
+    /// to wait for before the volume's memory may change under them.
+    fn abort_volume(&self, volume: VolumeId) -> Vec<Arc<Transfers>>;
+    /// Tell its hosts that `volume` is a new, empty device under a new
+    /// identity (SCSI: unit attentions). Runs while the volume is not yet
+    /// READY again.
+    fn announce_new_identity(&self, volume: VolumeId);
+}
+
+/// What the faces (`status`, `/metrics`) show of a front end beside the
+/// volumes.
+pub trait FrontEndView: VolumeHooks {
+    fn front_end(&self) -> FrontEnd;
+    /// The owners it serves volumes under (targets), in configured order.
+    fn owners(&self) -> Vec<String>;
+    fn sessions(&self) -> Vec<SessionFacts>;
+}
+
+/// One session as the faces show it, in any front end's terms.
+#[derive(Debug, Clone)]
+pub struct SessionFacts {
+    /// The host's name (the initiator's IQN).
+    pub host: String,
+    /// Which instance of the host (the ISID), in hex.
+    pub instance: String,
+    /// The owner it logged in to (the target); empty for discovery.
+    pub owner: String,
+    /// The handle the target gave it (the TSIH).
+    pub handle: u16,
+    pub peer: SocketAddr,
+}
+
+/// `accept-empty` on a NOT READY volume: every front end serving it aborts
+/// its commands on it, their transfers are waited for (none of the old
+/// identity's data may land on the empty device), the volume becomes empty
+/// under `new`, and each front end announces the new identity before it is
+/// READY. Blocking: call it off the async workers.
+pub fn accept_empty(
+    volume: &Volume,
+    served_by: &[&dyn VolumeHooks],
+    new: Identity,
+) -> Result<(), String> {
+    let (target, lun) = (volume.target(), volume.lun());
+    if volume.is_ready() {
+        return Err(format!(
+            "{target} LUN {lun} is READY: its content is intact, nothing changed"
+        ));
+    }
+    let aborted: Vec<Arc<Transfers>> = served_by
+        .iter()
+        .flat_map(|f| f.abort_volume(volume.id()))
+        .collect();
+    if !Transfers::wait_settled(&aborted) {
+        return Err(format!(
+            "{target} LUN {lun}: writes of the old identity are still in flight and their \
+             connections did not end; nothing changed, try again"
+        ));
+    }
+    volume.accept_empty(new, || {
+        for f in served_by {
+            f.announce_new_identity(volume.id());
+        }
+    })
 }

@@ -10,7 +10,7 @@ use ramslog_target::config::{
     check_file, default_control_sockets, Config, ConfigError, Problem, RunArgs,
 };
 use ramslog_target::control::{self, Control, Reply, Request, RestartReply};
-use ramslog_target::core::Core;
+use ramslog_target::core::{Core, FrontEndView};
 use ramslog_target::handover::{self, Inherited};
 use ramslog_target::lifecycle::{self, Ending, KeptMemory};
 use ramslog_target::notify::{self, notify};
@@ -848,6 +848,7 @@ async fn run(
     );
     portal.discovery_chap = cfg.discovery_chap.clone();
     let portal = Arc::new(portal);
+    let front_ends: Vec<Arc<dyn FrontEndView>> = vec![portal.clone()];
 
     let stop = Arc::new(tokio::sync::Notify::new());
     let (stopped_tx, stopped_rx) = tokio::sync::watch::channel(None);
@@ -857,7 +858,8 @@ async fn run(
     let stop_requested = Arc::new(std::sync::atomic::AtomicBool::new(false));
     {
         let control = Arc::new(Control {
-            portal: portal.clone(),
+            core: core.clone(),
+            front_ends: front_ends.clone(),
             state_dir: cfg.state_dir.clone(),
             stop: stop.clone(),
             stopped: stopped_rx,
@@ -877,7 +879,10 @@ async fn run(
         ramslog_target::exposition::endpoint::serve(
             addr,
             cfg.metrics_allow.clone(),
-            portal.clone(),
+            ramslog_target::exposition::Faces {
+                core: core.clone(),
+                front_ends: front_ends.clone(),
+            },
         )
         .await
         .map_err(|e| format!("cannot serve metrics on {addr}: {e} (change --metrics)"))?;

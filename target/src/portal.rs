@@ -17,10 +17,11 @@ use ipnet::IpNet;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::admission::Transfers;
 use crate::admission::{FrontEnd, SessionControl};
-use crate::core::{Core, Export, Exports};
+use crate::core::{Core, Export, Exports, FrontEndView, SessionFacts, VolumeHooks};
 use crate::scsi::{NexusId, ScsiTarget};
-use crate::volume::Volumes;
+use crate::volume::{VolumeId, Volumes};
 
 /// Values the target offers in iSCSI login negotiation, its command window
 /// and its iSCSI timers. What every front end obeys is [`CoreLimits`](crate::core::CoreLimits).
@@ -135,7 +136,7 @@ impl std::str::FromStr for AclEntry {
         }
         let network = match net {
             None => None,
-            Some(n) => Some(parse_network(n).ok_or_else(|| {
+            Some(n) => Some(crate::admission::parse_network(n).ok_or_else(|| {
                 format!(
                     "ACL entry '{}': '{}' is not a network (write IQN@192.0.2.0/24 or IQN@2001:db8::/64)",
                     s.escape_debug(),
@@ -353,6 +354,45 @@ impl Portal {
     }
 }
 
+/// A volume operation reaches every target's LU on the volume.
+impl VolumeHooks for Portal {
+    fn abort_volume(&self, volume: VolumeId) -> Vec<Arc<Transfers>> {
+        self.targets
+            .iter()
+            .flat_map(|t| t.scsi.abort_volume(volume))
+            .collect()
+    }
+
+    fn announce_new_identity(&self, volume: VolumeId) {
+        for t in &self.targets {
+            t.scsi.announce_new_identity(volume);
+        }
+    }
+}
+
+impl FrontEndView for Portal {
+    fn front_end(&self) -> FrontEnd {
+        FrontEnd::Iscsi
+    }
+
+    fn owners(&self) -> Vec<String> {
+        self.targets.iter().map(|t| t.name.clone()).collect()
+    }
+
+    fn sessions(&self) -> Vec<SessionFacts> {
+        self.sessions_info()
+            .into_iter()
+            .map(|s| SessionFacts {
+                host: s.key.initiator,
+                instance: s.key.isid.iter().map(|b| format!("{b:02x}")).collect(),
+                owner: s.key.target,
+                handle: s.tsih,
+                peer: s.peer,
+            })
+            .collect()
+    }
+}
+
 /// What the configuration makes of every volume today: an LU of the target
 /// its name gives, at the LUN its name gives.
 pub fn lun_exports(volumes: &Volumes) -> Exports {
@@ -368,19 +408,4 @@ pub fn lun_exports(volumes: &Volumes) -> Exports {
         );
     }
     exports
-}
-
-/// `NETWORK/PREFIX` or a bare address (that one host), host bits cleared.
-pub fn parse_network(s: &str) -> Option<IpNet> {
-    s.parse::<IpNet>()
-        .or_else(|_| s.parse::<IpAddr>().map(IpNet::from))
-        .ok()
-        .map(|n| n.trunc())
-}
-
-/// Whether `ip` is in one of `networks` (an IPv4 client of an IPv6 socket,
-/// `::ffff:a.b.c.d`, counts as `a.b.c.d`).
-pub fn in_networks(networks: &[IpNet], ip: IpAddr) -> bool {
-    let ip = ip.to_canonical();
-    networks.iter().any(|n| n.contains(&ip))
 }

@@ -447,6 +447,20 @@ fn lifecycle_names_no_iscsi_front_end() {
     );
 }
 
+/// `status`, `status --json` and `/metrics` read the core's volumes and
+/// each front end's view: they name no front end's internals.
+#[test]
+fn faces_name_no_front_end() {
+    let found = violations(&["control", "exposition"], |n| {
+        !["scsi", "portal", "engine", "tcp", "rdma"].contains(&n)
+    });
+    assert!(
+        found.is_empty(),
+        "a face names a front end's internals:\n{}",
+        found.join("\n")
+    );
+}
+
 /// The checker itself: each way of naming a module is seen.
 #[test]
 fn every_form_of_path_is_resolved() {

@@ -70,7 +70,7 @@ fn io_loop(iser: bool) {
     let mut conn = testkit::logged_in(portal.clone(), iser.then_some(8192), &keys, now);
     let lu = portal.targets[0].scsi.lu(0).expect("LUN 0").clone();
     let counted = || {
-        let t = lu.metrics().totals();
+        let t = lu.volume().metrics().totals();
         let w = CommandKind::Write as usize;
         (t.commands[w], t.service[w].count())
     };

@@ -30,8 +30,10 @@ use tokio::sync::Notify;
 
 use crate::metrics::{LimitHit, PortalCounters};
 
+mod networks;
 mod staging;
 mod transfers;
+pub use networks::{in_networks, parse_network};
 pub use staging::StagingBudget;
 pub use transfers::{CopyGuard, Transfers};
 

@@ -263,7 +263,7 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
 
 /// `--metrics-allow`: a network or one address.
 pub fn parse_metrics_network(s: &str) -> Result<ipnet::IpNet, String> {
-    crate::portal::parse_network(s).ok_or_else(|| {
+    crate::admission::parse_network(s).ok_or_else(|| {
         format!("{s:?} is not a network (e.g. 192.0.2.0/24, 2001:db8::/64 or 192.0.2.7)")
     })
 }

@@ -16,11 +16,11 @@ mod client;
 pub use client::{request, request_with_pidfd};
 
 use crate::admission::FrontEnd;
+use crate::core::{Core, Export, FrontEndView, VolumeHooks};
 use crate::lifecycle::UnclaimedKept;
 use crate::metrics::{LimitHit, LoginRefusal, LunIo, ProcessMemory};
-use crate::portal::Portal;
 use crate::volume::state::FailedStop;
-use crate::volume::{naa_hex, Identity, Readiness, Remedy};
+use crate::volume::{naa_hex, Identity, VolumeFacts};
 
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "kebab-case")]
@@ -45,8 +45,7 @@ pub enum Request {
 }
 
 /// `restored_from` of a LUN whose content is the memory a restart kept.
-pub const KEPT_MEMORY: &str =
-    "the memory kept from the previous run (a restart, or a crash under systemd)";
+pub use crate::volume::KEPT_MEMORY;
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct LunStatus {
@@ -127,22 +126,39 @@ fn kept_memory_line(volumes: &crate::volume::Volumes) -> String {
     }
 }
 
-/// [`LunStatus::next_start`] for a LUN that is `ready` (or not), in a
-/// daemon with or without a state directory and an fd store holding its
-/// memory.
-pub fn next_start(persistent: bool, ready: bool, store_holds_memory: bool) -> &'static str {
-    match (persistent, ready, store_holds_memory) {
-        (false, _, _) => "empty (--ephemeral keeps no content)",
-        (true, false, _) => {
-            "as now, unless it finds the doubt above gone; accept-empty makes it an empty LUN"
-        }
-        (true, true, true) => {
-            "this memory after a restart or a crash (systemd's fd store holds it), the image after a stop"
-        }
-        (true, true, false) => {
-            "this memory after a restart (handed over in the process), the image after a stop; \
-             a crash loses the content (no fd store holds the memory)"
-        }
+/// What `status` says of one LU: the volume's facts under the LUN it is
+/// served as.
+fn lun_status(lun: u64, facts: &VolumeFacts) -> LunStatus {
+    let st = &facts.status;
+    let pr = &facts.reservations;
+    LunStatus {
+        lun,
+        size: facts.size,
+        block_size: facts.block_size,
+        naa: naa_hex(&st.identity.naa),
+        serial: st.identity.serial.clone(),
+        ready: facts.is_ready(),
+        not_ready_reason: st.not_ready_reason.clone(),
+        not_ready_advice: facts.advice.map(str::to_string),
+        generation: st.generation,
+        restored_from: facts.restored_from(),
+        restored_taken_unix: st.restored.as_ref().map(|r| r.taken_unix),
+        previous_writer: st
+            .restored
+            .as_ref()
+            .and_then(|r| r.kept_from.as_ref())
+            .map(|k| PreviousWriter {
+                pid: k.writer_pid,
+                ended: k.ended.into(),
+            }),
+        written_bytes: st.written_bytes,
+        io: facts.io.report(),
+        next_start: facts.next_start.into(),
+        persistent_reservations: PrStatus {
+            registrations: pr.registrations.len(),
+            reservation_type: pr.reservation.as_ref().map(|r| r.kind),
+            aptpl: pr.aptpl,
+        },
     }
 }
 
@@ -239,7 +255,10 @@ pub enum Reply {
 }
 
 pub struct Control {
-    pub portal: Arc<Portal>,
+    pub core: Arc<Core>,
+    /// Every front end: its sessions for `status`, its hooks for
+    /// accept-empty.
+    pub front_ends: Vec<Arc<dyn FrontEndView>>,
     pub state_dir: Option<PathBuf>,
     /// Asks the daemon to stop; the outcome of the dump comes back on
     /// `stopped`.
@@ -396,78 +415,35 @@ impl Control {
     }
 
     fn status(&self) -> Status {
-        let targets = self
-            .portal
-            .targets
-            .iter()
-            .map(|t| TargetStatus {
-                name: t.name.clone(),
-                luns: t
-                    .scsi
-                    .luns()
-                    .map(|lu| {
-                        let v = lu.volume();
-                        let st = v.status();
-                        let pr = v.kept_reservations();
-                        LunStatus {
-                            lun: lu.lun(),
-                            size: v.size(),
-                            block_size: v.block_size(),
-                            naa: naa_hex(&st.identity.naa),
-                            serial: st.identity.serial,
-                            ready: st.readiness == Readiness::Ready,
-                            not_ready_advice: (st.readiness != Readiness::Ready).then(|| {
-                                st.remedy
-                                    .unwrap_or(Remedy::AcceptEmpty)
-                                    .advice()
-                                    .to_string()
-                            }),
-                            not_ready_reason: st.not_ready_reason,
-                            generation: st.generation,
-                            restored_from: st.restored.as_ref().map(|r| match r.kept_from {
-                                Some(_) => KEPT_MEMORY.to_string(),
-                                None => r.image.display().to_string(),
-                            }),
-                            restored_taken_unix: st.restored.as_ref().map(|r| r.taken_unix),
-                            previous_writer: st.restored.and_then(|r| r.kept_from).map(|k| {
-                                PreviousWriter {
-                                    pid: k.writer_pid,
-                                    ended: k.ended.into(),
-                                }
-                            }),
-                            written_bytes: st.written_bytes,
-                            io: lu.metrics().totals().report(),
-                            next_start: next_start(
-                                v.persistence().is_some(),
-                                st.readiness == Readiness::Ready,
-                                v.in_fd_store(),
-                            )
-                            .into(),
-                            persistent_reservations: PrStatus {
-                                registrations: pr.registrations.len(),
-                                reservation_type: pr.reservation.map(|r| r.kind),
-                                aptpl: pr.aptpl,
-                            },
-                        }
-                    })
-                    .collect(),
-            })
-            .collect();
+        let mut targets: Vec<TargetStatus> = Vec::new();
+        for (v, exports) in self.core.exported() {
+            let facts = v.facts();
+            for e in exports.iter().filter(|e| e.front_end == FrontEnd::Iscsi) {
+                let lun = lun_status(e.unit, &facts);
+                match targets.iter_mut().find(|t| t.name == e.owner) {
+                    Some(t) => t.luns.push(lun),
+                    None => targets.push(TargetStatus {
+                        name: e.owner.clone(),
+                        luns: vec![lun],
+                    }),
+                }
+            }
+        }
         let sessions = self
-            .portal
-            .sessions_info()
-            .into_iter()
+            .front_ends
+            .iter()
+            .flat_map(|f| f.sessions())
             .map(|s| SessionStatus {
-                initiator: s.key.initiator,
-                isid: s.key.isid.iter().map(|b| format!("{b:02x}")).collect(),
-                target: s.key.target,
-                tsih: s.tsih,
+                initiator: s.host,
+                isid: s.instance,
+                target: s.owner,
+                tsih: s.handle,
                 peer: s.peer.to_string(),
             })
             .collect();
         let state_dir = self.state_dir.as_ref().map(|d| d.display().to_string());
-        let counters = &self.portal.core.counters;
-        let open = self.portal.core.gate.counts_now();
+        let counters = &self.core.counters;
+        let open = self.core.gate.counts_now();
         let portal = PortalStatus {
             tcp_connections: open.tcp(),
             iser_connections: open.rdma,
@@ -475,7 +451,7 @@ impl Control {
                 .into_iter()
                 .map(|f| (f.label().to_string(), open.of(f)))
                 .collect(),
-            staging_bytes: self.portal.core.staging.used(),
+            staging_bytes: self.core.staging.used(),
             logins_refused: LoginRefusal::ALL
                 .into_iter()
                 .map(|r| (r.label().to_string(), counters.logins_refused(r)))
@@ -494,14 +470,13 @@ impl Control {
             incarnation: crate::volume::kept::this_process().incarnation,
             bytes_dumped: crate::volume::image::bytes_dumped(),
             failed_stop: self
-                .portal
                 .core
                 .volumes
                 .iter()
                 .find_map(|v| v.persistence())
                 .and_then(|p| p.state().failed_stop().cloned()),
             unclaimed_kept: lock(&self.unclaimed).clone(),
-            kept_memory: kept_memory_line(&self.portal.core.volumes),
+            kept_memory: kept_memory_line(&self.core.volumes),
             failed_restart: lock(&self.failed_restart).clone(),
         }
     }
@@ -512,11 +487,9 @@ impl Control {
             Err(why) => return Reply::Error(why),
         };
         let wanted = naa.trim_start_matches("naa.").to_ascii_lowercase();
-        let configured = self.portal.targets.iter().find_map(|t| {
-            t.scsi.luns().find_map(|lu| {
-                (naa_hex(&lu.volume().status().identity.naa) == wanted)
-                    .then(|| (t.name.clone(), lu.lun()))
-            })
+        let configured = self.core.exported().find_map(|(v, exports)| {
+            let e = exports.first()?;
+            (naa_hex(&v.status().identity.naa) == wanted).then(|| (e.owner.clone(), e.unit))
         });
         if let Some((target, lun)) = configured {
             return Reply::Error(format!(
@@ -546,7 +519,6 @@ impl Control {
             Err(why) => return refuse(why),
         };
         let waiting: Vec<String> = self
-            .portal
             .core
             .volumes
             .iter()
@@ -567,7 +539,7 @@ impl Control {
                     .into(),
             );
         }
-        let unkept = self.portal.core.volumes.not_held_in_fd_store();
+        let unkept = self.core.volumes.not_held_in_fd_store();
         if !unkept.is_empty() {
             return refuse(format!(
                 "the memory of {} is not confirmed in systemd's fd store: ending now would lose \
@@ -595,15 +567,25 @@ impl Control {
             Ok(g) => g,
             Err(why) => return Reply::Error(why),
         };
-        let Some(t) = self.portal.target(target) else {
+        let named =
+            |e: &Export| e.front_end == FrontEnd::Iscsi && e.owner.eq_ignore_ascii_case(target);
+        let mut served = self
+            .core
+            .exported()
+            .filter(|(_, exports)| exports.iter().any(named))
+            .peekable();
+        if served.peek().is_none() {
             return Reply::Error(format!(
                 "no target named {target}; `ramslog-target status` lists them"
             ));
-        };
-        let Some(lu) = t.scsi.lu(lun) else {
+        }
+        let Some((volume, owner)) = served.find_map(|(v, exports)| {
+            let e = exports.iter().find(|e| named(e) && e.unit == lun)?;
+            Some((v, e.owner.clone()))
+        }) else {
             return Reply::Error(format!("target {target} has no LUN {lun}"));
         };
-        if lu.volume().is_ready() {
+        if volume.is_ready() {
             return Reply::Error(format!(
                 "{target} LUN {lun} is ready: its content is intact, and accept-empty would \
                  hand it out empty under a new identity. It is only for a LUN that \
@@ -611,15 +593,20 @@ impl Control {
             ));
         }
         let id = Identity::generate();
-        if let Err(e) = t.scsi.accept_empty(lun, id.clone()) {
+        let hooks: Vec<&dyn VolumeHooks> = self
+            .front_ends
+            .iter()
+            .map(|f| f.as_ref() as &dyn VolumeHooks)
+            .collect();
+        if let Err(e) = crate::core::accept_empty(volume, &hooks, id.clone()) {
             return Reply::Error(e);
         }
         tracing::warn!(
-            target = %t.name, lun, naa = %naa_hex(&id.naa), serial = %id.serial,
+            target = %owner, lun, naa = %naa_hex(&id.naa), serial = %id.serial,
             "accept-empty: LUN accepted as an empty device under a new identity; it is ready"
         );
         Reply::Accepted {
-            target: t.name.clone(),
+            target: owner,
             lun,
             naa: naa_hex(&id.naa),
             serial: id.serial,

@@ -23,7 +23,8 @@ use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
 use super::{render, CONTENT_TYPE};
-use crate::portal::{in_networks, Portal};
+use crate::admission::in_networks;
+use crate::exposition::Faces;
 
 /// Sources served at once, one connection each.
 const SLOTS: usize = 16;
@@ -177,11 +178,7 @@ impl Endpoint {
 /// Bind the endpoint; the spawned tasks serve it until the daemon exits.
 /// Only sources in `allow` are answered (every source when it is empty);
 /// others are closed at once, before they take a slot.
-pub async fn serve(
-    addr: SocketAddr,
-    allow: Vec<IpNet>,
-    portal: Arc<Portal>,
-) -> std::io::Result<()> {
+pub async fn serve(addr: SocketAddr, allow: Vec<IpNet>, faces: Faces) -> std::io::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     if !allow.is_empty() {
@@ -204,7 +201,7 @@ pub async fn serve(
         page,
         wanted: Notify::new(),
     });
-    tokio::spawn(renderer(endpoint.clone(), portal, publish));
+    tokio::spawn(renderer(endpoint.clone(), faces, publish));
     tokio::spawn(async move {
         loop {
             let (stream, peer) = match listener.accept().await {
@@ -232,14 +229,14 @@ pub async fn serve(
 /// once however many scrapes wait for it.
 async fn renderer(
     endpoint: Arc<Endpoint>,
-    portal: Arc<Portal>,
+    faces: Faces,
     publish: watch::Sender<Option<(Instant, Arc<String>)>>,
 ) {
     loop {
         endpoint.wanted.notified().await;
         let began = Instant::now();
-        let p = portal.clone();
-        match tokio::task::spawn_blocking(move || render(&p)).await {
+        let f = faces.clone();
+        match tokio::task::spawn_blocking(move || render(&f)).await {
             Ok(Ok(page)) => {
                 publish.send_replace(Some((began, Arc::new(page))));
             }

@@ -1,4 +1,4 @@
-//! The opt-in Prometheus endpoint (`--metrics`): a face over the portal,
+//! The opt-in Prometheus endpoint (`--metrics`): a face over the core,
 //! beside `control`. This module renders the page, OpenMetrics text encoded
 //! by `prometheus-client` from the counters `metrics` keeps; `endpoint`
 //! serves it.
@@ -17,23 +17,30 @@ use prometheus_client::registry::Registry;
 pub mod endpoint;
 
 use crate::admission::FrontEnd;
+use crate::core::{Core, FrontEndView};
 use crate::metrics::{
     bucket_bound_seconds, sense_key_label, CommandKind, LimitHit, LoginRefusal, LunTotals,
     ProcessMemory, FINITE_BUCKETS,
 };
-use crate::portal::Portal;
-use crate::volume::Readiness;
 
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Reads the portal's counters at each scrape.
-struct PortalCollector {
-    portal: Arc<Portal>,
+/// What a scrape reads: the core's volumes and counters, and each front
+/// end's sessions.
+#[derive(Clone)]
+pub struct Faces {
+    pub core: Arc<Core>,
+    pub front_ends: Vec<Arc<dyn FrontEndView>>,
 }
 
-impl fmt::Debug for PortalCollector {
+/// Reads the counters at each scrape.
+struct Scrape {
+    faces: Faces,
+}
+
+impl fmt::Debug for Scrape {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("PortalCollector")
+        f.write_str("Collector")
     }
 }
 
@@ -80,25 +87,24 @@ fn counter<S: EncodeLabelSet>(
     Ok(())
 }
 
-impl Collector for PortalCollector {
+impl Collector for Scrape {
     fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
-        let lus: Vec<LuFacts> = self
-            .portal
-            .targets
-            .iter()
-            .flat_map(|t| {
-                t.scsi.luns().map(|lu| {
-                    let v = lu.volume();
-                    let st = v.status();
-                    LuFacts {
-                        labels: [("target", t.name.clone()), ("lun", lu.lun().to_string())],
-                        ready: st.readiness == Readiness::Ready,
-                        generation: st.generation,
-                        written_bytes: st.written_bytes,
-                        size: v.size(),
-                        totals: lu.metrics().totals(),
-                    }
-                })
+        let core = &self.faces.core;
+        let lus: Vec<LuFacts> = core
+            .exported()
+            .flat_map(|(v, exports)| {
+                let facts = v.facts();
+                exports
+                    .iter()
+                    .filter(|e| e.front_end == FrontEnd::Iscsi)
+                    .map(move |e| LuFacts {
+                        labels: [("target", e.owner.clone()), ("lun", e.unit.to_string())],
+                        ready: facts.is_ready(),
+                        generation: facts.status.generation,
+                        written_bytes: facts.status.written_bytes,
+                        size: facts.size,
+                        totals: facts.io.clone(),
+                    })
             })
             .collect();
         let e = &mut enc;
@@ -206,23 +212,22 @@ impl Collector for PortalCollector {
             }
         }
 
-        let portal = &self.portal;
-        let sessions = portal.sessions_info();
+        let fronts = &self.faces.front_ends;
+        let sessions: Vec<_> = fronts.iter().flat_map(|f| f.sessions()).collect();
         gauge(
             e,
             "ramslog_sessions",
             "Logged-in sessions, by target (discovery sessions under target=\"\")",
-            portal
-                .targets
+            fronts
                 .iter()
-                .map(|t| t.name.clone())
+                .flat_map(|f| f.owners())
                 .chain(std::iter::once(String::new()))
                 .map(|name| {
-                    let n = sessions.iter().filter(|s| s.key.target == name).count();
+                    let n = sessions.iter().filter(|s| s.owner == name).count();
                     ([("target", name)], n as f64)
                 }),
         )?;
-        let open = portal.core.gate.counts_now();
+        let open = core.gate.counts_now();
         // `iser` names the RDMA transport: the label predates a second RDMA
         // front end and stays for dashboards.
         gauge(
@@ -246,12 +251,9 @@ impl Collector for PortalCollector {
             e,
             "ramslog_logins_refused",
             "Logins refused, by reason",
-            LoginRefusal::ALL.into_iter().map(|r| {
-                (
-                    [("reason", r.label())],
-                    portal.core.counters.logins_refused(r),
-                )
-            }),
+            LoginRefusal::ALL
+                .into_iter()
+                .map(|r| ([("reason", r.label())], core.counters.logins_refused(r))),
         )?;
         counter(
             e,
@@ -259,13 +261,13 @@ impl Collector for PortalCollector {
             "Times a configured limit refused a connection or a command, by limit",
             LimitHit::ALL
                 .into_iter()
-                .map(|h| ([("limit", h.label())], portal.core.counters.limit_hits(h))),
+                .map(|h| ([("limit", h.label())], core.counters.limit_hits(h))),
         )?;
         plain_gauge(
             e,
             "ramslog_staging_bytes",
             "Staging memory held by commands now",
-            portal.core.staging.used() as f64,
+            core.staging.used() as f64,
         )?;
         let mem = ProcessMemory::now();
         plain_gauge(
@@ -291,10 +293,10 @@ impl Collector for PortalCollector {
 }
 
 /// The page a scrape returns.
-pub fn render(portal: &Arc<Portal>) -> Result<String, fmt::Error> {
+pub fn render(faces: &Faces) -> Result<String, fmt::Error> {
     let mut registry = Registry::default();
-    registry.register_collector(Box::new(PortalCollector {
-        portal: portal.clone(),
+    registry.register_collector(Box::new(Scrape {
+        faces: faces.clone(),
     }));
     let mut page = String::new();
     prometheus_client::encoding::text::encode(&mut page, &registry)?;

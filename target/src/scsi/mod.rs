@@ -40,19 +40,20 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ramslog_common::scsi_wire::FieldPointer;
 
 use crate::admission::Transfers;
-use crate::metrics::{CommandKind, LunMetrics};
+use crate::core::VolumeHooks;
+use crate::metrics::CommandKind;
 use crate::volume::{Identity, PlacingWrite, Readiness, Volume, VolumeError, VolumeId};
 use pr::PrState;
 use ranges::RangeExclusion;
 use vocab::{opc, Geometry, Op};
 
-/// What a command with this operation code does, for counting.
 /// Whether persistent reservations a kept-memory record carries are a
 /// state this LU could have made; why not, if not.
 pub fn check_kept_reservations(kept: &crate::volume::kept::KeptReservations) -> Result<(), String> {
     PrState::from_kept(kept).map(drop)
 }
 
+/// What a command with this operation code does, for counting.
 pub fn command_kind(opcode: u8) -> CommandKind {
     match opcode {
         opc::READ6 | opc::READ10 | opc::READ12 | opc::READ16 => CommandKind::Read,
@@ -331,7 +332,6 @@ pub struct LogicalUnit {
     /// Makes WRITE SAME, COMPARE AND WRITE and WRITE AND VERIFY atomic
     /// against each other where their blocks overlap.
     exclusion: RangeExclusion,
-    metrics: Arc<LunMetrics>,
     /// The previous run (a restart or a crash whose memory this LU took
     /// over) served other INQUIRY or VPD data: every nexus of this run is
     /// told INQUIRY DATA HAS CHANGED after its POWER ON.
@@ -358,9 +358,6 @@ impl LogicalUnit {
     /// Capacity in logical blocks.
     pub fn blocks(&self) -> u64 {
         self.geo.blocks
-    }
-    pub fn metrics(&self) -> &Arc<LunMetrics> {
-        &self.metrics
     }
 
     pub fn volume(&self) -> &Arc<Volume> {
@@ -506,7 +503,6 @@ impl ScsiTarget {
                 abort_epoch: AtomicU64::new(0),
                 state: Mutex::new(st),
                 exclusion: RangeExclusion::default(),
-                metrics: Arc::default(),
                 inquiry_changed,
             };
             lu.refresh(&lu.lock());
@@ -610,41 +606,19 @@ impl ScsiTarget {
         }
     }
 
-    /// The admin accepted that `lun` lost its content: give it `new`
-    /// identity (durably, where the volume persists), make it ready, and
-    /// tell every session that inquiry data and the LUN inventory changed.
-    ///
-    /// The old identity's tasks are aborted first, and their transfers
-    /// waited for (see [`Transfers::wait_settled`]): none of their data may
-    /// land on the empty device. Blocking: call it off the async workers.
+    /// The admin accepted that `lun` lost its content: the volume
+    /// operation [`crate::core::accept_empty`] with this target as the one
+    /// front end serving it (the daemon asks every front end instead).
     pub fn accept_empty(&self, lun: u64, new: Identity) -> Result<(), String> {
         let Some(lu) = self.lu(lun) else {
             return Err(format!("no LUN {lun}"));
         };
-        if lu.volume.is_ready() {
-            return Err(format!(
-                "LUN {lun} is READY: its content is intact, nothing changed"
-            ));
-        }
-        let aborted = {
-            let mut st = lu.lock();
-            lu.abort_tasks_of(&mut st, |_, _| true)
-        };
-        if !Transfers::wait_settled(&aborted) {
-            return Err(format!(
-                "LUN {lun}: writes of the old identity are still in flight and their connections did not end; nothing changed, try again"
-            ));
-        }
-        lu.volume.accept_empty(new, || {
-            let mut st = lu.lock();
-            // A new, empty device: the old identity's reservations go too
-            // (the volume dropped them from its record already, and
-            // refuses every change to them until this is done).
-            st.pr = PrState::default();
-            st.raise_all(sense::ua::INQUIRY_DATA_CHANGED);
-            st.raise_all(sense::ua::REPORTED_LUNS_CHANGED);
-            lu.refresh(&st);
-        })
+        crate::core::accept_empty(&lu.volume, &[self], new)
+    }
+
+    /// The LU standing on `volume`, if this target has one.
+    fn lu_on(&self, volume: VolumeId) -> Option<&Arc<LogicalUnit>> {
+        self.lus.iter().find(|lu| lu.volume.id() == volume)
     }
 
     pub fn identity(&self, lun: u64) -> Option<(Identity, Readiness)> {
@@ -733,6 +707,32 @@ impl ScsiTarget {
             return Err(SenseReason::ReservationConflict);
         }
         Ok(planned(d))
+    }
+}
+
+/// The SCSI part of a volume operation: the old identity's tasks aborted,
+/// and the new one announced with unit attentions.
+impl VolumeHooks for ScsiTarget {
+    fn abort_volume(&self, volume: VolumeId) -> Vec<Arc<Transfers>> {
+        let Some(lu) = self.lu_on(volume) else {
+            return Vec::new();
+        };
+        let mut st = lu.lock();
+        lu.abort_tasks_of(&mut st, |_, _| true)
+    }
+
+    fn announce_new_identity(&self, volume: VolumeId) {
+        let Some(lu) = self.lu_on(volume) else {
+            return;
+        };
+        let mut st = lu.lock();
+        // A new, empty device: the old identity's reservations go too (the
+        // volume dropped them from its record already, and refuses every
+        // change to them until this is done).
+        st.pr = PrState::default();
+        st.raise_all(sense::ua::INQUIRY_DATA_CHANGED);
+        st.raise_all(sense::ua::REPORTED_LUNS_CHANGED);
+        lu.refresh(&st);
     }
 }
 

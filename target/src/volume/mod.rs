@@ -13,6 +13,7 @@
 //! image is loaded only if it is the current, clean generation of this very
 //! identity and every byte of it verifies.
 
+mod facts;
 mod fd_store;
 mod identity;
 pub mod image;
@@ -32,6 +33,7 @@ use crate::store::Store;
 use kept::{KeptRecord, KeptReservations, KeptState, RecordArea, Written};
 use state::StateDir;
 
+pub use facts::{next_start, VolumeFacts, KEPT_MEMORY};
 pub use identity::{naa_hex, Identity};
 pub use placing::PlacingWrite;
 
@@ -380,6 +382,9 @@ pub struct Volume {
     /// Pidfds of the writers found still running at start, for which this
     /// NOT READY volume's kept memory is held back (empty otherwise).
     held_for: Mutex<Vec<std::os::fd::OwnedFd>>,
+    /// Commands, bytes, service times and errors, whichever front end
+    /// served them.
+    metrics: Arc<crate::metrics::LunMetrics>,
 }
 
 impl std::fmt::Debug for Volume {
@@ -476,6 +481,7 @@ impl Volume {
             imaging: Mutex::new(()),
             record,
             page_crcs,
+            metrics: Arc::default(),
         };
         volume.write_record(&volume.meta());
         volume
@@ -683,6 +689,11 @@ impl Volume {
     pub fn store(&self) -> &Arc<Store> {
         &self.store
     }
+    /// Its counters: every front end's commands on it.
+    pub fn metrics(&self) -> &Arc<crate::metrics::LunMetrics> {
+        &self.metrics
+    }
+
     pub fn written(&self) -> &WrittenChunks {
         &self.written
     }

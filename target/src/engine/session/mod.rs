@@ -255,7 +255,7 @@ impl Session {
         let transfers = Transfers::new(control);
         let scsi = target.map(|t| t.scsi.clone());
         let metrics = match &scsi {
-            Some(scsi) => SessionMetrics::join(scsi.luns().map(|lu| lu.metrics().clone())),
+            Some(scsi) => SessionMetrics::join(scsi.luns().map(|lu| lu.volume().metrics().clone())),
             None => SessionMetrics::default(),
         };
         if let Some(scsi) = &scsi {
