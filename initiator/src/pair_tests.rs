@@ -13,8 +13,8 @@ use ramslog_common::iscsi::frame::{self, Deframed, Digests, RxRules};
 use ramslog_common::iscsi::{scsi_cmd, Bhs, Opcode, RejectReason, RESERVED_TAG};
 use ramslog_common::scsi_wire::status;
 use ramslog_target::admission::SessionControl;
-use ramslog_target::engine::{Action, Connection, Input};
-use ramslog_target::portal::Portal;
+use ramslog_target::iscsi::engine::{Action, Connection, Input};
+use ramslog_target::iscsi::portal::Portal;
 use ramslog_target::{tcp, testkit};
 
 use crate::datain::DataInAssembler;

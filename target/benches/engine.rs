@@ -16,7 +16,7 @@ use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use ramslog_common::iscsi::{Bhs, Opcode, BHS_LEN};
 use ramslog_common::iser::{Header, Message, RemoteBuffer, HEADER_LEN};
-use ramslog_target::engine::{Action, Connection, Input, OutPdu};
+use ramslog_target::iscsi::engine::{Action, Connection, Input, OutPdu};
 use ramslog_target::{rdma, tcp, testkit};
 
 const BLOCKS: u32 = 8;

@@ -12,9 +12,9 @@ use ramslog_target::config::{
 use ramslog_target::control::{self, Control, Reply, Request, RestartReply};
 use ramslog_target::core::{Core, FrontEndView};
 use ramslog_target::handover::{self, Inherited};
+use ramslog_target::iscsi::portal::{self, Acl, Portal, TargetDef};
 use ramslog_target::lifecycle::{self, Ending, KeptMemory};
 use ramslog_target::notify::{self, notify};
-use ramslog_target::portal::{self, Acl, Portal, TargetDef};
 use ramslog_target::scsi::ScsiTarget;
 use ramslog_target::tcp;
 use ramslog_target::volume::image;
@@ -816,21 +816,18 @@ async fn run(
     }
     for t in &cfg.targets {
         let own = volumes.iter().filter(|v| v.target() == t.name).cloned();
-        targets.push(TargetDef {
-            name: t.name.clone(),
-            alias: t.alias.clone(),
-            scsi: Arc::new(
-                ScsiTarget::try_new(own.collect())
-                    .map_err(|e| format!("target {}: {e}", t.name))?,
-            ),
-            acl: if t.open_access {
-                Acl::Any
-            } else {
-                Acl::Only(t.allow.clone())
-            },
-            chap: t.chap.clone(),
-            mutual_chap: t.mutual_chap.clone(),
-        });
+        let scsi = ScsiTarget::try_new(own.collect())
+            .map_err(|e| format!("target {}: {e}", t.name))?;
+        let mut target = TargetDef::new(t.name.clone(), Arc::new(scsi));
+        target.alias = t.alias.clone();
+        target.acl = if t.open_access {
+            Acl::Any
+        } else {
+            Acl::Only(t.allow.clone())
+        };
+        target.chap = t.chap.clone();
+        target.mutual_chap = t.mutual_chap.clone();
+        targets.push(target);
     }
     let exports = portal::lun_exports(&volumes);
     let mut core = Core::new(Arc::new(volumes), exports, cfg.core_limits.clone());

@@ -14,9 +14,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
 use crate::admission::{Door, Link, Permit, Refusal, SessionControl};
-use crate::engine::{Action, ConnInfo, Connection, Event, Input, OutPdu};
+use crate::iscsi::engine::{Action, ConnInfo, Connection, Event, Input, OutPdu};
+use crate::iscsi::portal::Portal;
 use crate::metrics::{self, LimitHit, Served};
-use crate::portal::Portal;
 
 /// Largest AHS the 8-bit TotalAHSLength field allows.
 const MAX_AHS: usize = 255 * 4;

@@ -10,9 +10,9 @@ use ramslog_common::iscsi::{login, text, Bhs, Opcode};
 use ramslog_common::iser::CmPeer;
 
 use crate::admission::SessionControl;
-use crate::core::{Core, CoreLimits};
-use crate::engine::{ConnInfo, Connection, Input};
-use crate::portal::{Acl, ChapSecret, Limits, Portal, TargetDef};
+use crate::core::{Core, CoreLimits, FrontEndView};
+use crate::iscsi::engine::{ConnInfo, Connection, Input};
+use crate::iscsi::portal::{Acl, ChapSecret, Limits, Portal, TargetDef};
 use crate::scsi::ScsiTarget;
 use crate::store::{HugePages, Store};
 use crate::volume::{Identity, Readiness, Volumes};
@@ -144,16 +144,15 @@ impl RamPortal {
             self.size,
             self.page_crcs,
         )]));
-        let target = TargetDef {
-            name: self.target_name,
-            alias: None,
-            scsi: Arc::new(ScsiTarget::new(volumes.iter().cloned().collect())),
-            acl: self.acl,
-            chap: self.chap,
-            mutual_chap: self.mutual_chap,
-        };
+        let mut target = TargetDef::new(
+            self.target_name,
+            Arc::new(ScsiTarget::new(volumes.iter().cloned().collect())),
+        );
+        target.acl = self.acl;
+        target.chap = self.chap;
+        target.mutual_chap = self.mutual_chap;
         let address = PORTAL_ADDRESS.parse().expect("address");
-        let exports = crate::portal::lun_exports(&volumes);
+        let exports = crate::iscsi::portal::lun_exports(&volumes);
         let mut core = Core::new(volumes, exports, self.core_limits);
         core.service_times = self.service_times;
         let mut portal = Portal::new(Arc::new(core), vec![target], self.limits, vec![address]);
@@ -173,7 +172,7 @@ pub fn logged_in(
     now: Instant,
 ) -> Connection {
     let info = conn_info();
-    let target = portal.targets[0].name.clone();
+    let target = FrontEndView::owners(&*portal).swap_remove(0);
     let mut conn = match iser_recv_data_len {
         Some(len) => Connection::iser(
             portal,
@@ -205,7 +204,7 @@ pub fn logged_in(
     conn.handle(now, Input::pdu(&l, &[], &data));
     let mut status = None;
     while let Some(a) = conn.poll_action() {
-        if let crate::engine::Action::Send(p) = a {
+        if let crate::iscsi::engine::Action::Send(p) = a {
             if p.bhs.opcode() == Some(Opcode::LoginResponse) {
                 status = Some(p.bhs.login_status());
             }
@@ -240,7 +239,7 @@ pub struct PostedRead {
     pub stag: u32,
     pub remote_addr: u64,
     pub len: u32,
-    pub dest: crate::engine::ReadDest,
+    pub dest: crate::iscsi::engine::ReadDest,
 }
 
 impl SimulatedHca {
@@ -272,7 +271,7 @@ impl SimulatedHca {
 
     /// Take every action the engine queued, as the driver does: RDMA READs
     /// are posted or held; everything else is returned in order.
-    pub fn drain(&mut self, conn: &mut Connection) -> Vec<crate::engine::Action> {
+    pub fn drain(&mut self, conn: &mut Connection) -> Vec<crate::iscsi::engine::Action> {
         let mut actions = Vec::new();
         while let Some(a) = conn.poll_action() {
             actions.push(a);
@@ -285,15 +284,15 @@ impl SimulatedHca {
     pub fn take(
         &mut self,
         conn: &Connection,
-        actions: impl IntoIterator<Item = crate::engine::Action>,
-    ) -> Vec<crate::engine::Action> {
+        actions: impl IntoIterator<Item = crate::iscsi::engine::Action>,
+    ) -> Vec<crate::iscsi::engine::Action> {
         if self.transfers.is_none() {
             self.transfers = conn.transfers();
         }
         let mut other = Vec::new();
         for a in actions {
             match a {
-                crate::engine::Action::RdmaRead {
+                crate::iscsi::engine::Action::RdmaRead {
                     tag,
                     stag,
                     remote_addr,
@@ -318,7 +317,7 @@ impl SimulatedHca {
             let Some(read) = self.held.pop_front() else {
                 return;
             };
-            let into_lun = matches!(read.dest, crate::engine::ReadDest::Store { .. });
+            let into_lun = matches!(read.dest, crate::iscsi::engine::ReadDest::Store { .. });
             if into_lun {
                 if let Some(t) = &self.transfers {
                     t.begin();
@@ -350,7 +349,7 @@ impl SimulatedHca {
             .map(<[u8]>::to_vec)
             .expect("the initiator registered the buffer the READ names");
         let data = match read.dest {
-            crate::engine::ReadDest::Store { volume, offset } => {
+            crate::iscsi::engine::ReadDest::Store { volume, offset } => {
                 let volumes = &conn.portal().core.volumes;
                 let volume = volumes.get(volume).expect("a volume of the portal");
                 volume.store().write(offset, &bytes).expect("in the volume");
@@ -359,7 +358,7 @@ impl SimulatedHca {
                 }
                 Vec::new()
             }
-            crate::engine::ReadDest::Buffer => bytes,
+            crate::iscsi::engine::ReadDest::Buffer => bytes,
         };
         conn.handle(
             now,
@@ -376,7 +375,9 @@ impl SimulatedHca {
     /// of their bytes lands.
     pub fn destroy(&mut self) {
         for read in self.posted.drain(..) {
-            if let (crate::engine::ReadDest::Store { .. }, Some(t)) = (read.dest, &self.transfers) {
+            if let (crate::iscsi::engine::ReadDest::Store { .. }, Some(t)) =
+                (read.dest, &self.transfers)
+            {
                 t.end();
             }
         }

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use ramslog_common::iscsi::{Bhs, Opcode};
 use ramslog_common::iser::RemoteBuffer;
-use ramslog_target::engine::{Action, Connection, Input, OutData, ReadDest, RemoteBuffers};
+use ramslog_target::iscsi::engine::{Action, Connection, Input, OutData, ReadDest, RemoteBuffers};
 use ramslog_target::metrics::CommandKind;
 use ramslog_target::testkit;
 use ramslog_tests::counting_alloc::CountingAllocator;
@@ -68,9 +68,9 @@ fn io_loop(iser: bool) {
         ("MaxRecvDataSegmentLength", "262144"),
     ];
     let mut conn = testkit::logged_in(portal.clone(), iser.then_some(8192), &keys, now);
-    let lu = portal.targets[0].scsi.lu(0).expect("LUN 0").clone();
+    let volume = portal.core.volumes.iter().next().expect("LUN 0").clone();
     let counted = || {
-        let t = lu.volume().metrics().totals();
+        let t = volume.metrics().totals();
         let w = CommandKind::Write as usize;
         (t.commands[w], t.service[w].count())
     };

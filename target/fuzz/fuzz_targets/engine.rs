@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use libfuzzer_sys::fuzz_target;
 use ramslog_common::iscsi::{Bhs, Opcode, BHS_LEN, RESERVED_TAG};
 use ramslog_common::iser::RemoteBuffer;
-use ramslog_target::engine::{Action, Connection, Input as EngineInput, OutData, RemoteBuffers};
+use ramslog_target::iscsi::engine::{Action, Connection, Input as EngineInput, OutData, RemoteBuffers};
 use ramslog_target::testkit;
 
 /// `FUZZ_TRACE=1 cargo fuzz run engine ARTIFACT` prints what a case does.
@@ -118,8 +118,8 @@ impl Run {
                 }
                 Action::RdmaRead { tag, len, dest, .. } => {
                     let off = match dest {
-                        ramslog_target::engine::ReadDest::Store { offset, .. } => offset,
-                        ramslog_target::engine::ReadDest::Buffer => u64::MAX,
+                        ramslog_target::iscsi::engine::ReadDest::Store { offset, .. } => offset,
+                        ramslog_target::iscsi::engine::ReadDest::Buffer => u64::MAX,
                     };
                     trace!("  <- RDMA READ tag={tag} off={off} len={len}");
                     self.reads.push((tag, len, off, 0));

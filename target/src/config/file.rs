@@ -14,7 +14,7 @@ use super::{
     chap, check_block_size, check_lun_number, check_lun_size, check_setting, check_target_name,
     open_access, parse_metrics_addr, parse_metrics_network, parse_size, ConfigError,
 };
-use crate::portal::AclEntry;
+use crate::iscsi::portal::AclEntry;
 use crate::store::HugePages;
 
 #[derive(Debug, Deserialize, Default)]

@@ -11,7 +11,7 @@ use ramslog_common::lun::Lun;
 use thiserror::Error;
 
 use crate::core::CoreLimits;
-use crate::portal::{AclEntry, ChapSecret, Limits};
+use crate::iscsi::portal::{AclEntry, ChapSecret, Limits};
 use crate::store::HugePages;
 
 mod file;

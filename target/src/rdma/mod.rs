@@ -36,12 +36,12 @@ use ramslog_common::verbs::{
 use crate::admission::Transfers;
 use crate::admission::{Door, Link, Permit, SessionControl};
 use crate::clock::CoarseClock;
-use crate::engine::{
+use crate::iscsi::engine::{
     Action, ConnInfo, Connection, Event, Input, IserPeer, OutData, OutPdu, ReadDest,
     ISER_BUFFERED_READ_MAX,
 };
+use crate::iscsi::portal::Portal;
 use crate::metrics::LimitHit;
-use crate::portal::Portal;
 use crate::store::RdmaRegion;
 use crate::volume::VolumeId;
 

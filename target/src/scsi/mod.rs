@@ -518,7 +518,7 @@ impl ScsiTarget {
         self.lu_index(lun).map(|i| &self.lus[i])
     }
 
-    /// Where `lun`'s LU sits in this target (in [`Self::luns`] order): the
+    /// Where `lun`'s LU sits in this target (in `luns` order): the
     /// one search a command makes. [`Self::prepare`] takes it, and the
     /// command's later steps index with [`Self::lu_of`].
     #[inline]
@@ -534,7 +534,7 @@ impl ScsiTarget {
         self.lus.get(plan.lu_index?)
     }
 
-    pub fn luns(&self) -> impl Iterator<Item = &Arc<LogicalUnit>> {
+    pub(crate) fn luns(&self) -> impl Iterator<Item = &Arc<LogicalUnit>> {
         self.lus.iter()
     }
 

@@ -14,7 +14,7 @@ use ramslog_common::scsi_wire::status;
 
 use super::{Counting, Session};
 use crate::admission::Transfers;
-use crate::engine::{Out, OutData};
+use crate::iscsi::engine::{Out, OutData};
 
 /// How long aborted transfers may take before their connection is cut off.
 pub const ABORT_CUT_OFF: Duration = Transfers::CUT_OFF;

@@ -163,12 +163,28 @@ impl std::fmt::Display for AclEntry {
 pub struct TargetDef {
     pub name: String,
     pub alias: Option<String>,
-    pub scsi: Arc<ScsiTarget>,
+    /// Reached only inside the iSCSI front end: everything else asks the
+    /// core for volumes, so no field chain reaches a LU from outside.
+    pub(in crate::iscsi) scsi: Arc<ScsiTarget>,
     pub acl: Acl,
     /// Initiator must authenticate with this (one-way CHAP).
     pub chap: Option<ChapSecret>,
     /// Target answers the initiator's challenge with this (mutual CHAP).
     pub mutual_chap: Option<ChapSecret>,
+}
+
+impl TargetDef {
+    /// `name` serving `scsi`'s LUs, open to every initiator, without CHAP.
+    pub fn new(name: String, scsi: Arc<ScsiTarget>) -> TargetDef {
+        TargetDef {
+            name,
+            alias: None,
+            scsi,
+            acl: Acl::Any,
+            chap: None,
+            mutual_chap: None,
+        }
+    }
 }
 
 /// What identifies a session for reinstatement (RFC 7143 6.3.5): the
@@ -222,7 +238,9 @@ pub enum OpenSessionError {
 pub struct Portal {
     /// What every front end shares: volumes, gate, staging, counters.
     pub core: Arc<Core>,
-    pub targets: Vec<TargetDef>,
+    /// Only the front end walks its targets; the faces and the lifecycle go
+    /// through the core and [`FrontEndView`].
+    pub(in crate::iscsi) targets: Vec<TargetDef>,
     pub limits: Limits,
     pub discovery_chap: Option<ChapSecret>,
     /// Target portal group tag reported at login and in SendTargets.

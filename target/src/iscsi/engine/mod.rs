@@ -44,8 +44,8 @@ pub use params::{IserPeer, Params};
 pub use session::{ABORT_CUT_OFF, ISER_BUFFERED_READ_MAX};
 
 use crate::admission::{LoggedIn, SessionControl, Transfers};
+use crate::iscsi::portal::Portal;
 use crate::metrics::{LimitHit, LoginRefusal, Served};
-use crate::portal::Portal;
 use crate::volume::VolumeId;
 use login::{Login, Next};
 use session::Session;

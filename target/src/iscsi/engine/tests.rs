@@ -12,7 +12,7 @@ use ramslog_common::scsi_wire::{sense_key, status, Sense};
 use super::*;
 use crate::admission::SessionControl;
 use crate::core::CoreLimits;
-use crate::portal::{Acl, AclEntry, ChapSecret, Limits, Portal};
+use crate::iscsi::portal::{Acl, AclEntry, ChapSecret, Limits, Portal};
 use crate::testkit::{conn_info, RamPortal};
 
 const IQN: &str = "iqn.2026-11.org.ramslog:test";

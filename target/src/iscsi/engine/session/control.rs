@@ -5,8 +5,8 @@ use ramslog_common::lun::Lun;
 
 use super::aborts::Answer;
 use super::{fmt_addr, portal_addresses, Flow, Session, Task};
-use crate::engine::login::SessionKind;
-use crate::engine::{is_reserved, Out, OutData};
+use crate::iscsi::engine::login::SessionKind;
+use crate::iscsi::engine::{is_reserved, Out, OutData};
 
 impl Session {
     pub(super) fn task_mgmt(&mut self, bhs: &Bhs, out: &mut Out) {

@@ -9,7 +9,7 @@ pub(super) fn negotiate(
     key: &str,
     value: &str,
     p: &mut Params,
-    limits: &crate::portal::Limits,
+    limits: &crate::iscsi::portal::Limits,
     kind: SessionKind,
 ) -> Option<String> {
     if matches!(value, "NotUnderstood" | "Irrelevant" | "Reject") {

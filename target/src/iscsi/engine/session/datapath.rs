@@ -13,10 +13,10 @@ use ramslog_common::scsi_wire::status;
 use super::{
     DataSource, R2t, Sequence, Session, Task, DATA_IN_SEGMENT_MAX, ISER_BUFFERED_READ_MAX,
 };
-use crate::engine::login::SessionKind;
-use crate::engine::params::Params;
-use crate::engine::IserPeer;
-use crate::engine::{Action, DataInStream, Out, OutData, ReadDest, RemoteBuffers};
+use crate::iscsi::engine::login::SessionKind;
+use crate::iscsi::engine::params::Params;
+use crate::iscsi::engine::IserPeer;
+use crate::iscsi::engine::{Action, DataInStream, Out, OutData, ReadDest, RemoteBuffers};
 use crate::scsi::{OutPlacement, SenseReason};
 
 /// The transport's way of moving data.

@@ -10,7 +10,7 @@ use ramslog_common::scsi_wire::status;
 use super::aborts::Answer;
 use super::datapath::{Fetch, RdmaReadInFlight};
 use super::{Session, Task, WriteFailure, POOLED_BUFFER_MAX, SPARE_BUFFERS};
-use crate::engine::{is_reserved, Out};
+use crate::iscsi::engine::{is_reserved, Out};
 use crate::scsi::{OutPlacement, ScsiTarget, SenseReason};
 
 /// The data of a Data-Out PDU as it arrived.

@@ -9,7 +9,7 @@ use ramslog_common::scsi_wire::{status, Sense};
 
 use super::datapath::Fetch;
 use super::{Counting, DataSource, Sequence, Session, Task, WriteFailure, NO_SLOT};
-use crate::engine::{Out, OutData, RemoteBuffers};
+use crate::iscsi::engine::{Out, OutData, RemoteBuffers};
 use crate::metrics::{self, LimitHit};
 use crate::scsi::{command_kind, DataIn, Failure, OutPlacement, Plan, ScsiTarget, SenseReason};
 

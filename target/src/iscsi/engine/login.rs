@@ -15,7 +15,7 @@ use rand::RngCore;
 
 use super::params::{IserPeer, Params};
 use super::Transport;
-use crate::portal::{ChapSecret, Portal};
+use crate::iscsi::portal::{ChapSecret, Portal};
 
 mod negotiate;
 use negotiate::negotiate;
