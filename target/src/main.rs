@@ -816,8 +816,8 @@ async fn run(
     }
     for t in &cfg.targets {
         let own = volumes.iter().filter(|v| v.target() == t.name).cloned();
-        let scsi = ScsiTarget::try_new(own.collect())
-            .map_err(|e| format!("target {}: {e}", t.name))?;
+        let scsi =
+            ScsiTarget::try_new(own.collect()).map_err(|e| format!("target {}: {e}", t.name))?;
         let mut target = TargetDef::new(t.name.clone(), Arc::new(scsi));
         target.alias = t.alias.clone();
         target.acl = if t.open_access {

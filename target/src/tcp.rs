@@ -110,9 +110,6 @@ async fn run_connection(
     );
     let mut rx = RxBuffer::new();
     let mut out = Output::default();
-    // Set once a restart's notice is queued: from then on the connection
-    // ends when its output is written, not at the termination.
-    let mut noticed = false;
     let result = loop {
         if out.is_empty() {
             out.fill(&mut conn);
@@ -149,8 +146,9 @@ async fn run_connection(
                     }
                     conn.handle(now, Input::Timeout);
                 }
-                _ = control.terminated(), if !noticed => {
-                    if !restart_notice(&mut conn, &control, &mut noticed) {
+                _ = control.terminated(), if !conn.termination_seen() => {
+                    conn.handle(Instant::now(), Input::Terminated);
+                    if conn.has_ended() {
                         break Ok(());
                     }
                 }
@@ -161,20 +159,21 @@ async fn run_connection(
             // A write that met a planned restart's fence before the
             // termination was seen closes the connection too: the host must
             // still learn when to come back.
-            if !noticed
-                && control.is_terminated()
-                && restart_notice(&mut conn, &control, &mut noticed)
-            {
-                out.closing = false;
-                continue;
+            if !conn.termination_seen() && control.is_terminated() {
+                conn.handle(Instant::now(), Input::Terminated);
+                if !conn.has_ended() {
+                    out.closing = false;
+                    continue;
+                }
             }
             break Ok(());
         }
-        if control.is_terminated() && !noticed {
-            if restart_notice(&mut conn, &control, &mut noticed) {
-                continue;
+        if control.is_terminated() && !conn.termination_seen() {
+            conn.handle(Instant::now(), Input::Terminated);
+            if conn.has_ended() {
+                break Ok(());
             }
-            break Ok(());
+            continue;
         }
         let deadline = conn.poll_timeout();
         tokio::select! {
@@ -195,8 +194,9 @@ async fn run_connection(
                 Err(e) => break Err(e),
             },
             _ = sleep_until(deadline) => conn.handle(Instant::now(), Input::Timeout),
-            _ = control.terminated(), if !noticed => {
-                if !restart_notice(&mut conn, &control, &mut noticed) {
+            _ = control.terminated(), if !conn.termination_seen() => {
+                conn.handle(Instant::now(), Input::Terminated);
+                if conn.has_ended() {
                     break Ok(());
                 }
             }
@@ -204,27 +204,6 @@ async fn run_connection(
     };
     conn.handle(Instant::now(), Input::Closed);
     result
-}
-
-/// How long a host waits after a planned restart dropped its connection
-/// before it logs in again: at once, since the listening socket passes to
-/// the new program and the kernel queues the login meanwhile.
-const RESTART_TIME2WAIT: u16 = 0;
-
-/// A terminated connection: when a planned restart ends it, queue the
-/// notice and the close (true: write them out first); otherwise end now.
-fn restart_notice(conn: &mut Connection, control: &SessionControl, noticed: &mut bool) -> bool {
-    if !control.take_restart_notice() {
-        return false;
-    }
-    *noticed = true;
-    conn.handle(
-        Instant::now(),
-        Input::Restarting {
-            time2wait: RESTART_TIME2WAIT,
-        },
-    );
-    true
 }
 
 async fn sleep_until(deadline: Option<Instant>) {

@@ -131,7 +131,7 @@ impl SessionControl {
         self.terminate();
     }
 
-    /// For the driver: whether to tell the initiator of a restart before
+    /// For the engine: whether to tell the initiator of a restart before
     /// closing; true once.
     pub fn take_restart_notice(&self) -> bool {
         self.restart_notice.swap(false, Ordering::AcqRel)

@@ -69,13 +69,6 @@ pub(super) struct Driver<'a> {
     pub(super) transfers: Option<Arc<Transfers>>,
 }
 
-/// How long a host waits after a planned restart dropped its connection
-/// before it connects again: one second, since the rdma_cm listener cannot
-/// pass to the new program (it listens again early in its start-up, before
-/// taking over the memory) and open-iscsi waits 3 s more after a refused
-/// connect.
-const RESTART_TIME2WAIT: u16 = 1;
-
 impl<'a> Driver<'a> {
     /// RDMA READs into LUN memory still posted: once the queue pair is
     /// destroyed they can no longer land, and their count is lowered.
@@ -95,7 +88,6 @@ impl<'a> Driver<'a> {
         // The timers here are whole seconds: the coarse clock serves them
         // without a system call per round.
         let clock = CoarseClock::new();
-        let mut noticed = false;
         loop {
             let now = clock.now();
             // While output is blocked no receive is consumed: the peer's
@@ -132,22 +124,16 @@ impl<'a> Driver<'a> {
                 }
                 _ => {}
             }
-            if control.is_terminated() && !noticed && !self.peer_gone {
+            if control.is_terminated() && !self.conn.termination_seen() && !self.peer_gone {
                 // A planned restart's notice goes out (and is sent, within
                 // the close grace) before the connection ends: also when the
                 // engine closed first because a write met the restart's
                 // fence before the termination was seen.
-                if !control.take_restart_notice() {
+                self.conn.handle(now, Input::Terminated);
+                if self.conn.has_ended() {
                     return Ok(());
                 }
-                noticed = true;
                 self.closing = None;
-                self.conn.handle(
-                    now,
-                    Input::Restarting {
-                        time2wait: RESTART_TIME2WAIT,
-                    },
-                );
                 continue;
             }
             if let Some(since) = self.closing {

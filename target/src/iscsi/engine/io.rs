@@ -189,12 +189,15 @@ pub enum Input<'a> {
     /// or posted at `at_raw` (`metrics::clock().raw()`, read fresh: the
     /// `now` beside it may be a round old): its command's service time.
     Served { served: Served, at_raw: u64 },
-    /// The daemon is about to be replaced by a new program (a planned
-    /// restart): tell the initiator of a normal session when to come back
-    /// (an Async Message, AsyncEvent 3, `time2wait` seconds), then close:
-    /// over iSER once the host confirmed the notice (within the restart
-    /// drain), since its disconnect can overtake the notice.
-    Restarting { time2wait: u16 },
+    /// The connection's control was terminated. For a planned restart (the
+    /// control carries its notice) the initiator of a normal session is
+    /// told when to come back (an Async Message, AsyncEvent 3, after the
+    /// transport's Time2Wait), then the connection closes: over iSER once
+    /// the host confirmed the notice (within the restart drain), since its
+    /// disconnect can overtake the notice. Any other termination ends the
+    /// connection at once: nothing more is sent ([`Connection::has_ended`](super::Connection::has_ended)).
+    /// Once is enough; more are harmless.
+    Terminated,
     /// The transport is gone (the peer closed, an error, termination):
     /// release the session. The driver sends it once, last; more are
     /// harmless.

@@ -100,6 +100,21 @@ impl TimerTable {
 /// it. open-iscsi ignores Parameter3.
 const RESTART_RECONNECT_WINDOW: u16 = 180;
 
+/// How long a host waits after a planned restart dropped its connection
+/// before it logs in again, by transport.
+///
+/// - TCP: at once, since the listening socket passes to the new program
+///   and the kernel queues the login meanwhile.
+/// - iSER: one second, since the rdma_cm listener cannot pass to the new
+///   program (it listens again early in its start-up, before taking over
+///   the memory) and open-iscsi waits 3 s more after a refused connect.
+fn restart_time2wait(transport: Transport) -> u16 {
+    match transport {
+        Transport::Tcp => 0,
+        Transport::Iser => 1,
+    }
+}
+
 /// How often a reinstating login looks whether the old connections are gone.
 const REINSTATEMENT_RECHECK: Duration = Duration::from_millis(5);
 /// How long a reinstating login waits for them before it is refused with
@@ -146,6 +161,8 @@ pub struct Connection {
     heard_from: bool,
     /// A discovery session was asked to log out.
     logout_asked: bool,
+    /// [`Input::Terminated`] was handled.
+    termination_seen: bool,
 }
 
 struct Reinstating {
@@ -216,11 +233,17 @@ impl Connection {
             started: now,
             heard_from: false,
             logout_asked: false,
+            termination_seen: false,
         }
     }
 
     pub fn portal(&self) -> &Arc<Portal> {
         &self.portal
+    }
+
+    /// What the daemon ends this connection through.
+    pub fn control(&self) -> &Arc<SessionControl> {
+        &self.control
     }
 
     pub fn transport(&self) -> Transport {
@@ -245,8 +268,24 @@ impl Connection {
             Input::RdmaReadDone { tag, data } => self.rdma_read_done(now, tag, data),
             Input::Timeout => self.timeout(now),
             Input::Served { served, at_raw } => self.served(served, at_raw),
-            Input::Restarting { time2wait } => self.restarting(now, time2wait),
+            Input::Terminated => self.terminated(now),
             Input::Closed => self.shutdown(),
+        }
+    }
+
+    /// The control was terminated: the restart notice if the control
+    /// carries one, else the end, with nothing more sent.
+    fn terminated(&mut self, now: Instant) {
+        if self.termination_seen {
+            return;
+        }
+        self.termination_seen = true;
+        if self.control.take_restart_notice() {
+            self.restarting(now, restart_time2wait(self.transport));
+        } else {
+            self.end_session();
+            self.timers = TimerTable::default();
+            self.actions.clear();
         }
     }
 
@@ -379,6 +418,17 @@ impl Connection {
 
     pub fn is_closed(&self) -> bool {
         matches!(self.phase, Phase::Closed)
+    }
+
+    /// Closed with nothing left to send: the driver ends the connection.
+    pub fn has_ended(&self) -> bool {
+        self.is_closed() && self.actions.is_empty()
+    }
+
+    /// Whether [`Input::Terminated`] was handled: the driver hands it over
+    /// once.
+    pub fn termination_seen(&self) -> bool {
+        self.termination_seen
     }
 
     /// The next action. Data-In is produced here, one PDU per call, as the

@@ -25,12 +25,19 @@ fn iser_logged_in() -> Harness {
 /// The restart's notice and what follows it: (the notice's StatSN, the
 /// ping's TTT if one was sent).
 fn restart(h: &mut Harness) -> (u32, Option<u32>) {
-    h.conn.handle(h.now, Input::Restarting { time2wait: 1 });
+    h.conn.control().terminate_for_restart();
+    h.conn.handle(h.now, Input::Terminated);
     let r = h.drain();
     let notice = &r[0].bhs;
     assert_eq!(notice.opcode(), Some(Opcode::AsyncMessage));
     assert_eq!(notice.async_event().0, 3, "dropping all connections");
-    assert_eq!(notice.async_parameters().1, 1, "Time2Wait");
+    // The engine picks Time2Wait by transport: the TCP listener passes to
+    // the new program, the rdma_cm listener is bound again a moment later.
+    let time2wait = match h.conn.transport() {
+        Transport::Tcp => 0,
+        Transport::Iser => 1,
+    };
+    assert_eq!(notice.async_parameters().1, time2wait, "Time2Wait");
     let ping = r.get(1).map(|p| {
         assert_eq!(
             (p.bhs.opcode(), p.bhs.itt()),
@@ -106,4 +113,40 @@ fn over_tcp_the_notice_is_followed_by_the_close() {
     let (_, ping) = restart(&mut h);
     assert_eq!(ping, None, "TCP delivers the notice before the close");
     assert!(h.closed);
+}
+
+#[test]
+fn a_termination_without_a_restart_ends_the_connection_with_nothing_sent() {
+    for mut h in [logged_in(), iser_logged_in()] {
+        // A response queued but not yet taken by the driver.
+        let mut nop = Bhs::new(Opcode::NopOut);
+        nop.set_immediate(true)
+            .set_final(true)
+            .set_itt(77)
+            .set_ttt(RESERVED_TAG)
+            .set_cmdsn(h.cmdsn)
+            .set_exp_statsn(0);
+        h.conn.handle(h.now, Input::pdu(&nop, &[], &[]));
+        assert!(h.conn.has_output(), "the NOP-In waits to be sent");
+        h.conn.control().terminate();
+        h.conn.handle(h.now, Input::Terminated);
+        assert!(h.conn.termination_seen());
+        assert!(
+            h.conn.has_ended(),
+            "nothing more is sent: the connection ends now"
+        );
+        assert!(h.drain().is_empty());
+        // A second termination changes nothing.
+        h.conn.handle(h.now, Input::Terminated);
+        assert!(h.conn.has_ended());
+    }
+}
+
+#[test]
+fn the_restart_notice_is_given_once() {
+    let mut h = iser_logged_in();
+    restart(&mut h);
+    h.conn.control().terminate_for_restart();
+    h.conn.handle(h.now, Input::Terminated);
+    assert!(h.drain().is_empty(), "no second notice");
 }
