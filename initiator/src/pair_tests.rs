@@ -15,7 +15,8 @@ use ramslog_common::scsi_wire::status;
 use ramslog_target::admission::SessionControl;
 use ramslog_target::iscsi::engine::{Action, Connection, Input};
 use ramslog_target::iscsi::portal::Portal;
-use ramslog_target::{tcp, testkit};
+use ramslog_target::iscsi::tcp::encode_pdu;
+use ramslog_target::testkit;
 
 use crate::datain::DataInAssembler;
 use crate::exchange::{LoginMachine, LoginStep};
@@ -138,7 +139,7 @@ impl Pair {
         while let Some(action) = self.target.poll_action() {
             match action {
                 Action::Send(pdu) => {
-                    assert!(tcp::encode_pdu(&self.target, &pdu, &mut self.to_initiator));
+                    assert!(encode_pdu(&self.target, &pdu, &mut self.to_initiator));
                 }
                 Action::Close => self.closed = true,
                 other => panic!("a TCP connection asked for {other:?}"),

@@ -16,8 +16,9 @@ use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use ramslog_common::iscsi::{Bhs, Opcode, BHS_LEN};
 use ramslog_common::iser::{Header, Message, RemoteBuffer, HEADER_LEN};
+use ramslog_target::iscsi;
 use ramslog_target::iscsi::engine::{Action, Connection, Input, OutPdu};
-use ramslog_target::{rdma, tcp, testkit};
+use ramslog_target::{rdma, testkit};
 
 const BLOCKS: u32 = 8;
 const LUN_BLOCKS: u32 = 16384;
@@ -148,7 +149,7 @@ fn tcp_command(conn: &mut Connection, wire: &Wire, wbuf: &mut Vec<u8>) -> Option
         match a {
             Action::Send(p) => {
                 st = status(&p).or(st);
-                assert!(tcp::encode_pdu(conn, &p, wbuf));
+                assert!(iscsi::tcp::encode_pdu(conn, &p, wbuf));
                 if let Some(served) = p.served {
                     conn.handle(now, Input::served_now(served));
                 }

@@ -1,31 +1,118 @@
-//! iSCSI over TCP: a thin tokio driver around the sans-IO engine.
+//! The TCP transport: listening sockets, the accept loop that admits each
+//! connection through its front end's door, and each connection's
+//! output-first loop with its stall limit and receive buffer.
 //!
-//! Per connection: read bytes into one buffer, cut whole PDUs out of it (the
-//! read is cancel-safe, so timers and termination can interrupt it), hand them
-//! to the engine, and write everything the engine queued in one batch.
+//! A front end ([`TcpFrontEnd`]: iSCSI today, NVMe/TCP next) is bound to
+//! the listener it serves, and gives each connection a [`TcpSession`]: the
+//! sans-IO protocol state that cuts frames out of the receive buffer and
+//! encodes what it queued. The read is cancel-safe, so timers and
+//! termination can interrupt it; everything queued is written in batches.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ramslog_common::iscsi::frame::{self, DeframeError, Deframed, Digests, RxRules};
-use ramslog_common::iscsi::BHS_LEN;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
-use crate::admission::{Door, Link, Permit, Refusal, SessionControl};
-use crate::iscsi::engine::{Action, ConnInfo, Connection, Event, Input, OutPdu};
-use crate::iscsi::portal::Portal;
+use crate::admission::{Door, Permit, Refusal, SessionControl};
+use crate::core::Core;
 use crate::metrics::{self, LimitHit, Served};
-
-/// Largest AHS the 8-bit TotalAHSLength field allows.
-const MAX_AHS: usize = 255 * 4;
 
 /// Connections the kernel queues before `accept` (it caps this at
 /// net.core.somaxconn, 4096 on Debian 12). A connect storm overflows a short
 /// queue, and the kernel then answers well-behaved initiators with resets
 /// before the admission pools ever see them.
 const LISTEN_BACKLOG: u32 = 4096;
+
+/// A front end served over TCP.
+pub trait TcpFrontEnd: Send + Sync + 'static {
+    type Session: TcpSession + Send + 'static;
+    /// The door its connections are admitted through.
+    fn door(&self) -> Door;
+    fn core(&self) -> &Arc<Core>;
+    /// A new connection's protocol state; `control` is how the daemon ends
+    /// it.
+    fn open(
+        self: &Arc<Self>,
+        local: SocketAddr,
+        peer: SocketAddr,
+        control: Arc<SessionControl>,
+        now: Instant,
+    ) -> Self::Session;
+}
+
+/// One connection's protocol, as the transport drives it.
+pub trait TcpSession {
+    /// Hand every whole frame in `rx` to the protocol (consuming them), and
+    /// reserve room for the next one. An error ends reading: what the
+    /// session queued still goes out, then the connection closes.
+    fn receive(&mut self, rx: &mut RxBuffer) -> Result<(), ReceiveError>;
+    /// Encode queued output into `batch` until it is full or the queue is
+    /// empty.
+    fn fill(&mut self, batch: &mut Batch<'_>) -> Fill;
+    /// The bytes that carried `served` were written, at `at_raw`
+    /// (`metrics::clock().raw()`).
+    fn served(&mut self, now: Instant, served: Served, at_raw: u64);
+    /// The next deadline of its timers.
+    fn poll_timeout(&self) -> Option<Instant>;
+    fn timeout(&mut self, now: Instant);
+    /// The connection's control was terminated: the session decides whether
+    /// something (a restart's notice) is sent before the close.
+    fn terminated(&mut self, now: Instant);
+    /// [`Self::terminated`] was handed over already.
+    fn termination_seen(&self) -> bool;
+    /// Closed with nothing left to send: the connection ends.
+    fn has_ended(&self) -> bool;
+    /// The connection is gone; called once, last.
+    fn closed(&mut self, now: Instant);
+}
+
+/// Why a session stopped taking what the peer sent.
+#[derive(Debug, thiserror::Error)]
+pub enum ReceiveError {
+    /// The session closed the connection itself (nothing to report).
+    #[error("the session closed the connection")]
+    Closed,
+    /// The byte stream broke the protocol's framing.
+    #[error(transparent)]
+    Framing(Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// What [`TcpSession::fill`] left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fill {
+    /// Its queue is empty.
+    Drained,
+    /// The batch is full; more is queued.
+    Full,
+    /// The session asked to close (or could not encode): send what is
+    /// encoded, then end.
+    Close,
+}
+
+/// The output batch a session encodes into.
+pub struct Batch<'a> {
+    buf: &'a mut Vec<u8>,
+    served: &'a mut Vec<Served>,
+}
+
+impl Batch<'_> {
+    /// Where encoded bytes go.
+    pub fn buf(&mut self) -> &mut Vec<u8> {
+        self.buf
+    }
+
+    /// A response in the batch carried `served`: reported once written.
+    pub fn served(&mut self, served: Served) {
+        self.served.push(served);
+    }
+
+    /// About a batch is encoded: the rest stays queued in the session.
+    pub fn is_full(&self) -> bool {
+        self.buf.len() >= OUTPUT_BATCH || self.served.len() >= SERVED_PER_BATCH
+    }
+}
 
 /// A listening socket on `addr`, as `TcpListener::bind` makes it but with
 /// a longer accept queue.
@@ -40,12 +127,13 @@ pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
-/// Accept connections forever.
-pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
+/// Accept connections for `front` forever.
+pub async fn serve<F: TcpFrontEnd>(listener: TcpListener, front: Arc<F>) {
+    let gate = &front.core().gate;
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
-                let permit = match portal.core.gate.admit(peer.ip(), Door::iscsi(Link::Tcp)) {
+                let permit = match gate.admit(peer.ip(), front.door()) {
                     Ok(p) => p,
                     Err(why @ Refusal::ShuttingDown) => {
                         tracing::debug!(%peer, "connection refused: {why}");
@@ -53,7 +141,7 @@ pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
                         continue;
                     }
                     Err(why) => {
-                        portal.core.gate.log_refusal(peer, why);
+                        gate.log_refusal(peer, why);
                         drop(stream);
                         continue;
                     }
@@ -63,9 +151,9 @@ pub async fn serve(listener: TcpListener, portal: Arc<Portal>) {
                     // must make room, silent connections go first.
                     permit.heard_from();
                 }
-                let portal = portal.clone();
+                let front = front.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = run_connection(stream, peer, portal, permit).await {
+                    if let Err(e) = run_connection(stream, peer, front, permit).await {
                         tracing::debug!(%peer, "connection ended: {e}");
                     }
                 });
@@ -90,10 +178,10 @@ fn has_data_waiting(stream: &TcpStream) -> bool {
     )
 }
 
-async fn run_connection(
+async fn run_connection<F: TcpFrontEnd>(
     mut stream: TcpStream,
     peer: SocketAddr,
-    portal: Arc<Portal>,
+    front: Arc<F>,
     permit: Permit,
 ) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
@@ -101,13 +189,9 @@ async fn run_connection(
     tracing::debug!(%peer, "connection accepted");
     let control = SessionControl::new();
     permit.watch(control.clone());
-    let stall_limit = portal.core.limits.output_stall_timeout;
-    let mut conn = Connection::tcp(
-        portal,
-        ConnInfo { local, peer },
-        control.clone(),
-        Instant::now(),
-    );
+    let core = front.core().clone();
+    let stall_limit = core.limits.output_stall_timeout;
+    let mut conn = front.open(local, peer, control.clone(), Instant::now());
     let mut rx = RxBuffer::new();
     let mut out = Output::default();
     let result = loop {
@@ -115,7 +199,7 @@ async fn run_connection(
             out.fill(&mut conn);
         }
         if !out.is_empty() {
-            // Output first, and no PDU is read until it is written: a peer
+            // Output first, and nothing is read until it is written: a peer
             // that does not read its answers stops being read (TCP
             // back-pressure) instead of making the daemon queue them. A peer
             // that reads nothing for `stall_limit` is dropped.
@@ -139,15 +223,15 @@ async fn run_connection(
                     let now = Instant::now();
                     if now >= stall_deadline {
                         if !out.closing {
-                            conn.portal().core.counters.limit_hit(LimitHit::OutputStall);
+                            core.counters.limit_hit(LimitHit::OutputStall);
                             tracing::warn!(%peer, "no output progress for {limit:?}: the initiator reads nothing; closing the connection");
                         }
                         break Ok(());
                     }
-                    conn.handle(now, Input::Timeout);
+                    conn.timeout(now);
                 }
                 _ = control.terminated(), if !conn.termination_seen() => {
-                    conn.handle(Instant::now(), Input::Terminated);
+                    conn.terminated(Instant::now());
                     if conn.has_ended() {
                         break Ok(());
                     }
@@ -160,7 +244,7 @@ async fn run_connection(
             // termination was seen closes the connection too: the host must
             // still learn when to come back.
             if !conn.termination_seen() && control.is_terminated() {
-                conn.handle(Instant::now(), Input::Terminated);
+                conn.terminated(Instant::now());
                 if !conn.has_ended() {
                     out.closing = false;
                     continue;
@@ -169,7 +253,7 @@ async fn run_connection(
             break Ok(());
         }
         if control.is_terminated() && !conn.termination_seen() {
-            conn.handle(Instant::now(), Input::Terminated);
+            conn.terminated(Instant::now());
             if conn.has_ended() {
                 break Ok(());
             }
@@ -181,28 +265,28 @@ async fn run_connection(
                 Ok(0) => break Ok(()),
                 Ok(n) => {
                     rx.filled(n);
-                    let result = process_pdus(&mut conn, &mut rx);
-                    if let Err(e) = result {
-                        if !matches!(e, RxError::Closed) {
+                    if let Err(e) = conn.receive(&mut rx) {
+                        if !matches!(e, ReceiveError::Closed) {
                             tracing::info!(%peer, "closing connection: {e}");
                         }
-                        // What the engine queued (a Reject, Data-In before
-                        // the error) still goes out, then the connection ends.
+                        // What the session queued (a Reject, read data
+                        // before the error) still goes out, then the
+                        // connection ends.
                         out.close_after_queued(&mut conn);
                     }
                 }
                 Err(e) => break Err(e),
             },
-            _ = sleep_until(deadline) => conn.handle(Instant::now(), Input::Timeout),
+            _ = sleep_until(deadline) => conn.timeout(Instant::now()),
             _ = control.terminated(), if !conn.termination_seen() => {
-                conn.handle(Instant::now(), Input::Terminated);
+                conn.terminated(Instant::now());
                 if conn.has_ended() {
                     break Ok(());
                 }
             }
         }
     };
-    conn.handle(Instant::now(), Input::Closed);
+    conn.closed(Instant::now());
     result
 }
 
@@ -213,19 +297,19 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
-/// Output is encoded in batches of about this size; the engine keeps the rest
-/// queued (a READ's Data-In as a cursor, not as bytes).
+/// Output is encoded in batches of about this size; the session keeps the
+/// rest queued (iSCSI: a READ's Data-In as a cursor, not as bytes).
 const OUTPUT_BATCH: usize = 1 << 20;
 /// How long the last output of a closing connection may take.
 const CLOSE_LINGER: Duration = Duration::from_secs(5);
 
-/// Bytes encoded from the engine's actions, being written.
+/// Bytes encoded from the session's queue, being written.
 struct Output {
     buf: Vec<u8>,
     written: usize,
-    /// The engine asked to close: send what is encoded, then end.
+    /// The session asked to close: send what is encoded, then end.
     closing: bool,
-    /// The engine's queue is written out, then the connection ends.
+    /// The session's queue is written out, then the connection ends.
     close_when_drained: bool,
     /// When the current batch was started or last made progress.
     last_progress: Instant,
@@ -259,7 +343,7 @@ impl Output {
         &self.buf[self.written..]
     }
 
-    fn advance(&mut self, n: usize, conn: &mut Connection) {
+    fn advance(&mut self, n: usize, conn: &mut impl TcpSession) {
         let now = Instant::now();
         self.written += n;
         self.last_progress = now;
@@ -269,60 +353,35 @@ impl Output {
             if !self.served.is_empty() {
                 let at_raw = metrics::clock().raw();
                 for served in self.served.drain(..) {
-                    conn.handle(now, Input::Served { served, at_raw });
+                    conn.served(now, served, at_raw);
                 }
             }
         }
     }
 
-    /// Encode queued actions until about a batch is ready.
-    fn fill(&mut self, conn: &mut Connection) {
+    /// Encode queued output until about a batch is ready.
+    fn fill(&mut self, conn: &mut impl TcpSession) {
         if self.closing {
             return;
         }
         if self.buf.capacity() > 4 * OUTPUT_BATCH && self.buf.is_empty() {
-            // One oversized PDU grew the buffer: give the memory back.
+            // One oversized frame grew the buffer: give the memory back.
             self.buf = Vec::with_capacity(64 * 1024);
         }
         self.last_progress = Instant::now();
-        // Over TCP nothing is set up per session: the events are read only
-        // so the connection does not keep them.
-        while let Some(Event::NormalSession { .. }) = conn.poll_event() {}
-        while self.buf.len() < OUTPUT_BATCH && self.served.len() < SERVED_PER_BATCH {
-            let Some(action) = conn.poll_action() else {
-                self.closing |= self.close_when_drained;
-                return;
-            };
-            match action {
-                Action::Send(pdu) => {
-                    if !encode_pdu(conn, &pdu, &mut self.buf) {
-                        // Never put anything else where LUN data should be.
-                        tracing::error!(
-                            "Data-In names bytes outside the LUN; closing the connection"
-                        );
-                        self.closing = true;
-                        return;
-                    }
-                    if let Some(s) = pdu.served {
-                        self.served.push(s);
-                    }
-                }
-                Action::RdmaWrite { .. } | Action::RdmaRead { .. } => {
-                    // A TCP connection's engine never asks for RDMA.
-                    tracing::error!("RDMA action on a TCP connection; closing it");
-                    self.closing = true;
-                    return;
-                }
-                Action::Close => {
-                    self.closing = true;
-                    return;
-                }
-            }
+        let mut batch = Batch {
+            buf: &mut self.buf,
+            served: &mut self.served,
+        };
+        match conn.fill(&mut batch) {
+            Fill::Drained => self.closing |= self.close_when_drained,
+            Fill::Full => {}
+            Fill::Close => self.closing = true,
         }
     }
 
-    /// End the connection once what the engine already queued is written.
-    fn close_after_queued(&mut self, conn: &mut Connection) {
+    /// End the connection once what the session already queued is written.
+    fn close_after_queued(&mut self, conn: &mut impl TcpSession) {
         self.close_when_drained = true;
         if self.is_empty() {
             self.fill(conn);
@@ -330,23 +389,8 @@ impl Output {
     }
 }
 
-/// Append one PDU to `wbuf`; false (and `wbuf` unchanged) when its LUN data
-/// cannot be read.
-pub fn encode_pdu(conn: &Connection, pdu: &OutPdu, wbuf: &mut Vec<u8>) -> bool {
-    let digests = Digests {
-        header: pdu.header_digest,
-        data: pdu.data_digest,
-    };
-    let encoded = frame::encode_filled(&pdu.bhs, &[], pdu.data.len(), digests, wbuf, |dst| {
-        pdu.data.fill(&conn.portal().core.volumes, dst)
-    });
-    // The engine builds no PDU the framing cannot carry: its data segments
-    // stay within the negotiated MaxRecvDataSegmentLength.
-    encoded.unwrap_or(false)
-}
-
-/// A receive buffer that holds at least one whole PDU.
-struct RxBuffer {
+/// A receive buffer that holds at least one whole frame.
+pub struct RxBuffer {
     buf: Vec<u8>,
     start: usize,
     end: usize,
@@ -360,22 +404,29 @@ impl RxBuffer {
             end: 0,
         }
     }
-    fn data(&self) -> &[u8] {
+
+    /// The bytes received and not yet consumed.
+    pub fn data(&self) -> &[u8] {
         &self.buf[self.start..self.end]
     }
-    fn consume(&mut self, n: usize) {
+
+    /// The first `n` bytes of [`Self::data`] were taken.
+    pub fn consume(&mut self, n: usize) {
         self.start += n;
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
         }
     }
+
     fn filled(&mut self, n: usize) {
         self.end += n;
     }
-    /// Make room for at least `need` unread bytes, then return the free tail.
-    fn reserve(&mut self, need: usize) {
-        if self.start > 0 && self.buf.len() - self.start < need.max(BHS_LEN) {
+
+    /// Make room for at least `need` unread bytes: the next frame, whose
+    /// header says how long it is.
+    pub fn reserve(&mut self, need: usize) {
+        if self.start > 0 && self.buf.len() - self.start < need {
             self.buf.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
@@ -384,52 +435,12 @@ impl RxBuffer {
             self.buf.resize(need, 0);
         }
     }
+
+    /// The free tail to read into.
     fn spare(&mut self) -> &mut [u8] {
         if self.end == self.buf.len() {
             self.reserve(self.end - self.start + 4096);
         }
         &mut self.buf[self.end..]
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-enum RxError {
-    #[error(transparent)]
-    Framing(#[from] DeframeError),
-    #[error("engine closed the connection")]
-    Closed,
-}
-
-/// Hand every complete PDU in the buffer to the engine.
-fn process_pdus(conn: &mut Connection, rx: &mut RxBuffer) -> Result<(), RxError> {
-    loop {
-        if conn.is_closed() {
-            return Err(RxError::Closed);
-        }
-        let rules = RxRules {
-            digests: conn.rx_digests(),
-            max_data_len: conn.max_rx_data_segment(),
-        };
-        let frame = match frame::deframe(rx.data(), rules) {
-            Ok(Deframed::Pdu(frame)) => frame,
-            Ok(Deframed::Incomplete { need }) => {
-                rx.reserve(need.max(BHS_LEN + MAX_AHS));
-                return Ok(());
-            }
-            Err(e) => {
-                if let DeframeError::Oversized { bhs, .. } = &e {
-                    conn.handle(Instant::now(), Input::Oversized(bhs));
-                }
-                return Err(e.into());
-            }
-        };
-        let now = Instant::now();
-        // Unknown opcodes reach the engine too: it answers them with a Reject.
-        if frame.data_digest_ok {
-            conn.handle(now, Input::pdu(&frame.bhs, frame.ahs, frame.data));
-        } else {
-            conn.handle(now, Input::DataDigestError(&frame.bhs));
-        }
-        rx.consume(frame.wire_len);
     }
 }

@@ -418,6 +418,27 @@ fn transports_name_nothing_of_scsi() {
     );
 }
 
+/// The TCP transport carries bytes for whichever front end its listener
+/// serves: it names no iSCSI framing, engine or portal (NVMe/TCP will be
+/// its second user).
+#[test]
+fn the_tcp_transport_names_no_front_end() {
+    let mut found = violations(&["tcp"], |n| !["iscsi", "scsi"].contains(&n));
+    for f in files_of("tcp") {
+        let text = fs::read_to_string(&f).expect("read a source file");
+        for framing in ["ramslog_common::iscsi", "ramslog_common::iser"] {
+            if text.contains(framing) {
+                found.push(format!("{}: names `{framing}`", f.display()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the TCP transport names a front end:\n{}",
+        found.join("\n")
+    );
+}
+
 /// The core is what every front end stands on: it names none of them, and
 /// nothing of the SCSI command set.
 #[test]
