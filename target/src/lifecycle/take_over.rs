@@ -5,7 +5,7 @@
 //! needs once the rules allow it (its record area, its page checksums), is
 //! `adopt_kept`'s. docs/restarts.md states the rules for the operator.
 
-use super::Unkept;
+use super::adopt::Unkept;
 use crate::volume::kept::{ExitCause, KeptRecord, KeptState, Owner};
 use crate::volume::{naa_hex, Identity};
 
