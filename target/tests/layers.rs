@@ -2,7 +2,7 @@
 //! end (iSCSI today, NVMe-oF next), checked on the source text so a new
 //! `use` that breaks one fails the test command, not a later review.
 //!
-//! - `volume/` and `store.rs` form the storage layer: they name nothing of
+//! - `volume/` and `store/` form the storage layer: they name nothing of
 //!   the crate but themselves and a few leaves (modules that name nothing of
 //!   the crate at all).
 //! - `metrics/` counts with neutral types: it names nothing of `scsi` (nor of

@@ -245,7 +245,7 @@ async fn bad_orders_in_the_store_are_not_ready_until_put_right() {
 
     // Not the memory the record names (an unsealed one of the same size):
     // the record's inode rule refuses it before its seals are looked at
-    // (Store::adopt's seal and size checks are store.rs's unit test
+    // (Store::adopt's seal and size checks are store/'s unit test
     // adopted_memory_is_the_predecessors_and_nothing_else).
     sup.remove(&memory);
     sup.put(&memory, other.as_fd());

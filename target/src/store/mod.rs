@@ -26,12 +26,16 @@ use std::ffi::CString;
 use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ramslog_common::verbs;
 
 use thiserror::Error;
+
+mod access;
+mod faults;
+pub use faults::{install_fault_handlers, mark_faults, FAULT_MARK, FAULT_SIGNALS, PANIC_CAUSE};
 
 const HUGE_PAGE: usize = 2 << 20;
 
@@ -509,118 +513,21 @@ impl Store {
     pub fn page_kind(&self) -> PageKind {
         self.pages
     }
+}
 
-    fn check(&self, offset: u64, len: usize) -> Result<usize, StoreError> {
-        match offset.checked_add(len as u64) {
-            Some(end) if end <= self.len as u64 => Ok(offset as usize),
-            _ => Err(StoreError::OutOfRange {
-                offset,
-                len,
-                size: self.len as u64,
-            }),
+impl Drop for Store {
+    fn drop(&mut self) {
+        self.unmark_faults();
+        // SAFETY: unmapping the region this Store owns; nothing refers to it
+        // after drop. The memfd closes after this, with the last of the pages.
+        unsafe {
+            libc::munlock(self.base.as_ptr().cast(), self.mapped);
+            libc::munmap(self.base.as_ptr().cast(), self.mapped);
         }
     }
+}
 
-    /// The words `w..w + n` of the mapping.
-    fn words(&self, w: usize, n: usize) -> &[AtomicU64] {
-        assert!(w + n <= self.len / WORD, "word range past the mapping");
-        // SAFETY: the mapping is page-aligned and a whole number of pages,
-        // so these words (in range, asserted above) are aligned and inside
-        // it for as long as `self` lives. Every access to them from Rust is
-        // through AtomicU64 (no plain or other-sized access), which may be
-        // shared between threads; the HCA's and the kernel's accesses are
-        // outside Rust's model.
-        unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(w * WORD).cast(), n) }
-    }
-
-    /// Splits [off, off + len) into a partial first word, whole words and a
-    /// partial last word: (word index, byte range within it) for the
-    /// partial ones, (first word, count) for the whole ones.
-    #[allow(clippy::type_complexity)]
-    fn span(
-        off: usize,
-        len: usize,
-    ) -> (
-        Option<(usize, std::ops::Range<usize>)>,
-        (usize, usize),
-        Option<(usize, std::ops::Range<usize>)>,
-    ) {
-        let end = off + len;
-        let (first, last) = (off.div_ceil(WORD), end / WORD);
-        if first > last {
-            // Inside one word, touching neither of its ends.
-            return (Some((off / WORD, off % WORD..end % WORD)), (first, 0), None);
-        }
-        let head = (!off.is_multiple_of(WORD)).then_some((off / WORD, off % WORD..WORD));
-        let tail = (!end.is_multiple_of(WORD)).then_some((last, 0..end % WORD));
-        (head, (first, last - first), tail)
-    }
-
-    /// Store `bytes` into the part `within` of word `w`, merged with the
-    /// rest of it.
-    fn merge(&self, w: usize, within: std::ops::Range<usize>, bytes: &[u8]) {
-        let _ = self.words(w, 1)[0].fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
-            let mut v = old.to_ne_bytes();
-            v[within.clone()].copy_from_slice(bytes);
-            Some(u64::from_ne_bytes(v))
-        });
-    }
-
-    /// Copy `out.len()` bytes from the LUN at `offset`.
-    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), StoreError> {
-        let off = self.check(offset, out.len())?;
-        if out.is_empty() {
-            return Ok(());
-        }
-        let (head, (first, count), tail) = Self::span(off, out.len());
-        let mut at = 0;
-        if let Some((w, within)) = head {
-            let v = self.words(w, 1)[0].load(Ordering::Relaxed).to_ne_bytes();
-            at = within.len();
-            out[..at].copy_from_slice(&v[within]);
-        }
-        let body = &mut out[at..at + count * WORD];
-        for (word, dst) in self
-            .words(first, count)
-            .iter()
-            .zip(body.chunks_exact_mut(WORD))
-        {
-            dst.copy_from_slice(&word.load(Ordering::Relaxed).to_ne_bytes());
-        }
-        if let Some((w, within)) = tail {
-            let v = self.words(w, 1)[0].load(Ordering::Relaxed).to_ne_bytes();
-            let n = within.len();
-            let start = out.len() - n;
-            out[start..].copy_from_slice(&v[within]);
-        }
-        Ok(())
-    }
-
-    /// Copy `data` into the LUN at `offset`.
-    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), StoreError> {
-        let off = self.check(offset, data.len())?;
-        if data.is_empty() {
-            return Ok(());
-        }
-        let (head, (first, count), tail) = Self::span(off, data.len());
-        let mut at = 0;
-        if let Some((w, within)) = head {
-            at = within.len();
-            self.merge(w, within, &data[..at]);
-        }
-        let body = &data[at..at + count * WORD];
-        for (word, src) in self.words(first, count).iter().zip(body.chunks_exact(WORD)) {
-            let mut v = [0u8; WORD];
-            v.copy_from_slice(src);
-            word.store(u64::from_ne_bytes(v), Ordering::Relaxed);
-        }
-        if let Some((w, within)) = tail {
-            let n = within.len();
-            self.merge(w, within, &data[data.len() - n..]);
-        }
-        Ok(())
-    }
-
+impl Store {
     /// Register the whole LUN with an RDMA device, once, for local access
     /// only: the HCA reads and writes it on our behalf (RDMA WRITE source,
     /// RDMA READ destination), and no peer ever gets a key to it.
@@ -645,278 +552,6 @@ impl Store {
             mr,
             store: self.clone(),
         })
-    }
-
-    /// CRC32C of `len` bytes at `offset`, continuing `seed` (the image's
-    /// chunk checksums), read in pieces through a small buffer: a slice over
-    /// the mapping would be a reference to memory others may write.
-    pub fn crc32c_append(&self, seed: u32, offset: u64, len: usize) -> Result<u32, StoreError> {
-        self.check(offset, len)?;
-        const PIECE: usize = 64 << 10;
-        let mut buf = vec![0u8; PIECE.min(len)];
-        let mut crc = seed;
-        let mut done = 0usize;
-        while done < len {
-            let n = PIECE.min(len - done);
-            self.read(offset + done as u64, &mut buf[..n])?;
-            crc = crc32c::crc32c_append(crc, &buf[..n]);
-            done += n;
-        }
-        Ok(crc)
-    }
-
-    /// CRC32C of at most [`SMALL_CRC_BYTES`] bytes at `offset`, through a
-    /// buffer on the stack (the write path's page checksums: no allocation).
-    pub fn crc32c_small(&self, offset: u64, len: usize) -> Result<u32, StoreError> {
-        let mut buf = [0u8; SMALL_CRC_BYTES];
-        let piece = buf.get_mut(..len).ok_or(StoreError::OutOfRange {
-            offset,
-            len,
-            size: self.len as u64,
-        })?;
-        self.read(offset, piece)?;
-        Ok(crc32c::crc32c(piece))
-    }
-
-    /// The aligned 8-byte word `index` of the memory (counters and
-    /// checksums kept in it), `None` past its end.
-    pub fn word(&self, index: usize) -> Option<&AtomicU64> {
-        (index < self.len / WORD).then(|| &self.words(index, 1)[0])
-    }
-
-    /// One `pwritev` to `file` at `file_offset` of, for each part, its head
-    /// (the caller's bytes) followed by `len` bytes of the LUN at `offset`:
-    /// the kernel (with O_DIRECT, the device) reads the LUN memory itself,
-    /// with no copy through a buffer. A short write is an error.
-    pub fn write_parts_to(
-        &self,
-        file: &std::fs::File,
-        file_offset: u64,
-        parts: &[(&[u8], u64, usize)],
-    ) -> std::io::Result<usize> {
-        let mut iov = Vec::with_capacity(parts.len() * 2);
-        let mut total = 0usize;
-        for &(head, offset, len) in parts {
-            let off = self
-                .check(offset, len)
-                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-            iov.push(libc::iovec {
-                iov_base: head.as_ptr() as *mut libc::c_void,
-                iov_len: head.len(),
-            });
-            iov.push(libc::iovec {
-                // SAFETY: `off` is inside the mapping (checked above).
-                iov_base: unsafe { self.base.as_ptr().add(off) }.cast(),
-                iov_len: len,
-            });
-            total += head.len() + len;
-        }
-        let offset = libc::off_t::try_from(file_offset)
-            .map_err(|_| std::io::Error::from_raw_os_error(libc::EFBIG))?;
-        // SAFETY: every iovec names memory valid for the whole call: the
-        // caller's borrowed heads and checked ranges of this mapping, which
-        // lives as long as `self`. The kernel only reads them.
-        let n = unsafe {
-            libc::pwritev(
-                file.as_raw_fd(),
-                iov.as_ptr(),
-                iov.len() as libc::c_int,
-                offset,
-            )
-        };
-        if n < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        if n as usize != total {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::WriteZero,
-                format!("short write: {n} of {total} bytes (is the disk full?)"),
-            ));
-        }
-        Ok(total)
-    }
-
-    /// Have a panic or a fault signal of this process (see
-    /// [`install_fault_handlers`]) write its mark into the 16 bytes at
-    /// `offset`, for as long as this store lives: [`FAULT_MARK`] in the
-    /// first word, the cause ([`PANIC_CAUSE`] or the signal number) in the
-    /// second. A kept-memory record reserves those bytes, so a successor
-    /// learns that its writer died of a fault.
-    pub fn mark_faults_at(&self, offset: u64) -> Result<(), StoreError> {
-        let off = self.check(offset, 2 * WORD)?;
-        if !off.is_multiple_of(WORD) {
-            return Err(StoreError::OutOfRange {
-                offset,
-                len: 2 * WORD,
-                size: self.len as u64,
-            });
-        }
-        let words = self.words(off / WORD, 2).as_ptr().cast_mut();
-        self.unmark_faults();
-        for (i, slot) in FAULT_MARKS.iter().enumerate() {
-            if slot
-                .compare_exchange(
-                    std::ptr::null_mut(),
-                    words,
-                    Ordering::AcqRel,
-                    Ordering::Relaxed,
-                )
-                .is_ok()
-            {
-                self.fault_mark.store(i + 1, Ordering::Release);
-                return Ok(());
-            }
-        }
-        Err(StoreError::NotKept(format!(
-            "more than {} fault marks in one process",
-            FAULT_MARKS.len()
-        )))
-    }
-
-    /// Clear this store's fault mark (the living process vouches for the
-    /// memory again: it hands it over).
-    pub fn clear_fault_mark(&self) {
-        let i = self.fault_mark.load(Ordering::Acquire);
-        if let Some(p) = i.checked_sub(1).and_then(|i| FAULT_MARKS.get(i)) {
-            let words = p.load(Ordering::Acquire);
-            if !words.is_null() {
-                // SAFETY: a registered mark points at two words of this
-                // store's mapping, alive while `self` is.
-                let words = unsafe { std::slice::from_raw_parts(words.cast_const(), 2) };
-                words[0].store(0, Ordering::Release);
-                words[1].store(0, Ordering::Release);
-            }
-        }
-    }
-
-    fn unmark_faults(&self) {
-        let i = self.fault_mark.swap(0, Ordering::AcqRel);
-        if let Some(slot) = i.checked_sub(1).and_then(|i| FAULT_MARKS.get(i)) {
-            slot.store(std::ptr::null_mut(), Ordering::Release);
-        }
-    }
-
-    /// Set `len` bytes at `offset` to zero.
-    pub fn zero(&self, offset: u64, len: usize) -> Result<(), StoreError> {
-        let off = self.check(offset, len)?;
-        if len == 0 {
-            return Ok(());
-        }
-        const ZEROS: [u8; WORD] = [0; WORD];
-        let (head, (first, count), tail) = Self::span(off, len);
-        for (w, within) in head.into_iter().chain(tail) {
-            let n = within.len();
-            self.merge(w, within, &ZEROS[..n]);
-        }
-        for word in self.words(first, count) {
-            word.store(0, Ordering::Relaxed);
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Store {
-    fn drop(&mut self) {
-        self.unmark_faults();
-        // SAFETY: unmapping the region this Store owns; nothing refers to it
-        // after drop. The memfd closes after this, with the last of the pages.
-        unsafe {
-            libc::munlock(self.base.as_ptr().cast(), self.mapped);
-            libc::munmap(self.base.as_ptr().cast(), self.mapped);
-        }
-    }
-}
-
-/// The first word of a fault mark: "RSLFAULT".
-pub const FAULT_MARK: u64 = u64::from_le_bytes(*b"RSLFAULT");
-
-/// The cause a panic writes into a fault mark (a signal writes its number).
-pub const PANIC_CAUSE: u64 = 1 << 32;
-
-/// The fault marks of the living stores: each points at a mark's two words.
-/// A fixed array of atomics, because a signal handler may neither lock nor
-/// allocate.
-static FAULT_MARKS: [AtomicPtr<AtomicU64>; 4096] =
-    [const { AtomicPtr::new(std::ptr::null_mut()) }; 4096];
-
-/// Write `cause` into every living store's fault mark: the cause first,
-/// then the magic word, so a mark whose magic is seen names its cause.
-/// Async-signal-safe: atomic loads and stores only.
-pub fn mark_faults(cause: u64) {
-    for slot in &FAULT_MARKS {
-        let words = slot.load(Ordering::Acquire);
-        if words.is_null() {
-            continue;
-        }
-        // SAFETY: a registered mark points at two aligned words inside a
-        // living store's mapping; a store unregisters before it unmaps. A
-        // store dropped on another thread between this load and the stores
-        // is unmapped under us: the fault this raises meets the default
-        // action (the handler resets itself on entry), and the process was
-        // dying anyway.
-        unsafe {
-            (*words.add(1)).store(cause, Ordering::Release);
-            (*words).store(FAULT_MARK, Ordering::Release);
-        }
-    }
-}
-
-/// The fault signals that mark the kept memory before the process dies:
-/// after one of them, memory this process wrote may have been written
-/// anywhere. SIGABRT is glibc's heap-corruption checks and Rust's
-/// allocation failure (abort(3)); SIGFPE an arithmetic trap; SIGSYS a
-/// system call a seccomp filter trapped.
-pub const FAULT_SIGNALS: [libc::c_int; 6] = [
-    libc::SIGSEGV,
-    libc::SIGBUS,
-    libc::SIGILL,
-    libc::SIGABRT,
-    libc::SIGFPE,
-    libc::SIGSYS,
-];
-
-/// Install handlers that mark every living store's fault mark on each of
-/// [`FAULT_SIGNALS`], then let the signal kill the process as before (a
-/// core dump never holds the LUN memory: it is `MADV_DONTDUMP`). Call once,
-/// after the Rust runtime set up each thread's alternate signal stack: the
-/// handler runs on it, so a stack overflow is marked too.
-pub fn install_fault_handlers() -> std::io::Result<()> {
-    for signal in FAULT_SIGNALS {
-        // SAFETY: a zeroed sigaction is a valid value to fill in; the
-        // handler is async-signal-safe (atomic stores, write(2), raise(3)).
-        unsafe {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            action.sa_sigaction = on_fault_signal as *const () as usize;
-            action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_RESETHAND;
-            libc::sigemptyset(&mut action.sa_mask);
-            if libc::sigaction(signal, &action, std::ptr::null_mut()) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
-    }
-    Ok(())
-}
-
-extern "C" fn on_fault_signal(
-    signal: libc::c_int,
-    info: *mut libc::siginfo_t,
-    _context: *mut libc::c_void,
-) {
-    mark_faults(signal as u64);
-    const SAID: &[u8] = b"ramslog-target: fatal signal; the kept LUN memory is marked as written by a faulted process\n";
-    // SAFETY: write(2) is async-signal-safe; the buffer is static. `info`
-    // is the kernel's siginfo for this delivery (SA_SIGINFO), valid here.
-    unsafe {
-        let _ = libc::write(2, SAID.as_ptr().cast(), SAID.len());
-        // The handler reset itself to the default action on entry. A fault
-        // returns to the faulting instruction and meets it; a signal sent
-        // with kill(2) or raise(3) (si_code <= 0, abort(3) among them) does
-        // not come back, nor does a seccomp trap (the trapped call returns),
-        // so send it again: it is delivered, fatally, once this handler
-        // returns.
-        if info.is_null() || (*info).si_code <= 0 || signal == libc::SIGSYS {
-            libc::raise(signal);
-        }
     }
 }
 
