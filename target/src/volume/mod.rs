@@ -13,29 +13,32 @@
 //! image is loaded only if it is the current, clean generation of this very
 //! identity and every byte of it verifies.
 
+mod accept;
+mod dump;
 mod facts;
 mod fd_store;
 mod identity;
 pub mod image;
+mod keeping;
 pub mod kept;
 pub mod pages;
 mod placing;
 pub mod state;
+mod written;
 
-use std::os::fd::BorrowedFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::SystemTime;
 
-use crate::notify;
 use crate::store::Store;
-use kept::{KeptRecord, KeptReservations, KeptState, RecordArea, Written};
+use kept::{KeptReservations, KeptState, RecordArea};
 use state::StateDir;
 
 pub use facts::{next_start, VolumeFacts, KEPT_MEMORY};
 pub use identity::{naa_hex, Identity};
 pub use placing::PlacingWrite;
+pub use written::WrittenChunks;
 
 /// Why a volume refused a write. Each front end says it in its own protocol
 /// (SCSI sense, an NVMe status) or, for [`VolumeError::Fenced`], not at all.
@@ -188,62 +191,6 @@ impl Persistence {
 
     pub fn state(&self) -> MutexGuard<'_, StateDir> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-/// One bit per chunk, set on the write path without allocating or locking.
-pub struct WrittenChunks {
-    words: Box<[AtomicU64]>,
-    chunks: u64,
-}
-
-impl WrittenChunks {
-    fn new(size: u64) -> WrittenChunks {
-        let chunks = size.div_ceil(CHUNK_SIZE);
-        WrittenChunks {
-            words: (0..chunks.div_ceil(64))
-                .map(|_| AtomicU64::new(0))
-                .collect(),
-            chunks,
-        }
-    }
-
-    /// Mark every chunk `len` bytes at `offset` touch.
-    pub fn mark(&self, offset: u64, len: u64) {
-        if len == 0 {
-            return;
-        }
-        let first = offset / CHUNK_SIZE;
-        let last = (offset.saturating_add(len) - 1) / CHUNK_SIZE;
-        for c in first..=last.min(self.chunks.saturating_sub(1)) {
-            let (w, bit) = ((c / 64) as usize, 1u64 << (c % 64));
-            // Always the read-modify-write, also when the bit is set: it
-            // publishes this writer's bytes before it reads the fence (see
-            // `Volume::commit_write`).
-            self.words[w].fetch_or(bit, Ordering::SeqCst);
-        }
-    }
-
-    pub fn is_marked(&self, chunk: u64) -> bool {
-        chunk < self.chunks
-            && self.words[(chunk / 64) as usize].load(Ordering::SeqCst) & (1 << (chunk % 64)) != 0
-    }
-
-    pub fn count(&self) -> u64 {
-        self.words
-            .iter()
-            .map(|w| u64::from(w.load(Ordering::SeqCst).count_ones()))
-            .sum()
-    }
-
-    fn clear(&self) {
-        for w in self.words.iter() {
-            w.store(0, Ordering::SeqCst);
-        }
-    }
-
-    pub fn chunks(&self) -> u64 {
-        self.chunks
     }
 }
 
@@ -487,179 +434,6 @@ impl Volume {
         volume
     }
 
-    /// Write the kept-memory record from `m` (its lock held, so records are
-    /// written in the order of the changes they describe).
-    fn write_record(&self, m: &Meta) {
-        // A failure is logged: the area then holds no record in force,
-        // which no successor serves.
-        let _ = self.write_record_with(m, Written::All);
-    }
-
-    fn write_record_with(&self, m: &Meta, written: Written) -> Result<(), HandOverError> {
-        let Some(area) = &self.record else {
-            return Err(HandOverError::NoRecord);
-        };
-        let record = KeptRecord {
-            format: kept::FORMAT,
-            naa: naa_hex(&m.identity.naa),
-            serial: m.identity.serial.clone(),
-            target: self.target.clone(),
-            lun: self.lun,
-            lun_bytes: self.store.len(),
-            memfd_bytes: self.store.mapped_len(),
-            memfd_inode: self.store.inode(),
-            block_size: self.block_size,
-            generation: m.generation,
-            pending_generation: m.pending_generation,
-            state: m.kept.clone(),
-            boot_id: kept::boot_id().into(),
-            owner: kept::this_process(),
-            written,
-            reservations: m.reservations.clone(),
-            inquiry: m.inquiry,
-            page_crcs: self.page_crcs,
-        };
-        area.write(&record).map_err(|e| {
-            tracing::error!(target = %self.target, lun = self.lun, "kept-memory record not written ({e}): no successor will serve this memory");
-            HandOverError::Record(e)
-        })
-    }
-
-    /// Record what the memory is now.
-    fn set_kept(&self, m: &mut Meta, state: KeptState) {
-        m.kept = state;
-        self.write_record(m);
-    }
-
-    /// A planned restart: record this fenced, READY volume's memory as
-    /// handed over under `token`, with the chunks the next dump must carry,
-    /// and return its memfd and its record's, for the successor. `None`
-    /// (and nothing recorded) for a volume that is not fenced, not READY or
-    /// has no record: the successor takes those from their images, as a
-    /// start after a stop does. An error for a READY volume whose memory
-    /// cannot go on (no record area, or its record not written): the caller
-    /// must make its image current or give the restart up; [`Self::take_back`]
-    /// writes the record again.
-    pub fn hand_over(
-        &self,
-        token: u64,
-    ) -> Result<Option<(BorrowedFd<'_>, BorrowedFd<'_>)>, HandOverError> {
-        let mut m = self.meta();
-        if !self.fenced.load(Ordering::SeqCst) || m.readiness != Readiness::Ready {
-            return Ok(None);
-        }
-        let area = self.record.as_ref().ok_or(HandOverError::NoRecord)?;
-        m.kept = KeptState::HandedOver { token, ready: true };
-        let written = Written::from_chunks(CHUNK_SIZE, self.written.chunks(), |c| {
-            self.written.is_marked(c)
-        });
-        self.write_record_with(&m, written)?;
-        // This living process hands the memory on: whatever panic it
-        // survived before, it vouches for the content, as a dump would.
-        area.clear_fault_mark();
-        Ok(Some((self.store.memory(), area.memory())))
-    }
-
-    /// The persistent reservations the record carries (those a predecessor
-    /// left, until the LU's first change).
-    pub fn kept_reservations(&self) -> KeptReservations {
-        self.meta().reservations.clone()
-    }
-
-    /// Record the LU's persistent reservations as they are to be: called
-    /// under the LU's lock for each change, before the LU takes it and
-    /// before its GOOD, so a successor serving this memory has them too.
-    /// A change the image carries (APTPL set before or after it) is a
-    /// change of the medium's content: like a write, it makes the last
-    /// image stale (the generation bump) before it is acknowledged, so a
-    /// crash cannot bring the old reservations back, and the next dump
-    /// writes the new ones. An error: the change must not be taken. While
-    /// accept-empty makes the memory a new, empty device (the record says
-    /// initialising, until the LU has cleared its own reservations) every
-    /// change is refused: it would be the old device's state.
-    pub fn keep_reservations(&self, reservations: KeptReservations) -> Result<(), VolumeError> {
-        let imaged = {
-            let m = self.meta();
-            if m.kept == KeptState::Initialising {
-                return Err(VolumeError::NotReady);
-            }
-            if m.reservations == reservations {
-                return Ok(());
-            }
-            m.reservations.aptpl || reservations.aptpl
-        };
-        if imaged {
-            if self.fenced.load(Ordering::SeqCst) {
-                return Err(VolumeError::Fenced);
-            }
-            self.dirty.store(true, Ordering::SeqCst);
-            if !self.generation_open.load(Ordering::Acquire) {
-                self.open_generation()?;
-            }
-        }
-        let mut m = self.meta();
-        // Checked under the lock the dump takes its snapshot with: either
-        // the dump sees this change, or the change is refused.
-        if imaged && self.fenced.load(Ordering::SeqCst) {
-            return Err(VolumeError::Fenced);
-        }
-        if m.kept == KeptState::Initialising {
-            return Err(VolumeError::NotReady);
-        }
-        m.reservations = reservations;
-        self.write_record(&m);
-        Ok(())
-    }
-
-    /// Record the checksum of the INQUIRY and VPD data this run's LU
-    /// serves; returns the one recorded before (the previous run's, for
-    /// memory taken over), so the LU can tell hosts when it changed.
-    pub fn keep_inquiry(&self, digest: u32) -> Option<u32> {
-        let mut m = self.meta();
-        let before = m.inquiry.replace(digest);
-        if before != Some(digest) {
-            self.write_record(&m);
-        }
-        before
-    }
-
-    /// A planned restart that did not happen (the new program could not be
-    /// executed): serve this volume again. Its record says valid once more
-    /// and the fence is lifted; a dump the restart made marked this
-    /// generation clean and reset the bump, so the next write makes that
-    /// image stale before it is acknowledged, as after any dump.
-    pub fn take_back(&self) {
-        let mut m = self.meta();
-        if matches!(m.kept, KeptState::HandedOver { .. }) {
-            self.set_kept(&mut m, KeptState::Valid);
-        }
-        self.fenced.store(false, Ordering::SeqCst);
-    }
-
-    /// The page checksums, when this run keeps them.
-    fn pages(&self) -> Option<pages::PageCrcs<'_>> {
-        if !self.page_crcs {
-            return None;
-        }
-        self.record.as_ref()?.page_crcs(&self.store)
-    }
-
-    /// Whether this run keeps page checksums (`--verify-kept-memory`).
-    pub fn keeps_page_crcs(&self) -> bool {
-        self.page_crcs
-    }
-
-    /// Record the checksum of every page as the memory is now (after a
-    /// restore filled it); how long it took, if this run keeps them.
-    pub fn rebuild_page_crcs(&self) -> Option<std::time::Duration> {
-        self.pages().map(|p| p.rebuild())
-    }
-
-    /// The kept-memory record in force, read back from its memory.
-    pub fn kept_record(&self) -> Option<Result<kept::Current, kept::KeptError>> {
-        self.record.as_ref().map(RecordArea::read)
-    }
-
     /// A volume with no state directory (tests, `--ephemeral`).
     pub fn in_memory(cfg: VolumeConfig, store: Arc<Store>) -> Volume {
         Volume::new(cfg, store, None, 0)
@@ -887,287 +661,6 @@ impl Volume {
         self.fenced.store(true, Ordering::SeqCst);
     }
 
-    fn imaging(&self) -> MutexGuard<'_, ()> {
-        self.imaging.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Shutdown: write this fenced volume's image of its current generation
-    /// and mark it clean, unless nothing changed since a clean image that is
-    /// still there. A NOT READY volume is never imaged, and neither is one
-    /// that is not fenced: while it still acknowledges writes, one could
-    /// land in a chunk the dump already passed, and a clean mark would then
-    /// bring the image back without it. With `verify`, the image is read
-    /// back and checked before it counts (used when connections outlived
-    /// the shutdown drain and could still be placing data). Returns what it
-    /// did, for the log and `ramslog-target stop`.
-    pub fn dump(&self, verify: bool) -> Result<String, String> {
-        let (target, lun) = (self.target.as_str(), self.lun);
-        let Some(p) = &self.persistence else {
-            return Ok(format!("{target} LUN {lun}: ephemeral, nothing kept"));
-        };
-        let _imaging = self.imaging();
-        if !self.fenced.load(Ordering::SeqCst) {
-            return Err(format!(
-                "{target} LUN {lun}: not imaged: it still acknowledges writes (only a fenced volume is dumped)"
-            ));
-        }
-        // One snapshot: after the fence neither generation nor identity
-        // changes (open_generation and accept_empty check the fence under
-        // this lock).
-        let (identity, generation, ready, reservations) = {
-            let m = self.meta();
-            (
-                m.identity.clone(),
-                m.generation,
-                m.readiness == Readiness::Ready,
-                m.reservations.clone(),
-            )
-        };
-        if !ready {
-            let msg = format!("{target} LUN {lun}: NOT READY, not imaged");
-            tracing::info!("{msg}");
-            return Ok(msg);
-        }
-        let path = p
-            .image_dir
-            .join(image::image_name(&identity.naa, generation));
-        if !self.changed() && p.state().is_clean(target, lun, generation) && path.is_file() {
-            let msg = format!("{target} LUN {lun}: nothing written since its last clean image");
-            tracing::info!("{msg}");
-            return Ok(msg);
-        }
-        let reservations = reservations.aptpl.then_some(&reservations);
-        let msg = self.write_image(p, identity, generation, reservations, verify)?;
-        // The image is current and the volume fenced: the next run's first
-        // write must start a new generation before it is acknowledged.
-        self.dirty.store(false, Ordering::SeqCst);
-        self.generation_open.store(false, Ordering::SeqCst);
-        Ok(msg)
-    }
-
-    /// The image of a volume nothing was written to yet (a new LUN before it
-    /// serves, accept-empty's empty device before it is READY): written and
-    /// marked clean, so a start that ends before any write brings it back
-    /// READY and empty, which it is.
-    pub fn write_empty_image(&self) -> Result<String, String> {
-        let (target, lun) = (self.target.as_str(), self.lun);
-        let Some(p) = &self.persistence else {
-            return Ok(format!("{target} LUN {lun}: ephemeral, nothing kept"));
-        };
-        let _imaging = self.imaging();
-        self.empty_image(p)
-    }
-
-    fn empty_image(&self, p: &Persistence) -> Result<String, String> {
-        let (target, lun) = (self.target.as_str(), self.lun);
-        if self.written.count() > 0
-            || self.dirty.load(Ordering::SeqCst)
-            || self.generation_open.load(Ordering::SeqCst)
-        {
-            return Err(format!(
-                "{target} LUN {lun}: not an empty image: the volume was written to"
-            ));
-        }
-        let (identity, generation) = {
-            let m = self.meta();
-            (m.identity.clone(), m.generation)
-        };
-        self.write_image(p, identity, generation, None, false)
-    }
-
-    /// Write the image of `identity` at `generation`, with `reservations`
-    /// to persist through power loss, and record it clean. The caller
-    /// holds `imaging`.
-    fn write_image(
-        &self,
-        p: &Persistence,
-        identity: Identity,
-        generation: u64,
-        reservations: Option<&KeptReservations>,
-        verify: bool,
-    ) -> Result<String, String> {
-        let (target, lun) = (self.target.as_str(), self.lun);
-        image::remove_images(&p.image_dir, &identity.naa, None).map_err(|e| {
-            format!("{target} LUN {lun}: dump failed: cannot remove stale images: {e}; generation {generation} stays unclean (the content is lost at exit)")
-        })?;
-        let id = image::ImageIdentity {
-            target: target.into(),
-            lun,
-            identity,
-            size: self.size(),
-            block_size: self.block_size,
-            generation,
-        };
-        tracing::info!(target, lun, generation, "dumping LUN content");
-        let failed = |e: &dyn std::fmt::Display| {
-            format!("{target} LUN {lun}: dump failed: {e}; generation {generation} stays unclean (the content is lost at exit)")
-        };
-        let mut attempt = 0;
-        let r = loop {
-            attempt += 1;
-            let r = image::dump(&p.image_dir, &id, &self.store, &self.written, reservations)
-                .map_err(|e| failed(&e))?;
-            if !verify {
-                break r;
-            }
-            match image::verify(&r.path, &id) {
-                Ok(()) => break r,
-                Err(e) if attempt < 3 => {
-                    tracing::warn!(
-                        target,
-                        lun,
-                        "the image does not verify ({e}): data was still arriving; dumping again"
-                    );
-                }
-                Err(e) => {
-                    let _ = std::fs::remove_file(&r.path);
-                    return Err(failed(&format!("the image does not verify: {e}")));
-                }
-            }
-        };
-        p.state().mark_clean(target, lun, generation).map_err(|e| {
-            format!("{target} LUN {lun}: image written but the state could not record it: {e}")
-        })?;
-        let msg = format!(
-            "{target} LUN {lun}: generation {generation} dumped to {}: {} chunks, {} bytes in {:.2} s ({:.0} MiB/s{})",
-            r.path.display(),
-            r.chunks,
-            r.bytes,
-            r.seconds,
-            r.bytes as f64 / r.seconds.max(1e-9) / (1 << 20) as f64,
-            if r.direct { ", O_DIRECT" } else { ", buffered" }
-        );
-        tracing::info!("{msg}");
-        Ok(msg)
-    }
-
-    /// The admin accepted an empty device: a fresh identity and generation,
-    /// zeroed memory, the old identity's images deleted. In this order: the
-    /// new identity durable in the state directory, the memory zeroed,
-    /// `announce` (the caller queues its unit attentions), the empty image
-    /// durable, and only then READY. A LUN that is READY already (another
-    /// accept-empty got there first) is refused under the same lock that
-    /// serializes the two, and a failed image leaves it NOT READY, saying
-    /// why. The caller has aborted the old identity's writes.
-    pub fn accept_empty(&self, new: Identity, announce: impl FnOnce()) -> Result<(), String> {
-        let _imaging = self.imaging();
-        let (target, lun) = (self.target.as_str(), self.lun);
-        {
-            let m = self.meta();
-            if m.remedy == Some(Remedy::FreeMemory) {
-                return Err(format!(
-                    "{target} LUN {lun} has no memory, but its content is intact ({}): {}; \
-                     nothing changed",
-                    m.not_ready_reason
-                        .as_deref()
-                        .unwrap_or("no reason recorded"),
-                    Remedy::FreeMemory.advice()
-                ));
-            }
-        }
-        // A NOT READY LUN's memory is taken only now: if it cannot be had,
-        // nothing has changed yet.
-        let fresh = !self.store.is_resident();
-        self.store.make_resident().map_err(|e| {
-            format!(
-                "{target} LUN {lun} cannot get its memory, nothing changed: {e}. Free memory and \
-                 run accept-empty again"
-            )
-        })?;
-        let old = {
-            let mut m = self.meta();
-            if self.fenced.load(Ordering::SeqCst) {
-                return Err(
-                    "the target is shutting down; accept-empty after it starts again".into(),
-                );
-            }
-            if m.readiness == Readiness::Ready {
-                return Err(format!(
-                    "{target} LUN {lun} is READY (another accept-empty ran first, or its content is intact): nothing changed"
-                ));
-            }
-            let old = m.identity.clone();
-            // The memory is being made empty from here on: a successor that
-            // finds this record finishes accept-empty, never serves the old
-            // content. Nor the old identity's reservations: the empty
-            // device has none (the caller clears the LU's).
-            let before = std::mem::replace(&mut m.kept, KeptState::Initialising);
-            let reservations_before = std::mem::take(&mut m.reservations);
-            self.write_record(&m);
-            if let Some(p) = &self.persistence {
-                let g = match p.state().set(&self.target, self.lun, &new) {
-                    Ok(g) => g,
-                    Err(e) => {
-                        // Still the old identity: its record goes back to
-                        // what it was (never INITIALISING, which a successor
-                        // would finish under the identity it names).
-                        m.reservations = reservations_before;
-                        self.set_kept(&mut m, before);
-                        return Err(format!("identity not changed: {e}"));
-                    }
-                };
-                m.generation = g;
-                if let Err(e) = image::remove_images(&p.image_dir, &old.naa, None) {
-                    tracing::warn!(target = %self.target, lun = self.lun, "cannot remove the old identity's images: {e}");
-                }
-            }
-            m.identity = new;
-            m.restored = None;
-            m.not_ready_reason = Some("accept-empty is writing the empty image".into());
-            self.write_record(&m);
-            old
-        };
-        // The memory is the new identity's from here on, in the fd store too.
-        if self.persistence.is_some() && self.hold_in_fd_store(Some(&naa_hex(&old.naa))) {
-            match notify::barrier(notify::BARRIER_WAIT) {
-                Ok(true) => self.confirm_in_fd_store(),
-                Ok(false) => {}
-                Err(e) => tracing::warn!(
-                    target,
-                    lun,
-                    "cannot confirm the fd store holds the new identity's memory: {e}"
-                ),
-            }
-        }
-        // The store holds this memory under the new identity, its record
-        // INITIALISING; the old memory is gone from it.
-        crate::test_pause::here("accept-empty");
-        // Whatever a failed restore left behind goes (memory taken just now
-        // is zero).
-        if !fresh {
-            let _ = self.store.zero(0, self.store.len() as usize);
-        }
-        if let Some(p) = self.pages() {
-            p.zeroed();
-        }
-        self.written.clear();
-        self.dirty.store(false, Ordering::SeqCst);
-        self.generation_open.store(false, Ordering::SeqCst);
-        // The LU forgets the old device (its reservations, while every
-        // change to them is still refused), then the zeroed memory is the
-        // new identity's (empty) content.
-        announce();
-        self.set_kept(&mut self.meta(), KeptState::Valid);
-        if let Some(p) = &self.persistence {
-            if let Err(e) = self.empty_image(p) {
-                let reason = format!(
-                    "accept-empty gave it a new identity but could not write its empty image ({e}); run accept-empty again"
-                );
-                tracing::error!(target, lun, "{reason}");
-                let mut m = self.meta();
-                m.not_ready_reason = Some(reason.clone());
-                m.remedy = Some(Remedy::AcceptEmpty);
-                return Err(reason);
-            }
-        }
-        let mut m = self.meta();
-        m.readiness = Readiness::Ready;
-        m.not_ready_reason = None;
-        m.remedy = None;
-        self.ready.store(true, Ordering::Release);
-        Ok(())
-    }
-
     pub fn persistence(&self) -> Option<&Arc<Persistence>> {
         self.persistence.as_ref()
     }
@@ -1186,6 +679,7 @@ pub fn now_unix() -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use super::kept::KeptRecord;
     use super::state::Recall;
     use super::*;
     use crate::store::HugePages;
