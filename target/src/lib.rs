@@ -19,11 +19,12 @@ pub mod handover;
 pub mod iscsi;
 pub mod lifecycle;
 pub mod metrics;
-pub mod notify;
 pub mod private_dir;
 pub mod rdma;
 pub mod scsi;
+pub mod signals;
 pub mod store;
+pub mod systemd;
 pub mod tcp;
 pub mod test_pause;
 #[cfg(any(test, feature = "testkit"))]

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::os::fd::OwnedFd;
 
 use crate::config::Config;
-use crate::notify;
 use crate::private_dir;
 use crate::store::{HugePages, Store, StoreError};
+use crate::systemd;
 use crate::volume::image::{self, ImageError, ImageIdentity};
 use crate::volume::state::{Recall, StateDir};
 use crate::volume::{naa_hex, Remedy};
@@ -206,11 +206,11 @@ pub fn open_volumes(
         }
     }
     let unclaimed = kept.map(KeptMemory::unclaimed).unwrap_or_default();
-    if persistence.is_some() && notify::has_holder() {
+    if persistence.is_some() && systemd::has_holder() {
         // Every LUN's memory is claimed by now: this process is its writer.
         // systemd 254 and later say how many descriptors the store takes
         // (252 does not).
-        let need = notify::descriptors_to_take(volumes.len());
+        let need = systemd::descriptors_to_take(volumes.len());
         if let Some(max) = std::env::var("FDSTORE")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
@@ -221,7 +221,7 @@ pub fn open_volumes(
                  a crash loses the content of the LUNs whose memory did not fit (raise it in the unit)"
             );
         }
-        match notify::store_writer(writers_gone) {
+        match systemd::store_writer(writers_gone) {
             Ok(true) => {
                 for &i in &pushed {
                     volumes[i].confirm_in_fd_store();

@@ -14,8 +14,9 @@ use ramslog_target::core::{Core, FrontEndView};
 use ramslog_target::handover::{self, Inherited};
 use ramslog_target::iscsi::portal::{self, Acl, Portal, TargetDef};
 use ramslog_target::lifecycle::{self, Ending, KeptMemory};
-use ramslog_target::notify::{self, notify};
 use ramslog_target::scsi::ScsiTarget;
+use ramslog_target::signals;
+use ramslog_target::systemd::{self, notify};
 use ramslog_target::tcp;
 use ramslog_target::volume::image;
 use ramslog_target::volume::state::FailedStop;
@@ -185,11 +186,11 @@ fn main() -> ExitCode {
     let (inherited, stored) = match cli.cmd {
         None => {
             mark_kept_memory_on_faults();
-            if let Err(e) = handover::block_stop_signals() {
+            if let Err(e) = signals::block_stop_signals() {
                 eprintln!("ramslog-target: cannot block the stop signals: {e}");
                 return ExitCode::FAILURE;
             }
-            (handover::inherited(), handover::listened())
+            (handover::inherited(), systemd::listened())
         }
         Some(_) => (Ok(None), Ok(Vec::new())),
     };
@@ -578,7 +579,7 @@ fn release_stored(
     }
     let names: std::collections::BTreeSet<&str> = stored.iter().map(|(n, _)| n.as_str()).collect();
     for name in &names {
-        if let Err(e) = notify::remove(name) {
+        if let Err(e) = systemd::remove(name) {
             tracing::warn!("cannot remove {name} from systemd's fd store: {e}");
         }
     }
@@ -639,7 +640,7 @@ async fn run(
     let stored = if cfg.kept_memory {
         stored
     } else {
-        notify::turn_kept_memory_off();
+        systemd::turn_kept_memory_off();
         release_stored(stored)
     };
     let restarted = inherited.is_some();
@@ -682,7 +683,7 @@ async fn run(
     // not take a log half down: nothing here is reloadable while serving,
     // so it is logged and otherwise ignored.
     let mut stops =
-        handover::StopSignals::open().map_err(|e| format!("cannot read the stop signals: {e}"))?;
+        signals::StopSignals::open().map_err(|e| format!("cannot read the stop signals: {e}"))?;
     ramslog_target::test_pause::here("signals");
     let hangup_ignored = || {
         #[cfg(debug_assertions)]
@@ -721,7 +722,7 @@ async fn run(
                 tokio::select! {
                     _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
                     s = stops.recv() => match s {
-                        handover::StopSignal::Hangup => hangup_ignored(),
+                        signals::StopSignal::Hangup => hangup_ignored(),
                         stop => {
                             tracing::info!("{}: stopping once the state directory's lock is had", stop.name());
                             stop_while_waiting = Some(stop.name());
@@ -773,7 +774,7 @@ async fn run(
         break tokio::select! {
             r = &mut opening => Ok(r),
             s = stops.recv() => match s {
-                handover::StopSignal::Hangup => {
+                signals::StopSignal::Hangup => {
                     hangup_ignored();
                     continue;
                 }
@@ -946,7 +947,7 @@ async fn run(
         let restart = loop {
             tokio::select! {
                 s = stops.recv() => match s {
-                    handover::StopSignal::Hangup => {
+                    signals::StopSignal::Hangup => {
                         hangup_ignored();
                         continue;
                     }
@@ -1028,9 +1029,9 @@ async fn run(
         let ending = match &restart {
             None => Ending::Stop,
             Some(_) => {
-                let need = notify::descriptors_kept(core.volumes.len());
+                let need = systemd::descriptors_kept(core.volumes.len());
                 let unconfirmed = core.volumes.not_held_in_fd_store();
-                let held = notify::store_holds(need).and_then(|()| {
+                let held = systemd::store_holds(need).and_then(|()| {
                     if unconfirmed.is_empty() {
                         Ok(())
                     } else {

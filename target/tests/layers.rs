@@ -19,8 +19,16 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-/// Modules that name nothing of the crate: anything may use them.
-const LEAVES: &[&str] = &["clock", "private_dir", "metrics", "notify", "test_pause"];
+/// Modules that name nothing of the crate but the store: anything may use
+/// them.
+const LEAVES: &[&str] = &[
+    "clock",
+    "private_dir",
+    "metrics",
+    "signals",
+    "systemd",
+    "test_pause",
+];
 
 /// The storage layer and what it may name besides itself.
 const STORAGE: &[&str] = &["volume", "store"];
@@ -386,7 +394,9 @@ fn the_storage_layer_names_only_itself_and_leaves() {
 #[test]
 fn leaves_name_nothing_of_the_crate() {
     for leaf in LEAVES {
-        let found = violations(&[leaf], |n| n == *leaf);
+        // The store is the bottom: descriptors systemd passes become owned
+        // there, where all of the crate's unsafe lives.
+        let found = violations(&[leaf], |n| n == *leaf || n == "store");
         assert!(
             found.is_empty(),
             "`{leaf}` is listed as a leaf but names other modules:\n{}",

@@ -110,8 +110,8 @@ pub struct PreviousWriter {
 /// Where a crash leaves the LUN memory, for `status`: by what systemd
 /// confirmed it holds, LUN by LUN, not by whether there is a store.
 fn kept_memory_line(volumes: &crate::volume::Volumes) -> String {
-    let mode = crate::notify::kept_memory_mode();
-    if !crate::notify::has_holder() {
+    let mode = crate::systemd::kept_memory_mode();
+    if !crate::systemd::has_holder() {
         return mode.into();
     }
     let missing = volumes.not_held_in_fd_store();
@@ -532,7 +532,7 @@ impl Control {
                     .into(),
             );
         }
-        if !crate::notify::has_holder() {
+        if !crate::systemd::has_holder() {
             return refuse(
                 "not run under systemd's fd store: no start after this one would be given the \
                  kept memory"

@@ -9,8 +9,8 @@ use std::os::fd::{AsFd, OwnedFd};
 
 use super::take_over;
 use crate::handover::KeptVolume;
-use crate::notify;
 use crate::store::Store;
+use crate::systemd;
 use crate::volume::image::{self};
 use crate::volume::kept::{self, KeptState, RecordArea, MEMORY_PREFIX, RECORD_PREFIX};
 use crate::volume::state::Recall;
@@ -127,13 +127,13 @@ impl KeptMemory {
                 memories.entry(naa.into()).or_default().push(fd);
             } else if let Some(naa) = name.strip_prefix(RECORD_PREFIX) {
                 records.entry(naa.into()).or_default().push(fd);
-            } else if name == notify::WRITER_NAME {
+            } else if name == systemd::WRITER_NAME {
                 writers.push(fd);
             } else {
                 tracing::warn!(
                     "the fd store passed a descriptor named {name:?}, which this daemon never stores: closed"
                 );
-                let _ = notify::remove(&name);
+                let _ = systemd::remove(&name);
             }
         }
         let mut volumes = Vec::new();
@@ -164,7 +164,7 @@ impl KeptMemory {
             tracing::warn!(
                 "the fd store holds a kept-memory record for naa.{naa} without its memory: removed"
             );
-            let _ = notify::remove(&format!("{RECORD_PREFIX}{naa}"));
+            let _ = systemd::remove(&format!("{RECORD_PREFIX}{naa}"));
         }
         Some(KeptMemory {
             source: Source::Holder {
@@ -297,7 +297,7 @@ pub fn discard_unclaimed(unclaimed: &mut Vec<UnclaimedKept>, naa: &str) -> Resul
         });
     };
     for prefix in [MEMORY_PREFIX, RECORD_PREFIX] {
-        notify::remove(&format!("{prefix}{naa}"))
+        systemd::remove(&format!("{prefix}{naa}"))
             .map_err(|e| format!("cannot remove naa.{naa} from systemd's fd store: {e}"))?;
     }
     let gone = unclaimed.remove(i);
@@ -312,7 +312,7 @@ pub fn discard_unclaimed(unclaimed: &mut Vec<UnclaimedKept>, naa: &str) -> Resul
 /// back.
 pub(super) fn forget_stored_naa(naa: &str) {
     for prefix in [MEMORY_PREFIX, RECORD_PREFIX] {
-        if let Err(e) = notify::remove(&format!("{prefix}{naa}")) {
+        if let Err(e) = systemd::remove(&format!("{prefix}{naa}")) {
             tracing::warn!("cannot remove naa.{naa} from the fd store: {e}");
         }
     }
@@ -400,7 +400,7 @@ fn cgroup_alone() -> Result<(), String> {
 /// The processes other than this one in this process's unit's cgroup, with
 /// the cgroup's path; `None` outside a service's cgroup.
 fn cgroup_others() -> Result<Option<(String, Vec<u32>)>, String> {
-    let Some(path) = notify::service_cgroup() else {
+    let Some(path) = systemd::service_cgroup() else {
         return Ok(None);
     };
     let procs = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]

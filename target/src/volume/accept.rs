@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::notify;
+use crate::systemd;
 
 use super::{image, kept, naa_hex, Identity, Readiness, Remedy, Volume};
 use kept::KeptState;
@@ -88,7 +88,7 @@ impl Volume {
         };
         // The memory is the new identity's from here on, in the fd store too.
         if self.persistence.is_some() && self.hold_in_fd_store(Some(&naa_hex(&old.naa))) {
-            match notify::barrier(notify::BARRIER_WAIT) {
+            match systemd::barrier(systemd::BARRIER_WAIT) {
                 Ok(true) => self.confirm_in_fd_store(),
                 Ok(false) => {}
                 Err(e) => tracing::warn!(

@@ -6,7 +6,7 @@
 use std::sync::atomic::Ordering;
 
 use super::{kept, naa_hex, Volume, Volumes};
-use crate::notify;
+use crate::systemd;
 
 impl Volume {
     /// Put this volume's memory and its record into systemd's fd store
@@ -15,7 +15,7 @@ impl Volume {
     /// the next start. True when both were sent: they are held once a
     /// barrier after them returns ([`Self::confirm_in_fd_store`]).
     pub fn hold_in_fd_store(&self, replacing: Option<&str>) -> bool {
-        if !notify::has_holder() {
+        if !systemd::has_holder() {
             return false;
         }
         let naa = naa_hex(&self.identity().0.naa);
@@ -23,8 +23,8 @@ impl Volume {
             .into_iter()
             .chain([naa.as_str()])
             .try_for_each(|old| {
-                notify::remove(&format!("{}{old}", kept::MEMORY_PREFIX))?;
-                notify::remove(&format!("{}{old}", kept::RECORD_PREFIX)).map(drop)
+                systemd::remove(&format!("{}{old}", kept::MEMORY_PREFIX))?;
+                systemd::remove(&format!("{}{old}", kept::RECORD_PREFIX)).map(drop)
             });
         // Removed: not in the store until pushed and confirmed again.
         self.in_fd_store.store(false, Ordering::SeqCst);
@@ -38,7 +38,7 @@ impl Volume {
     /// suppresses the duplicate), and nothing is ever out of the store
     /// meanwhile. True when both were sent.
     pub fn keep_in_fd_store(&self) -> bool {
-        if !notify::has_holder() {
+        if !systemd::has_holder() {
             return false;
         }
         let naa = naa_hex(&self.identity().0.naa);
@@ -62,12 +62,12 @@ impl Volume {
                 "it has no kept-memory record to go with it",
             ));
         };
-        notify::store(
+        systemd::store(
             &format!("{}{naa}", kept::MEMORY_PREFIX),
             self.store.memory(),
             true,
         )?;
-        notify::store(
+        systemd::store(
             &format!("{}{naa}", kept::RECORD_PREFIX),
             record.memory(),
             true,

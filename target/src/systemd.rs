@@ -4,8 +4,10 @@
 //! store keeps each LUN's memory while the daemon is restarted or after it
 //! crashed: `FDSTORE=1` pushes a descriptor under a name, the next start
 //! finds it in `LISTEN_FDS`/`LISTEN_FDNAMES` (docs/restarts.md). Without
-//! `$NOTIFY_SOCKET` (not under systemd) every call does nothing. A leaf:
-//! it names nothing else of the crate (the volumes use it).
+//! `$NOTIFY_SOCKET` (not under systemd) every call does nothing. The
+//! descriptors systemd passes at start (`LISTEN_FDS`) are read here too,
+//! and the unit's cgroup. A leaf: it names nothing else of the crate but
+//! the store, where a passed descriptor becomes owned (the volumes use it).
 
 use std::io::IoSlice;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -257,6 +259,42 @@ pub fn service_cgroup() -> Option<String> {
     let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
     path.ends_with(".service").then(|| path.to_string())
+}
+
+/// Descriptors systemd passed at start (`LISTEN_FDS`, from 3 on, named by
+/// `LISTEN_FDNAMES`), owned from now on and close-on-exec; the variables
+/// are removed. Call before any other thread runs. Empty when the
+/// variables are absent or name another process (`LISTEN_PID`).
+pub fn listened() -> Result<Vec<(String, std::os::fd::OwnedFd)>, String> {
+    let var = |name| std::env::var(name).ok();
+    let (pid, count, names) = (var("LISTEN_PID"), var("LISTEN_FDS"), var("LISTEN_FDNAMES"));
+    for v in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
+        std::env::remove_var(v);
+    }
+    let (Some(pid), Some(count)) = (pid, count) else {
+        return Ok(Vec::new());
+    };
+    if pid.parse::<u32>().ok() != Some(std::process::id()) {
+        return Ok(Vec::new());
+    }
+    let count: std::os::fd::RawFd = count
+        .parse()
+        .ok()
+        .filter(|&n| (0..=4096).contains(&n))
+        .ok_or_else(|| format!("LISTEN_FDS={count:?} is not a descriptor count"))?;
+    let names: Vec<String> = match names {
+        Some(n) => n.split(':').map(String::from).collect(),
+        None => vec!["unknown".into(); count as usize],
+    };
+    if names.len() != count as usize {
+        return Err(format!(
+            "LISTEN_FDNAMES names {} descriptors, LISTEN_FDS says {count}",
+            names.len()
+        ));
+    }
+    let raws: Vec<std::os::fd::RawFd> = (3..3 + count).collect();
+    let fds = crate::store::inherited_fds(&raws)?;
+    Ok(names.into_iter().zip(fds).collect())
 }
 
 #[cfg(test)]
