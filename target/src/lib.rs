@@ -14,6 +14,7 @@ pub mod clock;
 pub mod config;
 pub mod control;
 pub mod core;
+pub mod daemon;
 pub mod exposition;
 pub mod handover;
 pub mod iscsi;

@@ -43,6 +43,7 @@ const ABOVE_METRICS: &[&str] = &[
     "control",
     "lifecycle",
     "config",
+    "daemon",
 ];
 
 fn src() -> PathBuf {

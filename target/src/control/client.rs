@@ -74,3 +74,16 @@ async fn request_on(stream: UnixStream, req: &Request) -> Result<Reply, String> 
     };
     serde_json::from_str(&reply).map_err(|e| format!("bad reply from daemon: {e}"))
 }
+
+/// Subcommand output goes to scripts (`status | grep -q ready`): a reader
+/// that stops early is not an error, and nothing may panic on it.
+pub fn print_stdout(text: &str) -> Result<(), String> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(format!("cannot write to standard output: {e}"))
+        }
+        _ => Ok(()),
+    }
+}

@@ -13,7 +13,7 @@ use tokio::net::{UnixListener, UnixStream};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 mod client;
-pub use client::{request, request_with_pidfd};
+pub use client::{print_stdout, request, request_with_pidfd};
 
 use crate::admission::FrontEnd;
 use crate::core::{Core, Export, FrontEndView, VolumeHooks};
