@@ -21,20 +21,21 @@
 //! so the session state lives inside the connection.
 
 mod io;
+mod joining;
 mod login;
+mod output;
 mod params;
 mod session;
 #[cfg(test)]
 mod tests;
+mod timers;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ramslog_common::iscsi::frame::Digests;
-use ramslog_common::iscsi::{
-    self, login_status, Bhs, LoginResponse, Opcode, RejectReason, Residual, RESERVED_TAG,
-};
+use ramslog_common::iscsi::{Bhs, Opcode, RejectReason};
 use ramslog_common::iser::CmPeer;
 use ramslog_common::serial;
 
@@ -43,55 +44,13 @@ pub use login::{LoginFailure, SessionKind};
 pub use params::{IserPeer, Params};
 pub use session::{ABORT_CUT_OFF, ISER_BUFFERED_READ_MAX};
 
-use crate::admission::{LoggedIn, SessionControl, Transfers};
+use crate::admission::{SessionControl, Transfers};
 use crate::iscsi::portal::Portal;
-use crate::metrics::{LimitHit, LoginRefusal, Served};
-use crate::volume::VolumeId;
-use login::{Login, Next};
+use crate::metrics::{LimitHit, Served};
+use login::Login;
+use output::{is_reserved, rejected_header, DataInStream, Out, Queued};
 use session::Session;
-
-/// Timers, one slot each.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Timer {
-    /// The login must reach full feature phase by then.
-    Login = 0,
-    /// Idle: send a NOP-In ping when this fires.
-    NopInterval = 1,
-    /// A ping is outstanding: drop the connection when this fires.
-    NopResponse = 2,
-    /// Look again whether the sessions this login reinstated are gone.
-    Reinstatement = 3,
-    /// A discovery session's lifetime since its last Text exchange ran
-    /// out: ask for a logout, and close when that is not heeded.
-    DiscoveryIdle = 4,
-    /// Look again whether the transfers a held abort answer waits for
-    /// are settled.
-    Deferred = 5,
-    /// A restart's notice was not confirmed within the restart drain:
-    /// close without the receipt.
-    NoticeReceipt = 6,
-}
-
-#[derive(Default)]
-struct TimerTable([Option<Instant>; 7]);
-
-impl TimerTable {
-    fn set(&mut self, t: Timer, at: Instant) {
-        self.0[t as usize] = Some(at);
-    }
-    fn clear(&mut self, t: Timer) {
-        self.0[t as usize] = None;
-    }
-    fn is_set(&self, t: Timer) -> bool {
-        self.0[t as usize].is_some()
-    }
-    fn expired(&self, t: Timer, now: Instant) -> bool {
-        self.0[t as usize].is_some_and(|at| at <= now)
-    }
-    fn next(&self) -> Option<Instant> {
-        self.0.iter().flatten().min().copied()
-    }
-}
+use timers::{Timer, TimerTable};
 
 /// Time2Retain of a restart's notice. At ErrorRecoveryLevel 0 nothing is
 /// retained, but the illumos initiator takes Parameter3 as how long it
@@ -631,32 +590,6 @@ impl Connection {
         }
     }
 
-    /// A reinstating login: answer it once every old connection is gone,
-    /// refuse it with Service Unavailable when they take too long.
-    fn reinstatement_check(&mut self, now: Instant) {
-        let Phase::Reinstating(r) = &self.phase else {
-            return;
-        };
-        if r.old.iter().all(|c| c.is_released()) {
-            let Phase::Reinstating(r) = std::mem::replace(&mut self.phase, Phase::Closed) else {
-                return;
-            };
-            let r = *r;
-            self.enter_full_feature(now, r.session, r.rsp, r.text);
-        } else if now >= r.give_up {
-            let rsp = r.rsp;
-            tracing::warn!(
-                peer = %self.info.peer,
-                "the reinstated session's connection did not end within {REINSTATEMENT_WAIT:?}: \
-                 refusing the new login with Service Unavailable"
-            );
-            self.refuse_login(rsp, login_status::SERVICE_UNAVAILABLE);
-        } else {
-            self.timers
-                .set(Timer::Reinstatement, now + REINSTATEMENT_RECHECK);
-        }
-    }
-
     /// A discovery session's lifetime ran out: ask for a logout, then,
     /// when the initiator does not heed it, close.
     fn discovery_idle(&mut self, now: Instant) {
@@ -679,26 +612,6 @@ impl Connection {
             .set(Timer::DiscoveryIdle, now + DISCOVERY_LOGOUT_GRACE);
     }
 
-    fn enter_full_feature(&mut self, now: Instant, session: Session, rsp: Bhs, text: Vec<u8>) {
-        match session.kind() {
-            SessionKind::Discovery => self.timers.set(
-                Timer::DiscoveryIdle,
-                now + self.portal.limits.discovery_lifetime,
-            ),
-            SessionKind::Normal => self.events.push_back(Event::NormalSession {
-                iser_peer: session.params.iser_peer(),
-                transfers: session.transfers().clone(),
-            }),
-        }
-        self.push_login_response(rsp, text);
-        self.rx_header_digest = session.params.header_digest;
-        self.rx_data_digest = session.params.data_digest;
-        self.phase = Phase::FullFeature(Box::new(session));
-        self.timers.clear(Timer::Login);
-        self.timers
-            .set(Timer::NopInterval, now + self.portal.limits.nop_interval);
-    }
-
     fn touch(&mut self, now: Instant) {
         if matches!(self.phase, Phase::FullFeature(_)) {
             self.timers
@@ -711,245 +624,10 @@ impl Connection {
         self.timers = TimerTable::default();
         self.actions.push_back(Queued::Action(Action::Close));
     }
-
-    fn login_pdu(&mut self, now: Instant, bhs: &Bhs, data: &[u8]) {
-        let Phase::Login(login) = &mut self.phase else {
-            return;
-        };
-        if bhs.opcode() != Some(Opcode::LoginRequest) {
-            // RFC 7143 6.1: only Login Requests are allowed before full feature phase.
-            tracing::info!(peer = %self.info.peer, "non-login PDU {:#04x} during login; closing", bhs.raw_opcode());
-            self.fail_close();
-            return;
-        }
-        let cmdsn = *self.login_cmdsn.get_or_insert(bhs.cmdsn());
-        if self.statsn == 0 {
-            self.statsn = bhs.exp_statsn();
-        }
-        let reply = login.handle(&self.portal, bhs, data);
-        let mut rsp = Bhs::login_response(LoginResponse {
-            flags: reply.flags,
-            isid: bhs.isid(),
-            tsih: 0,
-            itt: bhs.itt(),
-            status: reply.status,
-        });
-        rsp.set_statsn(self.statsn);
-        self.statsn = self.statsn.wrapping_add(1);
-        rsp.set_exp_cmdsn(cmdsn);
-        rsp.set_max_cmdsn(cmdsn.wrapping_add(self.portal.limits.cmd_window.saturating_sub(1)));
-        rsp.set_data_segment_len(reply.text.len() as u32);
-
-        match reply.next {
-            Next::Continue => self.push_login_response(rsp, reply.text),
-            Next::Fail(_) => {
-                self.portal
-                    .core
-                    .counters
-                    .login_refused(LoginRefusal::of_status(reply.status));
-                tracing::info!(
-                    peer = %self.info.peer,
-                    initiator = login.initiator_name.as_deref().unwrap_or("?"),
-                    "login failed with status {:#06x}",
-                    reply.status
-                );
-                self.push_login_response(rsp, reply.text);
-                self.fail_close();
-            }
-            Next::FullFeature => {
-                let Phase::Login(login) = std::mem::replace(&mut self.phase, Phase::Closed) else {
-                    return;
-                };
-                // Its pool first: a login the pools have no room for must
-                // not reinstate (end) the session it names.
-                let pool = match login.kind {
-                    SessionKind::Discovery => LoggedIn::Discovery,
-                    SessionKind::Normal => LoggedIn::Admitted,
-                };
-                if let Err(why) = self.portal.core.gate.logged_in(&self.control, pool) {
-                    self.portal.core.gate.log_refusal(self.info.peer, why);
-                    self.refuse_login(rsp, LoginFailure::OutOfResources.status());
-                    return;
-                }
-                let (session, replaced) = match Session::start(
-                    &self.portal,
-                    *login,
-                    self.info,
-                    self.control.clone(),
-                    cmdsn,
-                ) {
-                    Ok(started) => started,
-                    Err(e) => {
-                        tracing::warn!(peer = %self.info.peer, "login refused: {e}");
-                        self.refuse_login(rsp, LoginFailure::OutOfResources.status());
-                        return;
-                    }
-                };
-                rsp.set_tsih(session.tsih);
-                let old: Vec<_> = replaced.into_iter().filter(|c| !c.is_released()).collect();
-                if old.is_empty() {
-                    self.enter_full_feature(now, session, rsp, reply.text);
-                } else {
-                    tracing::info!(
-                        peer = %self.info.peer,
-                        "login reinstates a session: answering once its connection is gone"
-                    );
-                    self.phase = Phase::Reinstating(Box::new(Reinstating {
-                        session,
-                        rsp,
-                        text: reply.text,
-                        old,
-                        give_up: now + REINSTATEMENT_WAIT,
-                    }));
-                    self.timers
-                        .set(Timer::Reinstatement, now + REINSTATEMENT_RECHECK);
-                }
-            }
-        }
-    }
-
-    /// A login that passed its checks but finds no room (pools, sessions,
-    /// a reinstatement that never completed): counted as out of resources,
-    /// answered with `status`, and the connection ends.
-    fn refuse_login(&mut self, mut rsp: Bhs, status: u16) {
-        self.portal
-            .core
-            .counters
-            .login_refused(LoginRefusal::OutOfResources);
-        rsp.fail_login(status);
-        self.push_login_response(rsp, Vec::new());
-        self.fail_close();
-    }
-
-    fn push_login_response(&mut self, rsp: Bhs, text: Vec<u8>) {
-        let data = OutData::bytes(text);
-        self.actions.push_back(Queued::Action(Action::Send(OutPdu {
-            bhs: rsp,
-            data,
-            header_digest: false,
-            data_digest: false,
-            served: None,
-        })));
-    }
 }
 
 impl Drop for Connection {
     fn drop(&mut self) {
         self.shutdown();
     }
-}
-
-/// An entry of the action queue.
-enum Queued {
-    Action(Action),
-    /// A READ's Data-In PDUs, produced one at a time by `poll_action`.
-    DataIn(DataInStream),
-}
-
-/// The Data-In PDUs of one READ from LUN memory, as a cursor. The StatSN of
-/// the last PDU was taken when the stream was queued, so responses keep
-/// their order; the bytes are read from the LUN only as each PDU is encoded.
-pub(crate) struct DataInStream {
-    itt: u32,
-    volume: VolumeId,
-    lun_wire: u64,
-    /// LUN offset of the transfer's first byte.
-    base: u64,
-    xfer: u32,
-    off: u32,
-    datasn: u32,
-    seg: u32,
-    burst: u32,
-    statsn: u32,
-    exp_cmdsn: u32,
-    max_cmdsn: u32,
-    residual: Residual,
-    header_digest: bool,
-    data_digest: bool,
-    served: Option<Served>,
-}
-
-impl DataInStream {
-    /// The next PDU, and whether it was the last.
-    fn next_pdu(&mut self) -> (OutPdu, bool) {
-        let off = self.off;
-        let burst_end = ((off / self.burst) + 1)
-            .saturating_mul(self.burst)
-            .min(self.xfer);
-        let len = (self.xfer - off).min(self.seg).min(burst_end - off);
-        let last = off + len == self.xfer;
-        let mut b = Bhs::data_in(iscsi::DataIn {
-            lun: self.lun_wire,
-            itt: self.itt,
-            datasn: self.datasn,
-            buffer_offset: off,
-            len,
-            final_in_sequence: off + len == burst_end,
-            status: last.then_some(iscsi::DataInStatus {
-                scsi_status: ramslog_common::scsi_wire::status::GOOD,
-                statsn: self.statsn,
-                residual: self.residual,
-            }),
-        });
-        b.set_exp_cmdsn(self.exp_cmdsn);
-        b.set_max_cmdsn(self.max_cmdsn);
-        self.off += len;
-        self.datasn += 1;
-        let pdu = OutPdu {
-            bhs: b,
-            data: OutData::Store {
-                volume: self.volume,
-                offset: self.base + u64::from(off),
-                len,
-            },
-            header_digest: self.header_digest,
-            data_digest: self.data_digest,
-            served: if last || len == 0 {
-                self.served.take()
-            } else {
-                None
-            },
-        };
-        (pdu, last || len == 0)
-    }
-}
-
-/// The output side handed to the session: the action queue and StatSN.
-pub(crate) struct Out<'a> {
-    q: &'a mut VecDeque<Queued>,
-    statsn: &'a mut u32,
-}
-
-impl Out<'_> {
-    /// Next StatSN without advancing it (R2T, Data-In without status, pings).
-    fn peek_statsn(&self) -> u32 {
-        *self.statsn
-    }
-    /// StatSN for a PDU that carries status, advancing it.
-    fn take_statsn(&mut self) -> u32 {
-        let s = *self.statsn;
-        *self.statsn = s.wrapping_add(1);
-        s
-    }
-    fn push(&mut self, pdu: OutPdu) {
-        self.q.push_back(Queued::Action(Action::Send(pdu)));
-    }
-    fn push_action(&mut self, action: Action) {
-        self.q.push_back(Queued::Action(action));
-    }
-    fn push_data_in(&mut self, stream: DataInStream) {
-        self.q.push_back(Queued::DataIn(stream));
-    }
-    fn close(&mut self) {
-        self.q.push_back(Queued::Action(Action::Close));
-    }
-}
-
-pub(crate) const fn is_reserved(tag: u32) -> bool {
-    tag == RESERVED_TAG
-}
-
-/// The rejected header is returned as the Reject's data segment.
-fn rejected_header(bhs: &Bhs) -> Vec<u8> {
-    bhs.as_bytes().to_vec()
 }
