@@ -1,13 +1,15 @@
-//! ramslog-target: a pinned-RAM SCSI disk served over iSCSI and iSER.
+//! ramslog-target: a pinned-RAM block device served over iSCSI and iSER.
 //!
-//! Layers, top to bottom (each only calls the ones below it):
-//! `tcp`, `rdma` (transport drivers) → `engine` (sans-IO iSCSI) → `scsi` (one SBC
-//! device) → `volume` (a LUN's memory, identity, readiness, the fence and
-//! persistence: generations, the state directory, images) → `store` (the
-//! memory itself). `volume` and `store` name nothing above them
-//! (`tests/layers.rs` checks it), so another front end can stand on them.
-//! `config`, `admission` (which connections are kept), `portal` and
-//! `control` form the control plane and stay off the I/O path.
+//! The house, top to bottom (docs/design.md draws it): `daemon` (the
+//! phases) builds everything; the faces (`control`, `exposition`) and the
+//! `lifecycle` work on the `core`; the iSCSI front end (`iscsi`: engine,
+//! portal, its TCP framing) stands on `scsi` (one SBC device) and the core;
+//! the transports (`tcp`, `rdma`) carry it; the `core` (volumes, exports,
+//! the admission gate, staging, counters) stands on `volume` (a LUN's
+//! memory, identity, readiness, the fence and persistence) and `store` (the
+//! memory itself). `volume` and `store` name nothing above them, the core
+//! and the faces name no front end (`tests/layers.rs` checks it), so
+//! another front end can stand beside iSCSI.
 
 pub mod admission;
 pub mod clock;
