@@ -17,6 +17,8 @@
 # and VERIFY=on runs the daemon with --verify-kept-memory, so each start
 # checks every page against its checksum before serving (the check's time
 # is in the table); without VERIFY=on a fault leaves the LUN NOT READY.
+# RAMSLOG_BIN=PATH runs another daemon binary (an older commit's release
+# build) through the same steps, for a side-by-side comparison.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DIR=${1:-/var/tmp/ramslog-crash-bench}
@@ -28,42 +30,24 @@ SIGNAL=${SIGNAL:-KILL}
 VERIFY=${VERIFY:-off}
 IQN=iqn.2026-11.org.ramslog:crash-bench
 
-cargo build -j2 --release -q -p ramslog-target -p ramslog-tests
-BIN=build/release/ramslog-target
-FILL=build/release/lun-fill
-HOLDER_BIN=build/release/fd-holder
-rm -rf "$DIR"; mkdir -p "$DIR"
-LOG="$DIR/target.log"
+# shellcheck source=lib.sh
+source tests/bench/lib.sh
+bench_init "$DIR" "$SIZE"
 hpid=
-huge_before=$(cat /proc/sys/vm/nr_hugepages)
 cleanup() {
   if [[ -n $hpid ]]; then
     kill -9 "$hpid" 2>/dev/null || true
     [[ -s $DIR/holder/pid ]] && kill -9 "$(cat "$DIR/holder/pid")" 2>/dev/null || true
   fi
-  echo "$huge_before" >/proc/sys/vm/nr_hugepages 2>/dev/null || true
+  bench_cleanup
 }
 trap cleanup EXIT
-if [[ $HUGEPAGES == require ]]; then
-  need=$(( $(numfmt --from=iec "$SIZE") / (2 << 20) + 16 ))
-  echo $((huge_before + need)) >/proc/sys/vm/nr_hugepages
-fi
 
-wait_log() {
-  for _ in $(seq 1 3000); do
-    (( $(grep -c "$1" "$LOG") >= $2 )) && return 0
-    kill -0 "$hpid" 2>/dev/null || { tail -20 "$LOG"; exit 1; }
-    sleep 0.02
-  done
-  echo "timed out waiting for '$1'"; tail -20 "$LOG"; exit 1
-}
-
-: >"$LOG"
 "$HOLDER_BIN" "$DIR/holder" -- env FDSTORE=512 "$BIN" --size "$SIZE" \
   --listen "127.0.0.1:$PORT" --target-name "$IQN" --state-dir "$DIR/state" \
   --image-dir "$DIR/images" --hugepages "$HUGEPAGES" --verify-kept-memory "$VERIFY" >>"$LOG" 2>&1 &
 hpid=$!
-wait_log "listening on" 1
+wait_log "listening on" 1 "$hpid" 0.02
 "$FILL" --target "127.0.0.1:$PORT" --iqn "$IQN" --seed 7 >/dev/null
 kills=()
 for round in $(seq 1 "$ROUNDS"); do
@@ -71,7 +55,7 @@ for round in $(seq 1 "$ROUNDS"); do
   listening=$(grep -c "listening on" "$LOG")
   kills+=("$(date -u +%Y-%m-%dT%H:%M:%S.%NZ)")
   kill -"$SIGNAL" "$pid"
-  wait_log "listening on" $((listening + 1))
+  wait_log "listening on" $((listening + 1)) "$hpid" 0.02
 done
 "$FILL" --target "127.0.0.1:$PORT" --iqn "$IQN" --seed 7 --check
 kill -TERM "$(cat "$DIR/holder/pid")"; wait "$hpid"; hpid=

@@ -16,6 +16,8 @@
 # the old program's last line to the new one's first; take-over or restore;
 # listen); the content is checked after the last round. Prints a table and
 # writes build/bench/restart.json.
+# RAMSLOG_BIN=PATH runs another daemon binary (an older commit's release
+# build) through the same steps, for a side-by-side comparison.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DIR=${1:-/var/tmp/ramslog-restart-bench}
@@ -26,25 +28,17 @@ ROUNDS=${ROUNDS:-3}
 HOLDER=${HOLDER:-off}
 IQN=iqn.2026-11.org.ramslog:restart-bench
 
-cargo build -j2 --release -q -p ramslog-target -p ramslog-tests
-BIN=build/release/ramslog-target
-FILL=build/release/lun-fill
-HOLDER_BIN=build/release/fd-holder
-rm -rf "$DIR"; mkdir -p "$DIR"
-LOG="$DIR/target.log"
+# shellcheck source=lib.sh
+source tests/bench/lib.sh
+bench_init "$DIR" "$SIZE"
 pid=
-huge_before=$(cat /proc/sys/vm/nr_hugepages)
 hpid=
 cleanup() {
   [[ -n $pid ]] && kill -9 "$pid" 2>/dev/null
   [[ -n $hpid ]] && kill -9 "$hpid" 2>/dev/null
-  echo "$huge_before" >/proc/sys/vm/nr_hugepages 2>/dev/null || true
+  bench_cleanup
 }
 trap cleanup EXIT
-if [[ $HUGEPAGES == require ]]; then
-  need=$(( $(numfmt --from=iec "$SIZE") / (2 << 20) + 16 ))
-  echo $((huge_before + need)) >/proc/sys/vm/nr_hugepages
-fi
 
 start() {
   local env=()
@@ -60,19 +54,9 @@ start() {
     --state-dir "$DIR/state" --image-dir "$DIR/images" --hugepages "$HUGEPAGES" >>"$LOG" 2>&1 &
   pid=$!
 }
-# Wait until the log has N lines matching PATTERN.
-wait_log() {
-  for _ in $(seq 1 3000); do
-    (( $(grep -c "$1" "$LOG") >= $2 )) && return 0
-    kill -0 "$pid" 2>/dev/null || { tail -20 "$LOG"; exit 1; }
-    sleep 0.1
-  done
-  echo "timed out waiting for '$1'"; tail -20 "$LOG"; exit 1
-}
 
-: >"$LOG"
 start
-wait_log "listening on" 1
+wait_log "listening on" 1 "$pid"
 "$FILL" --target "127.0.0.1:$PORT" --iqn "$IQN" --seed 7 >/dev/null
 results=()
 for round in $(seq 1 "$ROUNDS"); do
@@ -87,7 +71,7 @@ for round in $(seq 1 "$ROUNDS"); do
   kill -TERM "$pid"
   wait "$pid" || { echo "target exited non-zero"; tail -20 "$LOG"; exit 1; }
   start
-  wait_log "listening on" $(( $(grep -c "listening on" "$LOG") + 1 ))
+  wait_log "listening on" $(( $(grep -c "listening on" "$LOG") + 1 )) "$pid"
   t1=$(date +%s.%N)
   results+=("stop-start" "$(tail -n +$((mark + 1)) "$LOG" | base64 -w0)" "$(awk "BEGIN { print $t1 - $t0 }")")
   "$FILL" --target "127.0.0.1:$PORT" --iqn "$IQN" --seed $((round + 100)) >/dev/null
