@@ -182,3 +182,20 @@ pub fn accept_empty(
         }
     })
 }
+
+/// What a front end advertises of a volume that hosts cache until they
+/// scan it again (SCSI: the Block Limits VPD page): a planned restart must
+/// not lower it. The hand-over report carries it under [`Self::key`], so a
+/// running binary compares what a new one would advertise without knowing
+/// the front end's types.
+pub trait Advertised: Send + Sync {
+    /// Its field in the hand-over report (`block_limits`).
+    fn key(&self) -> &'static str;
+    /// What an operator calls it ("Block Limits").
+    fn name(&self) -> &'static str;
+    /// What hosts are told of a volume of `block_size`-byte blocks.
+    fn of(&self, block_size: u32) -> serde_json::Value;
+    /// How `new` lowers `now`, named with both values, if it does; a value
+    /// it cannot read counts as lowered.
+    fn lowered(&self, now: &serde_json::Value, new: &serde_json::Value) -> Option<String>;
+}

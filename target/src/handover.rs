@@ -9,6 +9,7 @@
 //! above all) is close-on-exec and gone before the new program runs.
 //! docs/restarts.md says what survives what.
 
+use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::io::Read;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
@@ -19,6 +20,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
+use crate::core::Advertised;
 
 use crate::store;
 use crate::volume::kept::{self, Current};
@@ -200,15 +202,17 @@ pub struct LunShape {
     pub lun: u64,
     pub size: u64,
     pub block_size: u32,
-    /// What its Block Limits VPD page advertises (absent from a binary
+    /// What each front end advertises of it, by [`Advertised::key`]
+    /// (`block_limits`: SCSI's Block Limits VPD page; absent from a binary
     /// older than this check).
-    #[serde(default)]
-    pub block_limits: Option<crate::scsi::BlockLimits>,
+    #[serde(flatten)]
+    pub advertised: BTreeMap<String, serde_json::Value>,
 }
 
 impl Report {
-    /// What a configuration serves.
-    pub fn of(cfg: &Config) -> Report {
+    /// What a configuration serves, with what `fronts` advertise of each
+    /// LUN.
+    pub fn of(cfg: &Config, fronts: &[&dyn Advertised]) -> Report {
         Report {
             format: kept::FORMAT,
             state_dir: cfg.state_dir.clone(),
@@ -221,7 +225,10 @@ impl Report {
                         lun: l.lun,
                         size: l.size,
                         block_size: l.block_size,
-                        block_limits: Some(crate::scsi::block_limits(l.block_size)),
+                        advertised: fronts
+                            .iter()
+                            .map(|f| (f.key().to_string(), f.of(l.block_size)))
+                            .collect(),
                     })
                 })
                 .collect(),
@@ -231,9 +238,10 @@ impl Report {
     /// Why the program that printed `new` may not take over from the one
     /// serving `self`: another record format or state directory, or a LUN
     /// served now that it would drop, serve with another size or block
-    /// size, or advertise lower Block Limits (hosts keep the ones they read
-    /// at their scan). A LUN it adds is fine: it starts as on a first start.
-    pub fn refusal(&self, new: &Report) -> Option<String> {
+    /// size, or advertise less of it in a front end of `fronts` (hosts keep
+    /// what they read at their scan). A LUN it adds is fine: it starts as on
+    /// a first start.
+    pub fn refusal(&self, new: &Report, fronts: &[&dyn Advertised]) -> Option<String> {
         if new.format != self.format {
             return Some(format!(
                 "the new binary reads kept-memory format {}, this one writes {}",
@@ -265,17 +273,22 @@ impl Report {
                     ))
                 }
                 Some(n) => {
-                    let lowered = match (&lun.block_limits, &n.block_limits) {
-                        (Some(now), Some(then)) => now.lowered_by(then),
-                        (Some(_), None) => Some("it does not say what it advertises".into()),
-                        (None, _) => None,
-                    };
-                    if let Some(what) = lowered {
-                        return Some(format!(
-                            "the new binary would lower {} LUN {}'s Block Limits, which hosts cache ({what}): \
-                             stop and start instead, so that hosts scan the LUN again",
-                            lun.target, lun.lun
-                        ));
+                    for f in fronts {
+                        let lowered = match (lun.advertised.get(f.key()), n.advertised.get(f.key()))
+                        {
+                            (Some(now), Some(then)) => f.lowered(now, then),
+                            (Some(_), None) => Some("it does not say what it advertises".into()),
+                            (None, _) => None,
+                        };
+                        if let Some(what) = lowered {
+                            return Some(format!(
+                                "the new binary would lower {} LUN {}'s {}, which hosts cache ({what}): \
+                                 stop and start instead, so that hosts scan the LUN again",
+                                lun.target,
+                                lun.lun,
+                                f.name()
+                            ));
+                        }
                     }
                 }
             }
@@ -340,6 +353,7 @@ pub fn check(
     program: &NewProgram,
     args: &[OsString],
     running: &Report,
+    fronts: &[&dyn Advertised],
     limit: Duration,
 ) -> Result<(), String> {
     use std::os::unix::process::CommandExt;
@@ -396,7 +410,7 @@ pub fn check(
     }
     let new: Report = serde_json::from_str(out.trim())
         .map_err(|e| format!("{} --handover-check answered {out:?}: {e}", exe.display()))?;
-    running.refusal(&new).map_or(Ok(()), Err)
+    running.refusal(&new, fronts).map_or(Ok(()), Err)
 }
 
 /// Replace this program with `program ARGS` (the very file that was
@@ -479,12 +493,14 @@ mod tests {
 
     #[test]
     fn a_restart_keeps_every_lun_or_is_refused() {
+        let scsi = crate::scsi::BlockLimitsAdvertised;
+        let fronts: &[&dyn Advertised] = &[&scsi];
         let lun = |target: &str, lun, size| LunShape {
             target: target.into(),
             lun,
             size,
             block_size: 512,
-            block_limits: Some(crate::scsi::block_limits(512)),
+            advertised: [("block_limits".to_string(), scsi.of(512))].into(),
         };
         let running = Report {
             format: kept::FORMAT,
@@ -493,11 +509,19 @@ mod tests {
         };
         let mut new = running.clone();
         new.luns.push(lun("iqn.b", 0, 1 << 20));
-        assert_eq!(running.refusal(&new), None, "a LUN added is fine");
+        assert_eq!(running.refusal(&new, fronts), None, "a LUN added is fine");
         let refused = |change: &dyn Fn(&mut Report)| {
             let mut new = running.clone();
             change(&mut new);
-            running.refusal(&new).expect("refused")
+            running.refusal(&new, fronts).expect("refused")
+        };
+        // The SCSI LU's Block Limits as the report carries them.
+        let limits = |r: &mut Report, lun: usize, field: &str, change: &dyn Fn(u64) -> u64| {
+            let v = &mut r.luns[lun]
+                .advertised
+                .get_mut("block_limits")
+                .expect("limits")[field];
+            *v = change(v.as_u64().expect("a number")).into();
         };
         assert!(refused(&|r| r.format += 1).contains("format"));
         assert!(refused(&|r| r.state_dir = None).contains("state directory"));
@@ -507,18 +531,29 @@ mod tests {
         .contains("drops iqn.a LUN 1"));
         assert!(refused(&|r| r.luns[0].size *= 2).contains("iqn.a LUN 0 2147483648 bytes"));
         assert!(refused(&|r| r.luns[1].block_size = 4096).contains("4096-byte blocks"));
-        let lower = |r: &mut Report| {
-            if let Some(l) = r.luns[1].block_limits.as_mut() {
-                l.max_transfer -= 1
-            }
-        };
+        let lower = |r: &mut Report| limits(r, 1, "max_transfer", &|n| n - 1);
         assert!(refused(&lower).contains("iqn.a LUN 1's Block Limits"));
         assert!(refused(&lower).contains("MAXIMUM TRANSFER LENGTH 32768 -> 32767 blocks"));
-        assert!(refused(&|r| r.luns[0].block_limits = None).contains("does not say"));
+        assert!(refused(&|r| {
+            r.luns[0].advertised.clear();
+        })
+        .contains("does not say"));
         let mut raised = running.clone();
-        if let Some(l) = raised.luns[0].block_limits.as_mut() {
-            l.max_write_same *= 2;
-        }
-        assert_eq!(running.refusal(&raised), None, "a raised limit is fine");
+        limits(&mut raised, 0, "max_write_same", &|n| n * 2);
+        assert_eq!(
+            running.refusal(&raised, fronts),
+            None,
+            "a raised limit is fine"
+        );
+        // The report reads as before the front ends were asked: a binary on
+        // either side of this change compares the same `block_limits`.
+        let json = serde_json::to_value(&running.luns[0]).expect("json");
+        assert_eq!(json["block_limits"]["max_transfer"], 32768);
+        let old: LunShape = serde_json::from_str(
+            r#"{"target":"iqn.a","lun":0,"size":1073741824,"block_size":512,
+                "block_limits":{"max_compare_and_write":1,"max_transfer":32768,"max_write_same":32768}}"#,
+        )
+        .expect("an older binary's report");
+        assert!(old.advertised.contains_key("block_limits"));
     }
 }

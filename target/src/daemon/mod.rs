@@ -37,6 +37,9 @@ pub use serving::Serving;
 /// progress, or while a start waits for the state directory's lock.
 const STOP_EXTENSION: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// What each front end advertises that a planned restart must not lower.
+const ADVERTISED: &[&dyn crate::core::Advertised] = &[&crate::scsi::BlockLimitsAdvertised];
+
 /// Why the daemon ended badly; the exit status says which.
 #[derive(Debug)]
 pub enum Failure {
@@ -141,8 +144,8 @@ impl Starting {
     ) -> Result<Option<Starting>, Failure> {
         let cfg = Config::load(&args).map_err(|e| e.to_string())?;
         if args.handover_check {
-            let report =
-                serde_json::to_string(&handover::Report::of(&cfg)).map_err(|e| e.to_string())?;
+            let report = serde_json::to_string(&handover::Report::of(&cfg, ADVERTISED))
+                .map_err(|e| e.to_string())?;
             crate::control::print_stdout(&format!("{report}\n"))?;
             return Ok(None);
         }

@@ -19,7 +19,7 @@ use crate::systemd::{self, notify};
 use crate::tcp;
 use crate::volume::{image, Persistence};
 
-use super::{hangup_ignored, record_stop, Failure, Ready, STOP_EXTENSION};
+use super::{hangup_ignored, record_stop, Failure, Ready, ADVERTISED, STOP_EXTENSION};
 
 /// How a spell of serving ended.
 pub(super) enum Next {
@@ -217,7 +217,7 @@ impl Serving {
             }
         }
 
-        let running = handover::Report::of(&cfg);
+        let running = handover::Report::of(&cfg, ADVERTISED);
         notify("READY=1\nSTATUS=serving");
         Ok(Serving {
             cfg,
@@ -311,6 +311,7 @@ impl Serving {
                     &program,
                     &argv,
                     &running,
+                    ADVERTISED,
                     std::time::Duration::from_secs(30),
                 )?;
                 Ok(program)

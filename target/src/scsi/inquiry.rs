@@ -129,6 +129,33 @@ impl BlockLimits {
     }
 }
 
+/// SCSI's part of the hand-over's shape check: the Block Limits VPD page
+/// a LU of a given block size advertises, which hosts cache.
+pub struct BlockLimitsAdvertised;
+
+impl crate::core::Advertised for BlockLimitsAdvertised {
+    fn key(&self) -> &'static str {
+        "block_limits"
+    }
+
+    fn name(&self) -> &'static str {
+        "Block Limits"
+    }
+
+    fn of(&self, block_size: u32) -> serde_json::Value {
+        serde_json::to_value(block_limits(block_size)).unwrap_or(serde_json::Value::Null)
+    }
+
+    fn lowered(&self, now: &serde_json::Value, new: &serde_json::Value) -> Option<String> {
+        let read = |v: &serde_json::Value| serde_json::from_value::<BlockLimits>(v.clone());
+        match (read(now), read(new)) {
+            (Ok(now), Ok(new)) => now.lowered_by(&new),
+            (_, Err(e)) => Some(format!("what it advertises does not read: {e}")),
+            (Err(_), Ok(_)) => None,
+        }
+    }
+}
+
 pub fn block_limits(block_size: u32) -> BlockLimits {
     BlockLimits {
         max_compare_and_write: MAX_CAW_BLOCKS,

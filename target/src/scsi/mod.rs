@@ -74,7 +74,7 @@ pub fn command_kind(opcode: u8) -> CommandKind {
         _ => CommandKind::Other,
     }
 }
-pub use inquiry::{block_limits, BlockLimits};
+pub use inquiry::{block_limits, BlockLimits, BlockLimitsAdvertised};
 pub use sense::SenseReason;
 
 #[cfg(test)]
