@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use libfuzzer_sys::fuzz_target;
 use ramslog_common::iscsi::{Bhs, Opcode, BHS_LEN, RESERVED_TAG};
 use ramslog_common::iser::RemoteBuffer;
-use ramslog_target::iscsi::engine::{Action, Connection, Input as EngineInput, OutData, RemoteBuffers};
+use ramslog_target::iscsi::engine::{
+    Action, Connection, Input as EngineInput, OutData, RemoteBuffers,
+};
 use ramslog_target::testkit;
 
 /// `FUZZ_TRACE=1 cargo fuzz run engine ARTIFACT` prints what a case does.
@@ -113,7 +115,12 @@ impl Run {
                     } = p.data
                     {
                         let mut buf = vec![0u8; len as usize];
-                        assert!(self.conn.portal().core.volumes.read(volume, offset, &mut buf));
+                        assert!(self
+                            .conn
+                            .portal()
+                            .core
+                            .volumes
+                            .read(volume, offset, &mut buf));
                     }
                 }
                 Action::RdmaRead { tag, len, dest, .. } => {
@@ -222,7 +229,18 @@ fuzz_target!(|data: &[u8]| {
                         va: 0x10000,
                     });
                     if run.iser {
-                        run.conn.handle(run.now, EngineInput::Pdu { bhs: &b, ahs: &[], data: &d, buffers: RemoteBuffers { write: remote, read: None } });
+                        run.conn.handle(
+                            run.now,
+                            EngineInput::Pdu {
+                                bhs: &b,
+                                ahs: &[],
+                                data: &d,
+                                buffers: RemoteBuffers {
+                                    write: remote,
+                                    read: None,
+                                },
+                            },
+                        );
                     } else {
                         run.conn.handle(run.now, EngineInput::pdu(&b, &[], &d));
                     }
@@ -274,7 +292,8 @@ fuzz_target!(|data: &[u8]| {
                             }
                         }
                         trace!("READ-DONE tag={tag} off={off} len={len}");
-                        run.conn.handle(run.now, EngineInput::RdmaReadDone { tag, data: &[] });
+                        run.conn
+                            .handle(run.now, EngineInput::RdmaReadDone { tag, data: &[] });
                     }
                 }
             }
