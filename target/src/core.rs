@@ -4,9 +4,9 @@
 //! export table that says under which front-end names each volume is served.
 //!
 //! The daemon builds one `Core` and hands it to every front end (iSCSI's
-//! [`Portal`](crate::iscsi::portal::Portal) holds an `Arc<Core>`), transport,
-//! lifecycle step and face (`control`, `exposition`). Nothing here names a
-//! protocol: a front end adds its own view (targets, ACLs, sessions) beside it.
+//! `Portal` holds an `Arc<Core>`), transport, lifecycle step and face
+//! (`control`, `exposition`). Nothing here names a protocol: a front end
+//! adds its own view (targets, ACLs, sessions) beside it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -21,9 +21,10 @@ mod adopt;
 mod stop;
 mod take_over;
 
-use adopt::{adopt_kept, forget_stored_naa, living_writers, Source, Unkept};
+use adopt::{adopt_kept, forget_stored_naa, living_writers, Source};
 pub use adopt::{discard_unclaimed, KeptMemory, UnclaimedKept};
 pub use stop::{shutdown, stop_in_start_up, Ending, CONNECTION_DRAIN};
+use take_over::Unkept;
 
 /// Why the state directory could not be opened.
 #[derive(Debug)]

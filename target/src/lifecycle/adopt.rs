@@ -2,20 +2,20 @@
 //! systemd's fd store (or handed over) may be served, the writers it waits
 //! for, and memory no configured LUN claims.
 
-use std::sync::Arc;
-
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 
-use super::take_over;
 use crate::handover::KeptVolume;
 use crate::store::Store;
 use crate::systemd;
-use crate::volume::image::{self};
+use crate::volume::image;
 use crate::volume::kept::{self, KeptState, RecordArea, MEMORY_PREFIX, RECORD_PREFIX};
 use crate::volume::state::Recall;
 use crate::volume::{now_unix, CHUNK_SIZE};
 use crate::volume::{KeptFrom, Persistence, Readiness, Restored, Volume, VolumeConfig};
+
+use super::take_over::{self, Unkept};
 
 /// Where kept LUN memory came from; it decides what proves the memory's
 /// last writer gone.
@@ -43,36 +43,6 @@ pub struct KeptMemory {
     volumes: Vec<KeptVolume>,
     /// Why none of it may be served, whatever the records say.
     refused: Option<String>,
-}
-
-/// Why a LUN's kept memory is not served, and what the LUN does instead.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Unkept {
-    /// Its image decides, as on a start after a stop (no memory, or memory
-    /// that is not this identity's current content).
-    Image(String),
-    /// NOT READY whatever the image says: the memory may be the only
-    /// current copy, or the state directory is not the one it belongs to.
-    /// It stays in the store for a start that finds the doubt gone.
-    NotReady(String),
-    /// NOT READY for one doubt only: its writer still runs. Once that
-    /// writer ends, a start takes the memory over (`take-over`).
-    WriterRunning(String),
-    /// NOT READY, and no start will serve the memory: it was this LUN's
-    /// content but can no longer be trusted (discarded while serving, or
-    /// written by a process that died of a fault, with no image of its
-    /// generation). accept-empty is the way back.
-    Lost(String),
-}
-
-impl Unkept {
-    pub(super) fn reason(&self) -> &str {
-        match self {
-            Unkept::Image(r) | Unkept::NotReady(r) | Unkept::WriterRunning(r) | Unkept::Lost(r) => {
-                r
-            }
-        }
-    }
 }
 
 impl KeptMemory {

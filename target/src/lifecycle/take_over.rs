@@ -5,9 +5,38 @@
 //! needs once the rules allow it (its record area, its page checksums), is
 //! `adopt_kept`'s. docs/restarts.md states the rules for the operator.
 
-use super::adopt::Unkept;
 use crate::volume::kept::{ExitCause, KeptRecord, KeptState, Owner};
 use crate::volume::{naa_hex, Identity};
+
+/// Why a LUN's kept memory is not served, and what the LUN does instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Unkept {
+    /// Its image decides, as on a start after a stop (no memory, or memory
+    /// that is not this identity's current content).
+    Image(String),
+    /// NOT READY whatever the image says: the memory may be the only
+    /// current copy, or the state directory is not the one it belongs to.
+    /// It stays in the store for a start that finds the doubt gone.
+    NotReady(String),
+    /// NOT READY for one doubt only: its writer still runs. Once that
+    /// writer ends, a start takes the memory over (`take-over`).
+    WriterRunning(String),
+    /// NOT READY, and no start will serve the memory: it was this LUN's
+    /// content but can no longer be trusted (discarded while serving, or
+    /// written by a process that died of a fault, with no image of its
+    /// generation). accept-empty is the way back.
+    Lost(String),
+}
+
+impl Unkept {
+    pub(super) fn reason(&self) -> &str {
+        match self {
+            Unkept::Image(r) | Unkept::NotReady(r) | Unkept::WriterRunning(r) | Unkept::Lost(r) => {
+                r
+            }
+        }
+    }
+}
 
 /// Where the memory came from, as the rules see it.
 #[derive(Debug, Clone, Copy)]
