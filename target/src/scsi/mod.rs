@@ -435,7 +435,9 @@ impl ScsiTarget {
     /// The admin accepted that `lun` lost its content: the volume
     /// operation [`crate::core::accept_empty`] with this target as the one
     /// front end serving it (the daemon asks every front end instead).
-    pub fn accept_empty(&self, lun: u64, new: Identity) -> Result<(), String> {
+    /// For the tests that drive one target without a daemon.
+    #[cfg(test)]
+    pub(crate) fn accept_empty(&self, lun: u64, new: Identity) -> Result<(), String> {
         let Some(lu) = self.lu(lun) else {
             return Err(format!("no LUN {lun}"));
         };

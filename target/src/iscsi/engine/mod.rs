@@ -200,8 +200,9 @@ impl Connection {
         &self.portal
     }
 
-    /// What the daemon ends this connection through.
-    pub fn control(&self) -> &Arc<SessionControl> {
+    /// What the daemon ends this connection through (the tests end it).
+    #[cfg(test)]
+    pub(crate) fn control(&self) -> &Arc<SessionControl> {
         &self.control
     }
 
